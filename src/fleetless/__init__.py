@@ -1,0 +1,8 @@
+"""fleetless: a PostgreSQL job queue with no worker fleet."""
+
+from .job import Job, Status
+from .queue import JobNotFound, Queue
+from .retry import RetryPolicy
+
+__all__ = ["Job", "JobNotFound", "Queue", "RetryPolicy", "Status"]
+__version__ = "0.1.0"

@@ -1,0 +1,386 @@
+"""The command line: thin; parses, calls the modules, prints. Every error is one line."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+
+from . import db
+from ._units import parse_duration, parse_size
+from .drainer import DrainConfig, DrainError, Drainer
+from .job import parse_payload_json
+from .queue import JobNotFound, Queue
+from .retry import RetryPolicy
+from .sandbox import Limits, SandboxUnavailable, available_backends
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Fail(click.ClickException):
+    """A one-line error; exit 1 (2 for usage errors, as click)."""
+
+
+def _fail(message: str) -> NoReturn:
+    raise Fail(message)
+
+
+def _queue(ctx: click.Context) -> Queue:
+    obj = ctx.obj
+    if not obj["dsn"]:
+        _fail("no database given: set DATABASE_URL or pass --database-url")
+    return Queue(obj["dsn"], schema=obj["schema"])
+
+
+def _echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _duration(_: click.Context | None, param: click.Parameter | None, value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _size(_: click.Context | None, param: click.Parameter | None, value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--database-url", envvar="DATABASE_URL", metavar="DSN",
+              help="PostgreSQL URL or conninfo [env DATABASE_URL].")
+@click.option("--schema", envvar="FLEETLESS_SCHEMA", default=db.DEFAULT_SCHEMA, show_default=True,
+              help="PostgreSQL schema holding the jobs table [env FLEETLESS_SCHEMA].")
+@click.option("-v", "--verbose", is_flag=True, help="Log each job.")
+@click.version_option(package_name="fleetless")
+@click.pass_context
+def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool) -> None:
+    """fleetless: a PostgreSQL job queue with no worker fleet."""
+    try:
+        db.validate_schema_name(schema)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--schema") from None
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="fleetless: %(message)s", stream=sys.stderr)
+    ctx.obj = {"dsn": database_url, "schema": schema}
+
+
+@cli.command()
+@click.pass_context
+def init(ctx: click.Context) -> None:
+    """Create or upgrade the schema (idempotent)."""
+    q = _queue(ctx)
+    applied = q.init()
+    click.echo(f"schema {q.schema}: " + (f"applied migrations {applied}" if applied else "up to date"))
+
+
+@cli.command()
+@click.argument("kind")
+@click.argument("payload_json", default="{}", metavar="PAYLOAD_JSON")
+@click.option("--max-attempts", type=int, default=3, show_default=True)
+@click.option("--delay", callback=_duration, help="Run no sooner than this from now (e.g. 90s, 5m).")
+@click.option("--run-after", type=str, help="ISO 8601 time with zone, e.g. 2026-12-01T02:00:00Z.")
+@click.option("--queue", "queue_name", default="default", show_default=True)
+@click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
+@click.option("--timeout", callback=_duration, help="Overrides the drainer's --timeout for this job.")
+@click.pass_context
+def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int, delay: float | None,
+            run_after: str | None, queue_name: str, priority: int, timeout: float | None) -> None:
+    """Add a job; PAYLOAD_JSON '-' reads standard input. Prints the new id."""
+    text = sys.stdin.read() if payload_json == "-" else payload_json
+    payload = parse_payload_json(text)
+    when = None
+    if run_after is not None:
+        try:
+            when = dt.datetime.fromisoformat(run_after)
+        except ValueError:
+            _fail(f"invalid --run-after {run_after!r}: use ISO 8601, e.g. 2026-12-01T02:00:00Z")
+        if when.tzinfo is None:
+            _fail(f"invalid --run-after {run_after!r}: give a time zone (Z or +hh:mm)")
+    q = _queue(ctx)
+    click.echo(q.enqueue(kind, payload, max_attempts=max_attempts, run_after=when, delay=delay,
+                         queue=queue_name, priority=priority, timeout=timeout))
+
+
+def drain_options(f: F) -> F:
+    options = [
+        click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path), required=True,
+                     help="Directory of handlers: <kind>.py or an executable <kind>."),
+        click.option("--queue", "queues", multiple=True, help="Only these queues (repeatable)."),
+        click.option("--batch", type=int, default=20, show_default=True, help="Most jobs per claim."),
+        click.option("--concurrency", type=int, default=None, help="Jobs at once [default: CPU count]."),
+        click.option("--max-runtime", callback=_duration, help="Stop claiming after this long."),
+        click.option("--timeout", callback=_duration, default="600", show_default=True,
+                     help="Per-job timeout unless the job sets its own."),
+        click.option("--ttl", callback=_duration, default="900", show_default=True,
+                     help="Sandbox lifetime; hard upper bound on a job."),
+        click.option("--lease-grace", callback=_duration, default="60", show_default=True,
+                     help="Lease = timeout + this; past it the reaper returns the claim."),
+        click.option("--shutdown-grace", callback=_duration, default="30", show_default=True,
+                     help="On SIGTERM, running jobs get this long before their claims are returned."),
+        click.option("--backoff-base", callback=_duration, default="60", show_default=True,
+                     help="Retry delay = 2^attempts x this + jitter."),
+        click.option("--max-jitter", callback=_duration, default="30", show_default=True),
+        click.option("--sandbox", type=click.Choice(available_backends()), default="process",
+                     show_default=True),
+        click.option("--memory", callback=_size, default="512M", show_default=True,
+                     help="Memory cap per job."),
+        click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota per job."),
+        click.option("--pids", type=int, default=128, show_default=True, help="Process cap per job."),
+        click.option("--network", type=click.Choice(["off", "on"]), default="off", show_default=True),
+        click.option("--pass-env", multiple=True, metavar="NAME[=VALUE]",
+                     help="Pass this variable to jobs (repeatable). Nothing else is passed."),
+        click.option("--python", "python", default=None, help="Interpreter for .py handlers."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _drain_config(kw: dict[str, Any]) -> DrainConfig:
+    import os
+
+    limits = Limits(memory_bytes=kw["memory"], cpus=kw["cpus"], pids=kw["pids"],
+                    network=kw["network"] == "on")
+    return DrainConfig(
+        handlers_dir=kw["handlers_dir"], queues=tuple(kw["queues"]) or None, batch=kw["batch"],
+        concurrency=kw["concurrency"] or os.cpu_count() or 1, max_runtime=kw["max_runtime"],
+        timeout=kw["timeout"], ttl=kw["ttl"], lease_grace=kw["lease_grace"],
+        shutdown_grace=kw["shutdown_grace"],
+        retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
+        sandbox=kw["sandbox"], limits=limits, pass_env=tuple(kw["pass_env"]), python=kw["python"],
+    )
+
+
+@cli.command()
+@drain_options
+@click.pass_context
+def drain(ctx: click.Context, **kw: Any) -> None:
+    """Reap, claim and run due jobs, one sandbox each; exit when nothing is claimable."""
+    config = _drain_config(kw)
+    drainer = Drainer(_queue(ctx), config)
+    drainer.install_signal_handlers()
+    summary = drainer.run()
+    click.echo(summary.line())
+
+
+@cli.command()
+@click.option("--older-than", callback=_duration,
+              help="Also return claims locked longer ago than this (e.g. 30m), lease or not.")
+@click.pass_context
+def reap(ctx: click.Context, older_than: float | None) -> None:
+    """Return expired claims to pending (or dead when no attempt is left)."""
+    reaped = _queue(ctx).reap(older_than)
+    for job_id, status in sorted(reaped.items()):
+        click.echo(f"job {job_id}: {status}")
+    click.echo(f"reaped {len(reaped)}")
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(seconds, 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+@cli.command()
+@json_option
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """Counts by status and kind, oldest due job's wait, next due."""
+    s = _queue(ctx).stats()
+    if as_json:
+        _echo_json(s)
+        return
+    click.echo("  ".join(f"{k} {v}" for k, v in s["by_status"].items()) + f"  (total {s['total']})")
+    click.echo(f"oldest due job waiting: {_age(s['oldest_due_age_seconds'])}   "
+               f"next due in: {_age(s['next_due_in_seconds'])}")
+    if s["by_kind"]:
+        statuses = list(s["by_status"])
+        width = max(len(k) for k in s["by_kind"]) + 2
+        click.echo("kind".ljust(width) + "".join(st.rjust(10) for st in statuses))
+        for kind, counts in sorted(s["by_kind"].items()):
+            click.echo(kind.ljust(width) + "".join(str(counts.get(st, 0)).rjust(10) for st in statuses))
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    cells = [[("" if r[c] is None else str(r[c])).replace("\n", " ")[:60] for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+@cli.command()
+@click.option("--status", "status_", help="pending, running, done, dead or cancelled.")
+@click.option("--kind")
+@click.option("--queue", "queue_name")
+@click.option("--limit", type=int, default=50, show_default=True)
+@json_option
+@click.pass_context
+def jobs(ctx: click.Context, status_: str | None, kind: str | None, queue_name: str | None, limit: int,
+         as_json: bool) -> None:
+    """List jobs, newest first."""
+    rows = _queue(ctx).list(status=status_, kind=kind, queue=queue_name, limit=limit)
+    if as_json:
+        _echo_json(rows)
+    else:
+        _table(rows, ["id", "kind", "queue", "status", "attempts", "max_attempts", "run_after", "last_error"])
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@json_option
+@click.pass_context
+def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
+    """Every column of one job."""
+    row = _queue(ctx).get(job_id)
+    if as_json:
+        _echo_json(row)
+        return
+    for key, value in row.items():
+        if key in ("last_error", "result") and value:
+            click.echo(f"{key}:")
+            click.echo("  " + str(value).rstrip().replace("\n", "\n  "))
+        elif key == "payload":
+            click.echo(f"{key}: {json.dumps(value)}")
+        else:
+            click.echo(f"{key}: {'' if value is None else value}")
+
+
+@cli.command()
+@click.argument("job_id", type=int, required=False)
+@click.option("--all-dead", is_flag=True, help="Retry every dead job.")
+@json_option
+@click.pass_context
+def retry(ctx: click.Context, job_id: int | None, all_dead: bool, as_json: bool) -> None:
+    """Make a dead or cancelled job pending again, due now."""
+    if (job_id is None) == (not all_dead):
+        raise click.UsageError("give a JOB_ID or --all-dead")
+    q = _queue(ctx)
+    if all_dead:
+        ids = q.retry_all_dead()
+    else:
+        assert job_id is not None
+        q.retry(job_id)
+        ids = [job_id]
+    if as_json:
+        _echo_json({"retried": ids})
+    else:
+        click.echo(f"retried {len(ids)} job(s)" + (f": {', '.join(map(str, ids[:20]))}" if ids else ""))
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@json_option
+@click.pass_context
+def cancel(ctx: click.Context, job_id: int, as_json: bool) -> None:
+    """Cancel a pending job."""
+    _queue(ctx).cancel(job_id)
+    if as_json:
+        _echo_json({"cancelled": job_id})
+    else:
+        click.echo(f"cancelled job {job_id}")
+
+
+@cli.command()
+@click.option("--older-than", callback=_duration, default="7d", show_default=True)
+@click.option("--include-dead", is_flag=True, help="Delete dead jobs too.")
+@click.pass_context
+def prune(ctx: click.Context, older_than: float, include_dead: bool) -> None:
+    """Delete done and cancelled jobs finished longer ago than --older-than."""
+    n = _queue(ctx).prune(older_than, include_dead=include_dead)
+    click.echo(f"pruned {n} job(s)")
+
+
+@cli.command()
+@click.option("--sandbox", type=click.Choice(available_backends()), default=None,
+              help="Default: bwrap where it works, else process.")
+@click.option("--jobs", "n_jobs", type=int, default=12, show_default=True, help="Size of the burst.")
+@click.pass_context
+def demo(ctx: click.Context, sandbox: str | None, n_jobs: int) -> None:
+    """Enqueue a burst of example jobs (one fails, one times out), drain them, show the outcome."""
+    from . import demo as demo_mod
+
+    demo_mod.run(ctx.obj["dsn"], sandbox=sandbox, n_jobs=n_jobs)
+
+
+@cli.command()
+@click.pass_context
+def doctor(ctx: click.Context) -> None:
+    """Which sandbox tiers work on this host, why not where they do not, and their start-up."""
+    from . import doctor as doctor_mod
+
+    doctor_mod.run()
+
+
+@cli.group()
+def microvm() -> None:
+    """The microVM tier's guest image."""
+
+
+@microvm.command("build-image")
+@click.option("--force", is_flag=True, help="Rebuild even if cached.")
+def build_image(force: bool) -> None:
+    """Build and cache the guest kernel + initramfs."""
+    from .sandbox import microvm_image
+
+    path = microvm_image.build_image(force=force)
+    click.echo(f"microvm image ready: {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: click's parsing, but every error is a single line on stderr."""
+    try:
+        cli.main(args=argv, prog_name="fleetless", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo("fleetless: aborted", err=True)
+        sys.exit(130)
+    except click.UsageError as exc:
+        hint = f" (see 'fleetless {exc.ctx.command_path.partition(' ')[2]} --help')".replace("  ", " ") \
+            if exc.ctx else ""
+        click.echo(f"fleetless: error: {exc.format_message()}{hint}", err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        click.echo(f"fleetless: error: {exc.format_message()}", err=True)
+        sys.exit(1)
+    except (ValueError, JobNotFound, ConnectionError, DrainError, SandboxUnavailable) as exc:
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if isinstance(exc, JobNotFound):
+            message = str(exc.args[0])
+        click.echo(f"fleetless: error: {message}", err=True)
+        sys.exit(3 if isinstance(exc, DrainError) else 1)
+    except Exception as exc:  # psycopg errors and the like: still one line
+        from psycopg import Error as PgError
+
+        if isinstance(exc, PgError):
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            click.echo(f"fleetless: error: database: {first}", err=True)
+            sys.exit(1)
+        raise
+
+
+if __name__ == "__main__":
+    main()

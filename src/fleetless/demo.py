@@ -1,0 +1,114 @@
+"""``fleetless demo``: a burst of example jobs, drained once, with a readable outcome."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+import time
+from contextlib import ExitStack
+from importlib import resources
+from pathlib import Path
+
+import click
+import psycopg
+
+from .drainer import DrainConfig, Drainer
+from .queue import Queue
+from .retry import RetryPolicy
+from .sandbox import SandboxUnavailable, get_backend
+
+DEMO_SCHEMA = "fleetless_demo"
+
+
+def burst(n_jobs: int) -> list[dict[str, object]]:
+    """Mostly well-behaved jobs of several kinds, plus one that fails, one that hangs and one
+    with no handler."""
+    texts = ["the queue is a table", "no worker fleet\nbetween bursts nothing runs", "one job one sandbox"]
+    jobs: list[dict[str, object]] = [
+        {"kind": "flaky", "payload": {"url": "https://billing.internal/api"}, "max_attempts": 3},
+        {"kind": "slow", "payload": {}, "max_attempts": 1, "timeout": 2},
+        {"kind": "resize-image", "payload": {"path": "cat.png"}},
+    ]
+    makers = [
+        lambda i: {"kind": "greet", "payload": {"name": f"user {i}"}},
+        lambda i: {"kind": "word-count", "payload": {"text": texts[i % len(texts)]}},
+        lambda i: {"kind": "checksum", "payload": {"invoice": 1000 + i}},
+        lambda i: {"kind": "fib", "payload": {"n": 18 + i % 5}, "priority": 1},
+    ]
+    for i in range(max(n_jobs - len(jobs), 0)):
+        jobs.append(makers[i % len(makers)](i))
+    return jobs
+
+
+def handlers_copy(into: Path) -> Path:
+    """The shipped example handlers, copied somewhere every sandbox can read, executable bits set."""
+    target = into / "handlers"
+    target.mkdir()
+    source = resources.files("fleetless.examples").joinpath("handlers")
+    for entry in source.iterdir():
+        if entry.name.startswith(("_", ".")) or not entry.is_file():
+            continue
+        path = target / entry.name
+        path.write_bytes(entry.read_bytes())
+        mode = 0o755 if not entry.name.endswith(".py") else 0o644
+        path.chmod(mode)
+    target.chmod(stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    into.chmod(0o755)
+    return target
+
+
+def pick_sandbox(requested: str | None) -> str:
+    if requested:
+        return requested
+    try:
+        get_backend("bwrap").check()
+        return "bwrap"
+    except (SandboxUnavailable, ImportError, OSError):
+        return "process"
+
+
+def run(dsn: str | None, *, sandbox: str | None = None, n_jobs: int = 12) -> None:
+    with ExitStack() as stack:
+        if not dsn:
+            from .embedded import EmbeddedPostgres
+
+            click.echo("No DATABASE_URL given: starting an embedded PostgreSQL for the demo ...")
+            dsn = stack.enter_context(EmbeddedPostgres())
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA IF EXISTS {DEMO_SCHEMA} CASCADE")
+        queue = Queue(dsn, schema=DEMO_SCHEMA)
+        stack.callback(queue.close)
+        queue.init()
+        tmp = Path(tempfile.mkdtemp(prefix="fleetless-demo-"))
+        stack.callback(shutil.rmtree, tmp, True)
+        handlers = handlers_copy(tmp)
+        ids = queue.enqueue_many(burst(n_jobs))
+        backend = pick_sandbox(sandbox)
+        click.echo(f"Enqueued {len(ids)} jobs into {DEMO_SCHEMA}.jobs; draining with the "
+                   f"'{backend}' sandbox (one sandbox per job) ...")
+        config = DrainConfig(
+            handlers_dir=handlers, sandbox=backend, timeout=30, ttl=60, lease_grace=10,
+            concurrency=max(os.cpu_count() or 1, 2),
+            # Retries due at once so the demo shows a job walking to dead in one drain.
+            retry=RetryPolicy(base_seconds=0, max_jitter_seconds=0),
+        )
+        started = time.monotonic()
+        summary = Drainer(queue, config).run()
+        click.echo(summary.line())
+        rows = sorted(queue.list(limit=len(ids)), key=lambda r: r["id"])
+        click.echo("")
+        click.echo(f"{'id':>4}  {'kind':<13} {'status':<9} {'tries':<6} outcome")
+        for r in rows:
+            job = queue.get(r["id"])
+            text = job["result"] if job["status"] == "done" else job["last_error"]
+            first = (text or "").strip().splitlines()
+            outcome = first[0] if first else ""
+            if job["status"] != "done" and len(first) > 1:
+                outcome += f"  | {first[-1]}"
+            click.echo(f"{job['id']:>4}  {job['kind']:<13} {job['status']:<9} "
+                       f"{job['attempts']}/{job['max_attempts']:<4} {outcome[:100]}")
+        click.echo("")
+        click.echo(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s. "
+                   "Inspect with: fleetless --schema fleetless_demo show ID")

@@ -1,0 +1,63 @@
+"""``fleetless doctor``: which sandbox tiers work here, why not where they do not, start-up cost."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from .sandbox import Template, available_backends, default_python, get_backend
+
+RUNS = 3
+
+
+def _bare_python_ms(python: str) -> float:
+    times = []
+    for _ in range(RUNS):
+        t = time.perf_counter()
+        subprocess.run([python, "-c", "print(1)"], check=True, capture_output=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1000
+
+
+def _probe(name: str, handlers: Path) -> tuple[bool, str]:
+    """(works, detail) for one backend: the check, then a trivial job timed end to end."""
+    try:
+        backend = get_backend(name)
+        backend.check()
+    except Exception as exc:  # any reason a tier cannot run is an answer here
+        return False, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    times = []
+    runs = 1 if name == "microvm" else RUNS
+    try:
+        for _ in range(runs):
+            t = time.perf_counter()
+            with backend.create(Template(handlers_dir=handlers), ttl_seconds=120) as sbx:
+                r = sbx.exec([sbx.python, f"{sbx.handlers_path}/ping.py"], 120)
+            times.append(time.perf_counter() - t)
+            if not r.ok or r.stdout.strip() != "pong":
+                return False, f"trivial job failed: exit {r.exit_code} {r.killed or ''} {r.stderr[-200:]}"
+    except Exception as exc:
+        return False, f"trivial job failed: {exc}"
+    detail = f"trivial job end to end {statistics.median(times) * 1000:.0f} ms"
+    extra = getattr(backend, "describe", None)
+    if callable(extra):
+        detail += f"; {extra()}"
+    return True, detail
+
+
+def run() -> None:
+    python = default_python()
+    click.echo(f"bare {python} start-up: {_bare_python_ms(python):.0f} ms (median of {RUNS})")
+    with tempfile.TemporaryDirectory(prefix="fleetless-doctor-") as tmp:
+        handlers = Path(tmp)
+        handlers.chmod(0o755)
+        (handlers / "ping.py").write_text("print('pong')\n")
+        (handlers / "ping.py").chmod(0o644)
+        for name in available_backends():
+            ok, detail = _probe(name, handlers)
+            click.echo(f"{name:<8} {'ok' if ok else 'unavailable':<12} {detail}")

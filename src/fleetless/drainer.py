@@ -1,0 +1,334 @@
+"""One drain run: maintenance, then claim -> sandbox -> finish until nothing is claimable.
+
+A drainer never waits for new work. It exits when a claim returns nothing and no job of its own
+is still running, when its runtime budget is spent (it stops claiming and finishes what it
+holds), or when asked to stop (SIGTERM: stop claiming, give running jobs a grace period, then
+destroy their sandboxes and give their claims back without charging an attempt).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Literal
+
+import psycopg
+
+from . import handlers
+from .job import Job, Status
+from .queue import Queue
+from .retry import MAX_ERROR_CHARS, RetryPolicy
+from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, get_backend
+
+__all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "describe_failure", "job_env"]
+
+log = logging.getLogger("fleetless.drainer")
+
+#: How long the drainer keeps trying to reach a database that went away before giving up.
+DB_RETRY_SECONDS = 30.0
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+class DrainError(RuntimeError):
+    """The drain cannot go on (database lost, sandbox broken); the message says why."""
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    handlers_dir: Path
+    queues: tuple[str, ...] | None = None
+    batch: int = 20
+    concurrency: int = field(default_factory=lambda: os.cpu_count() or 1)
+    max_runtime: float | None = None
+    timeout: float = 600
+    ttl: float = 900
+    lease_grace: float = 60
+    shutdown_grace: float = 30
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    sandbox: str = "process"
+    limits: Limits = field(default_factory=Limits)
+    pass_env: tuple[str, ...] = ()
+    python: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "concurrency"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1")
+        for name in ("timeout", "ttl"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be positive")
+        if self.max_runtime is not None and self.max_runtime <= 0:
+            raise ValueError("--max-runtime must be positive")
+
+
+@dataclass
+class Summary:
+    claimed: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    released: int = 0  # claims given back without charging an attempt
+    fenced_out: int = 0  # outcomes discarded: the claim had been reaped and taken over
+    reaped: int = 0
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        extra = "".join(
+            f", {n} {what}"
+            for n, what in ((self.released, "released"), (self.fenced_out, "fenced out"), (self.reaped, "reaped"))
+            if n
+        )
+        return (
+            f"drained: claimed {self.claimed}, done {self.done}, retried {self.retried}, "
+            f"dead {self.dead}{extra} in {self.seconds:.1f} s"
+        )
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    what: Literal["ran", "no_handler", "sandbox_error"]
+    result: ExecResult | None = None
+    error: str = ""
+
+
+def describe_failure(r: ExecResult) -> str:
+    """last_error for a failed run: what happened in one line, then the tail of stderr."""
+    if r.killed:
+        head = r.killed
+    elif r.exit_code < 0:
+        try:
+            name = signal.Signals(-r.exit_code).name
+        except ValueError:
+            name = f"signal {-r.exit_code}"
+        head = f"killed by {name}"
+    else:
+        head = f"exit code {r.exit_code}"
+    tail = r.stderr.rstrip()
+    if not tail:
+        return head
+    room = MAX_ERROR_CHARS - len(head) - 1
+    return f"{head}\n{tail[-room:]}"
+
+
+def parse_pass_env(items: tuple[str, ...], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``NAME`` copies the drainer's value (if set); ``NAME=VALUE`` sets it."""
+    environ = dict(os.environ) if environ is None else environ
+    out: dict[str, str] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not name or not (name[0].isalpha() or name[0] == "_") or not name.replace("_", "").isalnum():
+            raise ValueError(f"invalid --pass-env {item!r}: NAME or NAME=VALUE")
+        if eq:
+            out[name] = value
+        elif name in environ:
+            out[name] = environ[name]
+    return out
+
+
+def job_env(job: Job, passed: dict[str, str]) -> dict[str, str]:
+    """The job's whole environment. Nothing else of the drainer's reaches it."""
+    env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
+    env.update(passed)
+    env.update(
+        FLEETLESS_JOB_ID=str(job.id), FLEETLESS_ATTEMPT=str(job.attempts), FLEETLESS_KIND=job.kind
+    )
+    return env
+
+
+class Drainer:
+    def __init__(self, queue: Queue, config: DrainConfig) -> None:
+        self.queue = queue
+        self.config = config
+        self.summary = Summary()
+        self._backend: type[Sandbox] = get_backend(config.sandbox)
+        self._passed_env = parse_pass_env(config.pass_env)
+        self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
+        self._fatal: str | None = None
+        self._lock = threading.Lock()
+        self._sandboxes: dict[int, Sandbox] = {}
+        self._aborted: set[int] = set()
+        self._handlers_dir = config.handlers_dir
+        self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, python=config.python)
+
+    # -- control -----------------------------------------------------------------------------
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop claiming; abort running jobs after ``grace`` seconds (default: the config's)."""
+        grace = self.config.shutdown_grace if grace is None else grace
+        deadline = time.monotonic() + grace
+        if self._stop_at is None or deadline < self._stop_at:
+            self._stop_at = deadline
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT: stop claiming and wind down; a second one aborts at once."""
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            if self._stop_at is None:
+                log.warning("%s: stopping; running jobs get %g s", signal.Signals(signum).name,
+                            self.config.shutdown_grace)
+                self.stop()
+            else:
+                self.stop(grace=0)
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop_at is not None
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def run(self) -> Summary:
+        started = time.monotonic()
+        try:
+            self._handlers_dir = handlers.check_dir(self.config.handlers_dir)
+            self._template = replace(self._template, handlers_dir=self._handlers_dir)
+            self._backend.check()
+        except (handlers.HandlersDirError, SandboxUnavailable) as exc:
+            raise DrainError(str(exc)) from None
+        self._maintenance()
+        budget_end = started + self.config.max_runtime if self.config.max_runtime else None
+        running: dict[Future[_Outcome], Job] = {}
+        with ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="job") as pool:
+            try:
+                while True:
+                    claiming = (
+                        not self.stopping
+                        and self._fatal is None
+                        and (budget_end is None or time.monotonic() < budget_end)
+                    )
+                    if claiming:
+                        while len(running) < self.config.concurrency:
+                            want = min(self.config.batch, self.config.concurrency - len(running))
+                            jobs = self._db(lambda want=want: self.queue.claim(
+                                want, queues=self.config.queues, default_timeout=self.config.timeout,
+                                ttl=self.config.ttl, lease_grace=self.config.lease_grace))
+                            self.summary.claimed += len(jobs)
+                            for job in jobs:
+                                running[pool.submit(self._execute, job)] = job
+                            if len(jobs) < want:
+                                break
+                    if not running:
+                        break
+                    if self._stop_at is not None and time.monotonic() >= self._stop_at:
+                        self._abort(running.values())
+                    finished, _ = wait(running, timeout=0.25, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        self._finish(running.pop(fut), fut.result())
+            except BaseException:
+                self._abort(running.values())
+                raise
+        self.summary.seconds = time.monotonic() - started
+        if self._fatal:
+            raise DrainError(self._fatal)
+        return self.summary
+
+    def _maintenance(self) -> None:
+        reaped = self._db(self.queue.reap)
+        self.summary.reaped = len(reaped)
+        for job_id, status in reaped.items():
+            log.warning("reaped job %d: claim expired, now %s", job_id, status)
+        self._backend.sweep()
+
+    def _abort(self, jobs: object) -> None:
+        with self._lock:
+            for job in list(jobs):  # type: ignore[call-overload]
+                sbx = self._sandboxes.get(job.id)
+                self._aborted.add(job.id)
+                if sbx is not None:
+                    sbx.kill()
+
+    def _db(self, call):  # type: ignore[no-untyped-def]
+        """Run a queue call, riding out a database restart for up to DB_RETRY_SECONDS."""
+        deadline = time.monotonic() + DB_RETRY_SECONDS
+        delay = 0.2
+        while True:
+            try:
+                return call()
+            except (psycopg.OperationalError, ConnectionError) as exc:
+                if time.monotonic() + delay > deadline:
+                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                    self._fatal = f"lost the database connection: {first}"
+                    raise DrainError(self._fatal) from None
+                log.warning("database unavailable (%s); retrying", str(exc).strip().splitlines()[:1])
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # -- one job -----------------------------------------------------------------------------
+
+    def _execute(self, job: Job) -> _Outcome:
+        """Runs in a worker thread: one job, one sandbox, always destroyed."""
+        handler = handlers.resolve(self._handlers_dir, job.kind)
+        if handler is None:
+            return _Outcome(
+                "no_handler",
+                error=f"no handler for kind {job.kind!r}: neither {job.kind}.py nor an executable "
+                f"{job.kind} in {self._handlers_dir}",
+            )
+        template = replace(self._template, env=job_env(job, self._passed_env))
+        timeout = min(float(job.timeout_seconds or self.config.timeout), self.config.ttl)
+        sbx: Sandbox | None = None
+        try:
+            sbx = self._backend.create(template, self.config.ttl)
+            with self._lock:
+                if job.id in self._aborted:
+                    raise SandboxUnavailable("drainer is stopping")
+                self._sandboxes[job.id] = sbx
+            sbx.write("payload.json", json.dumps(job.payload))
+            argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
+            return _Outcome("ran", result=sbx.exec(argv, timeout))
+        except Exception as exc:  # the sandbox broke: not the job's fault
+            return _Outcome("sandbox_error", error=f"sandbox error ({self.config.sandbox}): {exc}")
+        finally:
+            if sbx is not None:
+                sbx.kill()
+            with self._lock:
+                self._sandboxes.pop(job.id, None)
+
+    def _finish(self, job: Job, outcome: _Outcome) -> None:
+        s = self.summary
+        if job.id in self._aborted:
+            reason = "released: the drainer stopped before the job finished"
+            if self._db(lambda: self.queue.release(job, reason)):
+                s.released += 1
+            else:
+                s.fenced_out += 1
+            return
+        if outcome.what == "sandbox_error":
+            log.error("job %d: %s", job.id, outcome.error)
+            self._fatal = outcome.error
+            if self._db(lambda: self.queue.release(job, outcome.error)):
+                s.released += 1
+            return
+        result = outcome.result
+        if result is not None and result.ok:
+            ok = self._db(lambda: self.queue.complete(job, result.stdout))
+            if ok:
+                s.done += 1
+            else:
+                s.fenced_out += 1
+                log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
+            return
+        if result is not None:
+            error, permanent, stdout = describe_failure(result), False, result.stdout
+        else:
+            error, permanent, stdout = outcome.error, True, None
+        delay = self.config.retry.delay(job.attempts)
+        status = self._db(lambda: self.queue.fail(job, error, delay=delay, permanent=permanent, result=stdout))
+        if status is None:
+            s.fenced_out += 1
+        elif status is Status.DEAD:
+            s.dead += 1
+            log.warning("job %d (%s) is dead after %d attempt(s): %s", job.id, job.kind, job.attempts,
+                        error.splitlines()[0])
+        else:
+            s.retried += 1

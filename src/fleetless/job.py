@@ -1,0 +1,97 @@
+"""The vocabulary: a claimed ``Job``, its ``Status``, and validation of what reaches the table."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "MAX_PAYLOAD_BYTES",
+    "Job",
+    "Status",
+    "encode_payload",
+    "validate_kind",
+    "validate_queue_name",
+]
+
+#: Default cap on an encoded payload. Payloads are arguments, not data: put blobs elsewhere.
+MAX_PAYLOAD_BYTES = 1024 * 1024
+
+_KIND_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+class Status(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job as a drainer holds it after a claim."""
+
+    id: int
+    kind: str
+    payload: Any
+    attempts: int
+    max_attempts: int
+    claim_token: uuid.UUID
+    timeout_seconds: int | None = None
+    queue: str = "default"
+    priority: int = 0
+
+
+def validate_kind(kind: object) -> str:
+    """A kind becomes a file name in the handlers directory, so it is held to a strict pattern."""
+    if not isinstance(kind, str) or not _KIND_RE.match(kind) or ".." in kind:
+        raise ValueError(
+            f"invalid job kind {kind!r}: use 1-64 of a-z 0-9 _ . - starting with a letter or digit,"
+            " without '..'"
+        )
+    return kind
+
+
+def validate_queue_name(queue: object) -> str:
+    if not isinstance(queue, str) or not _QUEUE_RE.match(queue):
+        raise ValueError(
+            f"invalid queue name {queue!r}: use 1-64 of A-Z a-z 0-9 _ . : - starting with a letter or digit"
+        )
+    return queue
+
+
+def encode_payload(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> str:
+    """JSON text PostgreSQL's jsonb will store exactly, or a one-line ValueError saying why not."""
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"payload is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise ValueError("payload is nested too deeply to encode") from None
+    if "\x00" in text or "\\u0000" in text:
+        raise ValueError("payload contains a NUL character (\\u0000), which jsonb cannot store")
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"payload contains an unpaired surrogate at position {exc.start}, which is not valid UTF-8"
+        ) from None
+    if size > max_bytes:
+        raise ValueError(f"payload is {size} bytes, over the limit of {max_bytes} bytes")
+    return text
+
+
+def parse_payload_json(text: str) -> Any:
+    """Parse JSON from the command line; errors carry the parser's message and position."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON payload: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ValueError("invalid JSON payload: nested too deeply") from None

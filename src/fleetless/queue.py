@@ -1,0 +1,368 @@
+"""``Queue``: every operation on the jobs table. The SQL itself lives in ``sql/queries.sql``."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, cast
+
+import psycopg
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from . import db
+from .job import (
+    MAX_PAYLOAD_BYTES,
+    Job,
+    Status,
+    encode_payload,
+    validate_kind,
+    validate_queue_name,
+)
+from .retry import MAX_ERROR_CHARS
+
+__all__ = ["JobNotFound", "Queue"]
+
+#: ``result`` keeps at most this much of the handler's stdout.
+MAX_RESULT_CHARS = 64 * 1024
+_PG_INT = 2**31 - 1
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+def clean_text(text: str | None, limit: int, *, keep: str = "head") -> str | None:
+    """Text PostgreSQL will store: no NUL bytes, at most ``limit`` characters (head or tail)."""
+    if text is None:
+        return None
+    text = text.replace("\x00", "\ufffd")
+    if len(text) > limit:
+        text = text[:limit] if keep == "head" else text[-limit:]
+    return text
+
+
+def _as_float(value: float | dt.timedelta | None, what: str) -> float | None:
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else float(value)
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ValueError(f"{what} must be a finite number of seconds")
+    return seconds
+
+
+class Queue:
+    """The jobs table of one schema.
+
+    ``db`` is a DSN (the queue keeps one connection of its own, in autocommit), a
+    ``psycopg_pool.ConnectionPool``, or an open ``psycopg.Connection`` used as it is.
+    Every method that writes also takes ``conn=``: the write then joins the caller's open
+    transaction and exists only if the caller commits.
+    """
+
+    def __init__(
+        self,
+        db_: str | ConnectionPool | psycopg.Connection[Any],
+        *,
+        schema: str = db.DEFAULT_SCHEMA,
+        max_payload_bytes: int = MAX_PAYLOAD_BYTES,
+    ) -> None:
+        self.schema = db.validate_schema_name(schema)
+        self._q = db.queries(schema)
+        self._dsn = db_ if isinstance(db_, str) else None
+        self._pool = db_ if isinstance(db_, ConnectionPool) else None
+        self._conn: psycopg.Connection[Any] | None = (
+            db_ if isinstance(db_, psycopg.Connection) else None
+        )
+        self._owns_conn = self._dsn is not None
+        self._lock = threading.RLock()
+        self.max_payload_bytes = max_payload_bytes
+
+    # -- connections -------------------------------------------------------------------------
+
+    @contextmanager
+    def _connection(self, conn: psycopg.Connection[Any] | None = None) -> Iterator[psycopg.Connection[Any]]:
+        if conn is not None:
+            yield conn
+            return
+        if self._pool is not None:
+            with self._pool.connection() as pooled:
+                yield pooled
+            return
+        with self._lock:
+            if self._conn is None or (self._owns_conn and self._conn.closed):
+                assert self._dsn is not None
+                self._conn = db.connect(self._dsn, autocommit=True)
+            try:
+                yield self._conn
+            except psycopg.OperationalError:
+                if self._owns_conn:  # a broken connection: the next call reconnects
+                    self._conn.close()
+                raise
+
+    def _run(
+        self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None
+    ) -> list[dict[str, Any]]:
+        with self._connection(conn) as c, c.cursor(row_factory=dict_row) as cur:
+            cur.execute(self._q[name], params)
+            return cur.fetchall() if cur.description else []
+
+    def close(self) -> None:
+        with self._lock:
+            if self._owns_conn and self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def init(self) -> list[int]:
+        """Create or upgrade the schema (idempotent). Returns the migrations applied."""
+        if self._pool is not None:
+            with self._pool.connection() as c:
+                return db.migrate(c, self.schema)
+        assert self._dsn is not None or self._conn is not None
+        if self._dsn is not None:
+            with db.connect(self._dsn) as c:
+                return db.migrate(c, self.schema)
+        assert self._conn is not None
+        return db.migrate(self._conn, self.schema)
+
+    # -- enqueue -----------------------------------------------------------------------------
+
+    def _job_params(
+        self,
+        kind: str,
+        payload: Any,
+        *,
+        max_attempts: int = 3,
+        run_after: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        timeout: float | dt.timedelta | None = None,
+    ) -> dict[str, Any]:
+        validate_kind(kind)
+        validate_queue_name(queue)
+        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 1 <= max_attempts <= 1000:
+            raise ValueError(f"max_attempts must be an integer from 1 to 1000, not {max_attempts!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -_PG_INT <= priority <= _PG_INT:
+            raise ValueError(f"priority must be an integer from {-_PG_INT} to {_PG_INT}, not {priority!r}")
+        if run_after is not None and delay is not None:
+            raise ValueError("give run_after or delay, not both")
+        if run_after is not None and (not isinstance(run_after, dt.datetime) or run_after.tzinfo is None):
+            raise ValueError("run_after must be a timezone-aware datetime")
+        delay_s = _as_float(delay, "delay") or 0.0
+        if not 0 <= delay_s <= 100 * 365 * 86400:
+            raise ValueError(f"delay must be from 0 to 100 years in seconds, not {delay_s!r}")
+        timeout_s = _as_float(timeout, "timeout")
+        if timeout_s is not None:
+            if not 1 <= timeout_s <= _PG_INT:
+                raise ValueError(f"timeout must be at least 1 second, not {timeout_s!r}")
+            timeout_s = round(timeout_s)
+        return {
+            "kind": kind,
+            "payload": encode_payload(payload, self.max_payload_bytes),
+            "max_attempts": max_attempts,
+            "run_after": run_after,
+            "delay": delay_s,
+            "queue": queue,
+            "priority": priority,
+            "timeout": timeout_s,
+        }
+
+    def enqueue(
+        self,
+        kind: str,
+        payload: Any,
+        *,
+        max_attempts: int = 3,
+        run_after: dt.datetime | None = None,
+        delay: float | dt.timedelta | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        timeout: float | dt.timedelta | None = None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """Add one job and return its id. Bad input raises ValueError and writes nothing."""
+        params = self._job_params(
+            kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay,
+            queue=queue, priority=priority, timeout=timeout,
+        )
+        return int(self._run("enqueue", params, conn)[0]["id"])
+
+    def enqueue_many(
+        self,
+        jobs: Iterable[tuple[str, Any] | Mapping[str, Any]],
+        *,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> list[int]:
+        """Add many jobs with one COPY, all or none. Items are ``(kind, payload)`` or dicts with
+        ``kind``, ``payload`` and any option of :meth:`enqueue`. Returns the ids in order."""
+        rows: list[dict[str, Any]] = []
+        for index, item in enumerate(jobs):
+            try:
+                if isinstance(item, Mapping):
+                    options = dict(item)
+                    unknown = set(options) - {
+                        "kind", "payload", "max_attempts", "run_after", "delay", "queue", "priority", "timeout"
+                    }
+                    if unknown:
+                        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
+                    if "kind" not in options or "payload" not in options:
+                        raise ValueError("needs 'kind' and 'payload'")
+                    rows.append(self._job_params(options.pop("kind"), options.pop("payload"), **options))
+                else:
+                    kind, payload = item
+                    rows.append(self._job_params(kind, payload))
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"job #{index}: {exc}") from None
+        if not rows:
+            return []
+        with self._connection(conn) as c, c.transaction(), c.cursor() as cur:
+            cur.execute(self._q["reserve_ids"], {"table": f"{self.schema}.jobs", "n": len(rows)})
+            found = cur.fetchone()
+            assert found is not None
+            now, ids = cast(dt.datetime, found[0]), cast(list[int], found[1])
+            with cur.copy(self._q["copy_jobs"]) as copy:
+                for job_id, r in zip(ids, rows, strict=True):
+                    run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
+                    copy.write_row(
+                        (job_id, r["kind"], r["payload"], r["max_attempts"], run_after,
+                         r["queue"], r["priority"], r["timeout"])
+                    )
+        return ids
+
+    # -- the drainer's side ------------------------------------------------------------------
+
+    def claim(
+        self,
+        n: int,
+        *,
+        queues: Sequence[str] | None = None,
+        default_timeout: float = 600,
+        ttl: float = 900,
+        lease_grace: float = 60,
+    ) -> list[Job]:
+        """Claim up to ``n`` due jobs (priority first, then due time) and mark them running."""
+        if n <= 0:
+            return []
+        rows = self._run(
+            "claim",
+            {"n": n, "queues": list(queues) if queues else None,
+             "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace},
+        )
+        jobs = [
+            Job(id=r["id"], kind=r["kind"], payload=r["payload"], attempts=r["attempts"],
+                max_attempts=r["max_attempts"], claim_token=r["claim_token"],
+                timeout_seconds=r["timeout_seconds"], queue=r["queue"], priority=r["priority"])
+            for r in rows
+        ]
+        jobs.sort(key=lambda j: (-j.priority, j.id))
+        return jobs
+
+    def complete(self, job: Job, result: str | None = None) -> bool:
+        """Mark done. False if this claim no longer holds the job (fenced out)."""
+        rows = self._run(
+            "complete",
+            {"id": job.id, "token": job.claim_token, "result": clean_text(result, MAX_RESULT_CHARS)},
+        )
+        return bool(rows)
+
+    def fail(
+        self, job: Job, error: str, *, delay: float, permanent: bool = False, result: str | None = None
+    ) -> Status | None:
+        """Record a failed attempt: back to pending after ``delay`` seconds if attempts are left
+        (and not ``permanent``), else dead. Returns the new status, or None if fenced out."""
+        rows = self._run(
+            "fail",
+            {"id": job.id, "token": job.claim_token, "delay": delay, "permanent": permanent,
+             "error": clean_text(error, MAX_ERROR_CHARS, keep="tail"),
+             "result": clean_text(result, MAX_RESULT_CHARS)},
+        )
+        return Status(rows[0]["status"]) if rows else None
+
+    def release(self, job: Job, reason: str) -> bool:
+        """Give the claim back without charging an attempt (shutdown, broken sandbox)."""
+        rows = self._run(
+            "release",
+            {"id": job.id, "token": job.claim_token, "error": clean_text(reason, MAX_ERROR_CHARS, keep="tail")},
+        )
+        return bool(rows)
+
+    def reap(self, older_than: float | dt.timedelta | None = None) -> dict[int, Status]:
+        """Return expired claims to pending (or dead when no attempt is left).
+
+        Without ``older_than``: claims whose lease expired. With it: claims older than that."""
+        rows = self._run("reap", {"older_than": _as_float(older_than, "older_than")})
+        return {r["id"]: Status(r["status"]) for r in rows}
+
+    # -- operators ---------------------------------------------------------------------------
+
+    def _status_of(self, job_id: int) -> str:
+        rows = self._run("status_of", {"id": job_id})
+        if not rows:
+            raise JobNotFound(f"no job with id {job_id}")
+        return str(rows[0]["status"])
+
+    def retry(self, job_id: int) -> None:
+        """Make a dead or cancelled job pending and due now, with at least one attempt left."""
+        if not self._run("retry", {"id": _job_id(job_id)}):
+            status = self._status_of(job_id)
+            raise ValueError(f"job {job_id} is {status}; only dead or cancelled jobs can be retried")
+
+    def retry_all_dead(self) -> list[int]:
+        return [r["id"] for r in self._run("retry_all_dead", {})]
+
+    def cancel(self, job_id: int) -> None:
+        """Cancel a pending job."""
+        if not self._run("cancel", {"id": _job_id(job_id)}):
+            status = self._status_of(job_id)
+            raise ValueError(f"job {job_id} is {status}; only pending jobs can be cancelled")
+
+    def get(self, job_id: int) -> dict[str, Any]:
+        rows = self._run("get", {"id": _job_id(job_id)})
+        if not rows:
+            raise JobNotFound(f"no job with id {job_id}")
+        return rows[0]
+
+    def list(
+        self, *, status: str | None = None, kind: str | None = None, queue: str | None = None, limit: int = 50
+    ) -> list[dict[str, Any]]:
+        if status is not None and status not in {s.value for s in Status}:
+            raise ValueError(f"unknown status {status!r} (one of {', '.join(s.value for s in Status)})")
+        if kind is not None:
+            validate_kind(kind)
+        if queue is not None:
+            validate_queue_name(queue)
+        if not 1 <= limit <= 100_000:
+            raise ValueError("limit must be from 1 to 100000")
+        return self._run("list", {"status": status, "kind": kind, "queue": queue, "limit": limit})
+
+    def stats(self) -> dict[str, Any]:
+        """Counts by status and by kind, the oldest due job's wait, and when the next is due."""
+        counts = self._run("counts", {})
+        by_status = {s.value: 0 for s in Status}
+        by_kind: dict[str, dict[str, int]] = {}
+        for r in counts:
+            by_status[r["status"]] += r["n"]
+            by_kind.setdefault(r["kind"], {})[r["status"]] = r["n"]
+        times = self._run("pending_times", {})[0]
+        return {
+            "total": sum(by_status.values()),
+            "by_status": by_status,
+            "by_kind": by_kind,
+            "oldest_due_age_seconds": times["oldest_due_age_seconds"],
+            "next_due_in_seconds": times["next_due_in_seconds"],
+        }
+
+    def prune(self, older_than: float | dt.timedelta, *, include_dead: bool = False) -> int:
+        """Delete done and cancelled (and, if asked, dead) jobs finished longer ago than that."""
+        statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
+        seconds = _as_float(older_than, "older_than")
+        return len(self._run("prune", {"statuses": statuses, "older_than": seconds}))
+
+
+def _job_id(job_id: object) -> int:
+    if isinstance(job_id, bool) or not isinstance(job_id, int) or not 1 <= job_id < 2**63:
+        raise ValueError(f"invalid job id {job_id!r}: a positive integer")
+    return job_id

@@ -1,0 +1,34 @@
+"""The retry policy, in one place. The seed's numbers are the defaults."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+__all__ = ["MAX_ERROR_CHARS", "RetryPolicy"]
+
+#: last_error keeps at most this many characters (the tail, where the traceback's cause is).
+MAX_ERROR_CHARS = 2000
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff plus jitter: ``2**attempt * base + uniform(0, max_jitter)`` seconds.
+
+    With the defaults a job failing its 1st attempt waits 2 min (+0-30 s), its 2nd 4 min, ...;
+    jitter keeps a batch failing on the same dependency from retrying in lockstep.
+    """
+
+    base_seconds: float = 60.0
+    max_jitter_seconds: float = 30.0
+    max_delay_seconds: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.base_seconds < 0 or self.max_jitter_seconds < 0:
+            raise ValueError("backoff base and jitter must not be negative")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        exp = min(attempt, 60)  # 2**60 minutes is already forever; avoid float overflow
+        backoff = min((2**exp) * self.base_seconds, self.max_delay_seconds)
+        return backoff + random.uniform(0, self.max_jitter_seconds)

@@ -1,0 +1,170 @@
+"""The sandbox protocol: one fresh, isolated environment per job, always destroyed afterwards.
+
+The shape is the seed's::
+
+    with backend.create(template, ttl_seconds=900) as sbx:
+        sbx.write("payload.json", payload)
+        r = sbx.exec([sbx.python, f"{sbx.handlers_path}/{kind}.py", f"{sbx.workspace_path}/payload.json"],
+                     timeout_seconds=600)
+    # sbx.kill() has run: no process, file or cgroup of the job is left.
+
+Backends register themselves by name (``process``, ``bwrap``, ``microvm``) and are looked up
+with :func:`get_backend`. A backend module is imported only when it is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar
+
+__all__ = [
+    "ExecResult",
+    "Limits",
+    "Sandbox",
+    "SandboxUnavailable",
+    "Template",
+    "available_backends",
+    "get_backend",
+]
+
+MiB = 1024 * 1024
+
+
+class SandboxUnavailable(RuntimeError):
+    """The backend cannot run on this host (missing binary, no permission, no image)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource caps for one job. ``None`` means "not capped by fleetless"."""
+
+    memory_bytes: int | None = 512 * MiB  # address space (process) / cgroup memory / guest RAM
+    cpus: float | None = 1.0  # CPU quota in cores (cgroup cfs / guest vCPUs)
+    pids: int | None = 128  # processes and threads the job may have at once
+    cpu_seconds: int | None = None  # RLIMIT_CPU; None = derived from the timeout
+    file_size_bytes: int | None = 1024 * MiB  # RLIMIT_FSIZE: largest file the job can write
+    open_files: int | None = 256  # RLIMIT_NOFILE
+    tmp_bytes: int = 64 * MiB  # size of the private /tmp where the backend gives one
+    network: bool = False  # False: no interface but loopback (where the tier can enforce it)
+    stdout_bytes: int = 64 * 1024  # stdout kept (the job's result); the rest is read and dropped
+    stderr_bytes: int = 64 * 1024  # stderr kept (its tail)
+
+
+@dataclass(frozen=True)
+class Template:
+    """What every sandbox of a drain run is created from."""
+
+    handlers_dir: Path  # bound read-only; appears inside as ``Sandbox.handlers_path``
+    limits: Limits = field(default_factory=Limits)
+    env: Mapping[str, str] = field(default_factory=dict)  # the complete environment of the job
+    python: str | None = None  # interpreter for ``*.py`` handlers; None = backend default
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one ``exec`` produced.
+
+    ``exit_code`` is the process's exit status, or ``-signal`` when it died by a signal.
+    ``killed`` is set when the sandbox itself killed the job, in words for an operator:
+    ``"timeout after 10 s"``, ``"ttl of 900 s expired"``, ``"memory limit 256 MiB exceeded"``.
+    """
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration: float
+    killed: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.killed is None
+
+
+class Sandbox(ABC):
+    """One isolated environment. Create it, write files into its workspace, exec, kill."""
+
+    name: ClassVar[str]
+    #: Paths as the job sees them.
+    workspace_path: str
+    handlers_path: str
+    python: str
+
+    @classmethod
+    @abstractmethod
+    def create(cls, template: Template, ttl_seconds: float = 900) -> Sandbox:
+        """Make a fresh sandbox; its TTL clock starts now."""
+
+    @classmethod
+    def check(cls) -> None:
+        """Raise :class:`SandboxUnavailable` with the reason if this backend cannot run here."""
+
+    @classmethod
+    def sweep(cls) -> int:
+        """Remove what sandboxes of drainers that died left behind; returns how many.
+
+        Every backend's workspaces are swept; backends with more state (cgroups) add theirs."""
+        from . import _workspace
+
+        return _workspace.sweep()
+
+    @abstractmethod
+    def write(self, path: str, data: bytes | str) -> None:
+        """Write a file into the workspace (``path`` is relative to it)."""
+
+    @abstractmethod
+    def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
+        """Run ``argv`` with the workspace as cwd; never raises for the job's own failures."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Destroy everything: processes, workspace, cgroups. Idempotent, never raises."""
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.kill()
+
+
+_BACKENDS: dict[str, str] = {
+    "process": "fleetless.sandbox.process:ProcessSandbox",
+    "bwrap": "fleetless.sandbox.bwrap:BwrapSandbox",
+    "microvm": "fleetless.sandbox.microvm:MicroVMSandbox",
+}
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str) -> type[Sandbox]:
+    """The backend class registered as ``name``; a one-line error for an unknown name."""
+    try:
+        target = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown sandbox backend {name!r} (choose from {', '.join(available_backends())})"
+        ) from None
+    module_name, _, attr = target.partition(":")
+    cls: type[Sandbox] = getattr(importlib.import_module(module_name), attr)
+    return cls
+
+
+def default_python() -> str:
+    """The interpreter handlers run with by default: the system's python3."""
+    for candidate in ("/usr/bin/python3", shutil.which("python3", path=os.defpath)):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise SandboxUnavailable("no python3 found for handlers (set --python)")

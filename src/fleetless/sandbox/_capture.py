@@ -1,0 +1,76 @@
+"""Bounded capture of a child's stdout and stderr with a deadline.
+
+A job may write a gigabyte to stdout; we keep the head of stdout (the result) and the tail of
+stderr (the error) and drop the rest as it arrives, so the drainer's memory stays flat.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import time
+from collections.abc import Callable
+from typing import IO
+
+
+class Captured:
+    def __init__(self, stdout_cap: int, stderr_cap: int) -> None:
+        self._out = bytearray()
+        self._err = bytearray()
+        self._out_cap = stdout_cap
+        self._err_cap = stderr_cap
+
+    def add_out(self, chunk: bytes) -> None:
+        room = self._out_cap - len(self._out)
+        if room > 0:
+            self._out += chunk[:room]
+
+    def add_err(self, chunk: bytes) -> None:
+        self._err += chunk
+        if len(self._err) > 2 * self._err_cap:
+            del self._err[: len(self._err) - self._err_cap]
+
+    @property
+    def stdout(self) -> str:
+        return self._out.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return bytes(self._err[-self._err_cap :]).decode("utf-8", "replace")
+
+
+def pump(
+    stdout: IO[bytes],
+    stderr: IO[bytes],
+    captured: Captured,
+    deadline: float,
+    on_deadline: Callable[[], None],
+    drain_after_kill: float = 2.0,
+) -> bool:
+    """Read both pipes until EOF. At ``deadline`` call ``on_deadline`` (which kills the job) once,
+    then keep reading for at most ``drain_after_kill`` seconds. Returns True if the deadline hit."""
+    sel = selectors.DefaultSelector()
+    sel.register(stdout, selectors.EVENT_READ, captured.add_out)
+    sel.register(stderr, selectors.EVENT_READ, captured.add_err)
+    open_pipes = 2
+    hit = False
+    try:
+        while open_pipes:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if hit:
+                    break  # something outside the job's tree holds the pipe; give up on it
+                hit = True
+                on_deadline()
+                deadline = time.monotonic() + drain_after_kill
+                continue
+            for key, _ in sel.select(timeout=min(remaining, 1.0)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_pipes -= 1
+                else:
+                    key.data(chunk)
+    finally:
+        sel.close()
+    return hit

@@ -1,0 +1,123 @@
+"""Supervisor of one process-tier job. Runs as its own small program (``python -I -S``).
+
+It is the job's parent and a child subreaper, so every descendant of the job, even one that
+called setsid() and double-forked, is re-parented to it and can be found and killed. It dies
+with the drainer (parent-death signal), and then kills the job's whole tree and removes the
+workspace on its way out. It reports the job's wait status on a pipe (fd given in the spec).
+
+Spec (JSON, argv[1]): {"argv": [...], "env": {...}, "cwd": str, "status_fd": int,
+"rlimits": {"RLIMIT_AS": n, ...}, "workspace": str}
+"""
+
+import ctypes
+import json
+import os
+import resource
+import shutil
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, value: int) -> None:
+    if _libc.prctl(option, value, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl failed")
+
+
+def _descendants() -> list[int]:
+    """Every live process below this one (one /proc scan)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found: list[int] = []
+    stack = [os.getpid()]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _kill_tree() -> None:
+    """SIGKILL and reap every descendant until none is left (forks racing the kill included)."""
+    for _ in range(100):
+        pids = _descendants()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap_all()
+    _reap_all()
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    workspace = spec.get("workspace")
+
+    def die(signum: int, frame: object) -> None:
+        _kill_tree()
+        if workspace:
+            shutil.rmtree(workspace, ignore_errors=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, die)
+    signal.signal(signal.SIGHUP, die)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:  # the drainer died before we could ask to be told
+        die(signal.SIGTERM, None)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+    status_fd = int(spec["status_fd"])
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(status_fd)
+            os.setsid()
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            for name, value in spec.get("rlimits", {}).items():
+                limit = int(value)
+                resource.setrlimit(getattr(resource, name), (limit, limit))
+            os.chdir(spec["cwd"])
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+        except BaseException as exc:  # noqa: BLE001 - report exec failure the shell's way
+            os.write(2, f"fleetless: cannot run {spec['argv'][0]}: {exc}\n".encode())
+            os._exit(127)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    _kill_tree()  # whatever the job left behind dies with it
+    os.write(status_fd, str(status).encode())
+    os.close(status_fd)
+
+
+if __name__ == "__main__":
+    main()

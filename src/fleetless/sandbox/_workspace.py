@@ -1,0 +1,64 @@
+"""Per-job workspaces on the host: created private, always removed, leftovers swept.
+
+A workspace directory is named ``ws-<drainer pid>-<random>`` under :func:`root`. A drainer that was
+SIGKILLed cannot remove its own; :func:`sweep` (run at the start of every drain) removes those
+whose drainer process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def root() -> Path:
+    """Where workspaces live: ``$FLEETLESS_WORKDIR`` or ``<tmp>/fleetless-<uid>``."""
+    base = os.environ.get("FLEETLESS_WORKDIR") or os.path.join(
+        tempfile.gettempdir(), f"fleetless-{os.getuid()}"
+    )
+    path = Path(base)
+    path.mkdir(mode=0o711, parents=True, exist_ok=True)
+    return path
+
+
+def create() -> Path:
+    """A fresh, empty, private directory for one job."""
+    return Path(tempfile.mkdtemp(prefix=f"ws-{os.getpid()}-", dir=root()))
+
+
+def remove(path: Path) -> None:
+    """Remove a workspace whatever the job did to its permissions."""
+    if not path.exists():
+        return
+    for dirpath, dirnames, _ in os.walk(path):
+        for name in dirnames:
+            try:
+                os.chmod(os.path.join(dirpath, name), 0o700)
+            except OSError:
+                pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep() -> int:
+    """Remove workspaces left by drainers that no longer run; returns how many."""
+    removed = 0
+    for entry in root().iterdir():
+        parts = entry.name.split("-")
+        if len(parts) < 3 or parts[0] != "ws" or not parts[1].isdigit():
+            continue
+        if not _alive(int(parts[1])):
+            remove(entry)
+            removed += 1
+    return removed

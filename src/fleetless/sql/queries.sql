@@ -1,0 +1,155 @@
+-- Every query fleetless runs, by name. {schema} is the quoted schema name; %(x)s are parameters.
+-- Each block starts with "-- name: <name>"; the comment lines under it say why it is written so.
+
+-- name: enqueue
+-- One job. run_after: an explicit time wins, else now() + delay (0 when not given).
+INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
+        COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
+        %(queue)s, %(priority)s, %(timeout)s)
+RETURNING id;
+
+-- name: reserve_ids
+-- enqueue_many: COPY cannot return ids, so take them from the sequence first and COPY them in.
+-- now() is the transaction's start, the same clock the column default would use.
+SELECT now() AS now, array_agg(nextval(pg_get_serial_sequence(%(table)s, 'id'))) AS ids
+FROM generate_series(1, %(n)s);
+
+-- name: copy_jobs
+COPY {schema}.jobs (id, kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+FROM STDIN;
+
+-- name: claim
+-- The seed's claim: one statement marks a batch running and returns it, so a crash between claim
+-- and execution leaves rows visibly claimed (and reapable) rather than silently lost.
+-- SKIP LOCKED lets any number of drainers on any number of hosts take distinct rows without
+-- waiting on each other. Every claim sets a fresh claim_token: all later writes for this run of
+-- the job are fenced on it. The lease covers the job's timeout (bounded by the sandbox TTL) plus
+-- a grace period; the reaper returns the claim once it has passed.
+UPDATE {schema}.jobs AS j
+SET status = 'running',
+    attempts = j.attempts + 1,
+    claim_token = gen_random_uuid(),
+    locked_at = now(),
+    started_at = now(),
+    finished_at = NULL,
+    lease_expires_at = now() + make_interval(
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+WHERE j.id IN (
+  SELECT id FROM {schema}.jobs
+  WHERE status = 'pending' AND run_after <= now()
+    AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  ORDER BY priority DESC, run_after
+  FOR UPDATE SKIP LOCKED
+  LIMIT %(n)s
+)
+RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.claim_token, j.timeout_seconds,
+          j.queue, j.priority;
+
+-- name: complete
+-- Fenced: matches only while this claim still holds the job. A drainer whose lease was reaped
+-- (and the job claimed again by another) updates nothing here and learns it lost the job.
+UPDATE {schema}.jobs
+SET status = 'done', result = %(result)s, last_error = NULL, finished_at = now(),
+    locked_at = NULL, lease_expires_at = NULL
+WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
+RETURNING status;
+
+-- name: fail
+-- Fenced like complete. Failure with attempts left goes back to pending after a backoff delay
+-- computed by the retry policy; exhausted (or permanent) failure is dead and stays for inspection.
+UPDATE {schema}.jobs
+SET status = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN 'pending' ELSE 'dead' END,
+    run_after = CASE WHEN attempts < max_attempts AND NOT %(permanent)s
+                     THEN now() + make_interval(secs => %(delay)s) ELSE run_after END,
+    finished_at = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN NULL ELSE now() END,
+    last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL
+WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
+RETURNING status;
+
+-- name: release
+-- Give a claim back without charging the job an attempt: the drainer is shutting down or its
+-- sandbox broke, which is not the job's fault. Fenced like complete.
+UPDATE {schema}.jobs
+SET status = 'pending', attempts = GREATEST(attempts - 1, 0), last_error = %(error)s,
+    locked_at = NULL, lease_expires_at = NULL, claim_token = NULL, started_at = NULL
+WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
+RETURNING status;
+
+-- name: reap
+-- The reaper: claims whose drainer died sit in running forever unless returned. A lease that
+-- expired (or, with older_than, a claim older than that, as in the seed) goes back to pending, or
+-- to dead when no attempt is left. Clearing claim_token fences out the old drainer if it was only
+-- slow, not dead. SKIP LOCKED: never wait on a row a live drainer is finishing right now.
+UPDATE {schema}.jobs AS j
+SET status = CASE WHEN j.attempts < j.max_attempts THEN 'pending' ELSE 'dead' END,
+    finished_at = CASE WHEN j.attempts < j.max_attempts THEN NULL ELSE now() END,
+    last_error = 'claim expired: the drainer did not finish attempt ' || j.attempts
+                 || ' (claimed at ' || to_char(j.locked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
+                 || ' UTC); presumed dead',
+    locked_at = NULL, lease_expires_at = NULL, claim_token = NULL
+WHERE j.id IN (
+  SELECT id FROM {schema}.jobs
+  WHERE status = 'running'
+    AND CASE WHEN %(older_than)s::float8 IS NULL THEN lease_expires_at < now()
+             ELSE locked_at < now() - make_interval(secs => %(older_than)s::float8) END
+  FOR UPDATE SKIP LOCKED
+)
+RETURNING j.id, j.status;
+
+-- name: retry
+-- Operator retry of a dead or cancelled job: due now, and at least one more attempt (as Oban).
+UPDATE {schema}.jobs
+SET status = 'pending', run_after = now(), finished_at = NULL,
+    max_attempts = GREATEST(max_attempts, attempts + 1)
+WHERE id = %(id)s AND status IN ('dead', 'cancelled')
+RETURNING id;
+
+-- name: retry_all_dead
+UPDATE {schema}.jobs
+SET status = 'pending', run_after = now(), finished_at = NULL,
+    max_attempts = GREATEST(max_attempts, attempts + 1)
+WHERE status = 'dead'
+RETURNING id;
+
+-- name: cancel
+UPDATE {schema}.jobs SET status = 'cancelled', finished_at = now()
+WHERE id = %(id)s AND status = 'pending'
+RETURNING id;
+
+-- name: status_of
+SELECT status FROM {schema}.jobs WHERE id = %(id)s;
+
+-- name: get
+SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
+       locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
+       last_error, result
+FROM {schema}.jobs WHERE id = %(id)s;
+
+-- name: list
+-- Newest first; filters are optional.
+SELECT id, kind, queue, status, priority, attempts, max_attempts, run_after, created_at,
+       finished_at, left(last_error, 200) AS last_error
+FROM {schema}.jobs
+WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+  AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: counts
+SELECT kind, status, count(*) AS n FROM {schema}.jobs GROUP BY kind, status ORDER BY kind, status;
+
+-- name: pending_times
+-- Oldest due-and-waiting job and the next one due, from the seed's partial index.
+SELECT extract(epoch FROM now() - min(run_after) FILTER (WHERE run_after <= now()))::float8
+         AS oldest_due_age_seconds,
+       extract(epoch FROM min(run_after) FILTER (WHERE run_after > now()) - now())::float8
+         AS next_due_in_seconds
+FROM {schema}.jobs WHERE status = 'pending';
+
+-- name: prune
+-- Finished jobs older than the cutoff. Dead jobs are kept unless asked for: they are evidence.
+DELETE FROM {schema}.jobs
+WHERE status = ANY(%(statuses)s::text[]) AND finished_at < now() - make_interval(secs => %(older_than)s)
+RETURNING id;
