@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -71,6 +72,8 @@ def pick_sandbox(requested: str | None) -> str:
 
 def run(dsn: str | None, *, sandbox: str | None = None, n_jobs: int = 12) -> None:
     with ExitStack() as stack:
+        embedded = not dsn
+        logging.getLogger("fleetless.drainer").setLevel(logging.ERROR)  # the table says it all
         if not dsn:
             from .embedded import EmbeddedPostgres
 
@@ -110,5 +113,9 @@ def run(dsn: str | None, *, sandbox: str | None = None, n_jobs: int = 12) -> Non
             click.echo(f"{job['id']:>4}  {job['kind']:<13} {job['status']:<9} "
                        f"{job['attempts']}/{job['max_attempts']:<4} {outcome[:100]}")
         click.echo("")
-        click.echo(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s. "
-                   "Inspect with: fleetless --schema fleetless_demo show ID")
+        click.echo(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s.")
+        if embedded:
+            click.echo("The embedded server stops now. Against your own database: DATABASE_URL=... fleetless demo,"
+                       " then fleetless --schema fleetless_demo show ID")
+        else:
+            click.echo("Inspect with: fleetless --schema fleetless_demo status | jobs | show ID")

@@ -1,0 +1,98 @@
+"""Shared fixtures: a real PostgreSQL database per test module, handler directories, a CLI runner.
+
+The server is the one at ``FLEETLESS_TEST_PG`` (default: 127.0.0.1:5432 as user postgres, as on
+these machines and in CI). Each test module gets a database of its own, created for it and
+dropped afterwards, so no test depends on what another run left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from fleetless import Queue
+
+ADMIN_DSN = os.environ.get("FLEETLESS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _dsn_for(dbname: str) -> str:
+    info = psycopg.conninfo.conninfo_to_dict(ADMIN_DSN)
+    info["dbname"] = dbname
+    return psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def dsn(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh database for this test module."""
+    name = f"fleetless_t_{request.module.__name__.rsplit('.', 1)[-1][:30]}_{uuid.uuid4().hex[:8]}".lower()
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield _dsn_for(name)
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def queue(dsn: str) -> Iterator[Queue]:
+    """A Queue on an empty, freshly initialised jobs table."""
+    q = Queue(dsn)
+    q.init()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("TRUNCATE fleetless.jobs RESTART IDENTITY")
+    yield q
+    q.close()
+
+
+@pytest.fixture
+def sql(dsn: str) -> Iterator[Callable[..., list[tuple[object, ...]]]]:
+    """Run SQL against the test database and return the rows: assertions read the table."""
+    conn = psycopg.connect(dsn, autocommit=True)
+
+    def run(query: str, *params: object) -> list[tuple[object, ...]]:
+        cur = conn.execute(query, params or None)  # type: ignore[arg-type]
+        return cur.fetchall() if cur.description else []
+
+    yield run
+    conn.close()
+
+
+@pytest.fixture
+def handlers(tmp_path: Path) -> Callable[..., Path]:
+    """``handlers(name=source, ...)`` writes handler files into a fresh directory; names ending
+    in ``.py`` are Python handlers, others are made executable."""
+    folder = tmp_path / "handlers"
+    folder.mkdir()
+    folder.chmod(0o755)
+    tmp_path.chmod(0o755)
+
+    def write(**files: str) -> Path:
+        for name, source in files.items():
+            path = folder / name.replace("__", "-")
+            path.write_text(textwrap.dedent(source).lstrip())
+            path.chmod(0o644 if path.suffix == ".py" else 0o755)
+        return folder
+
+    return write
+
+
+def fleetless(*args: str, dsn: str | None = None, input: str | None = None,
+              env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI as a user would."""
+    full_env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
+    if dsn:
+        full_env["DATABASE_URL"] = dsn
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "fleetless.cli", *args], input=input, capture_output=True, text=True,
+        env=full_env, timeout=timeout,
+    )
