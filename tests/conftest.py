@@ -85,7 +85,7 @@ def handlers(tmp_path: Path) -> Callable[..., Path]:
     return write
 
 
-def fleetless(*args: str, dsn: str | None = None, input: str | None = None,
+def _fleetless(*args: str, dsn: str | None = None, input: str | None = None,
               env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the real CLI as a user would."""
     full_env = {k: v for k, v in os.environ.items() if k != "DATABASE_URL"}
@@ -96,3 +96,9 @@ def fleetless(*args: str, dsn: str | None = None, input: str | None = None,
         [sys.executable, "-m", "fleetless.cli", *args], input=input, capture_output=True, text=True,
         env=full_env, timeout=timeout,
     )
+
+
+@pytest.fixture
+def fleetless() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``fleetless(*args, dsn=..., input=...)`` runs the real CLI as a user would."""
+    return _fleetless

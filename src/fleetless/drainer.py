@@ -237,7 +237,10 @@ class Drainer:
         self.summary.reaped = len(reaped)
         for job_id, status in reaped.items():
             log.warning("reaped job %d: claim expired, now %s", job_id, status)
-        self._backend.sweep()
+        try:
+            self._backend.sweep()
+        except OSError as exc:
+            raise DrainError(f"cannot use the sandbox work directory: {exc}") from None
 
     def _abort(self, jobs: object) -> None:
         with self._lock:

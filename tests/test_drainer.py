@@ -1,0 +1,317 @@
+"""A drain run end to end: real PostgreSQL, real sandboxes (process tier here; the isolation
+tiers have their own suites), outcomes asserted in the table."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleetless import Queue, RetryPolicy
+from fleetless.drainer import DrainConfig, DrainError, Drainer
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def drain(queue: Queue, handlers_dir: Path, **options: object) -> Drainer:
+    options.setdefault("concurrency", 2)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=handlers_dir, **options))  # type: ignore[arg-type]
+    drainer.run()
+    return drainer
+
+
+def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_job_runs_with_its_payload_and_its_stdout_becomes_the_result(queue: Queue, handlers, sql,
+                                                                      private_workdir: Path) -> None:
+    h = handlers(**{"greet.py": """
+        import json, os, sys
+        p = json.load(open(sys.argv[1]))
+        assert os.getcwd() == os.path.dirname(sys.argv[1]) == os.environ["HOME"]
+        print(f"Hello, {p['name']}! job {os.environ['FLEETLESS_JOB_ID']} attempt {os.environ['FLEETLESS_ATTEMPT']}")
+    """})
+    job_id = queue.enqueue("greet", {"name": "Ada"})
+    d = drain(queue, h)
+    assert sql("SELECT status, attempts, result, last_error, finished_at IS NOT NULL FROM fleetless.jobs") == [
+        ("done", 1, f"Hello, Ada! job {job_id} attempt 1\n", None, True)]
+    assert (d.summary.claimed, d.summary.done) == (1, 1)
+    assert list(private_workdir.iterdir()) == []  # every workspace removed
+
+
+def test_an_executable_handler_in_any_language_runs_the_same_way(queue: Queue, handlers, sql) -> None:
+    h = handlers(shout="""
+        #!/bin/sh
+        tr a-z A-Z < "$1"
+    """)
+    queue.enqueue("shout", {"say": "hi"})
+    drain(queue, h)
+    assert sql("SELECT status, result FROM fleetless.jobs") == [("done", '{"SAY": "HI"}')]
+
+
+def test_a_job_whose_handler_exits_1_three_times_ends_dead_with_the_stderr_tail(queue: Queue, handlers,
+                                                                               sql) -> None:
+    h = handlers(**{"flaky.py": """
+        import sys
+        sys.stderr.write("noise " * 1000)
+        sys.stderr.write("\\nConnectionError: upstream said 503\\n")
+        sys.exit(1)
+    """})
+    queue.enqueue("flaky", {}, max_attempts=3)
+    expected = [(120, 150), (240, 270)]
+    for attempt, (low, high) in enumerate(expected, start=1):
+        drain(queue, h)
+        status, attempts, wait = sql(
+            "SELECT status, attempts, extract(epoch FROM run_after - now()) FROM fleetless.jobs")[0]
+        assert (status, attempts) == ("pending", attempt)
+        assert low - 2 <= float(wait) <= high, (attempt, wait)  # 2^attempts min + 0-30 s jitter
+        drain(queue, h)  # not due yet: nothing to claim
+        assert sql("SELECT attempts FROM fleetless.jobs") == [(attempt,)]
+        sql("UPDATE fleetless.jobs SET run_after = now()")
+    drain(queue, h)
+    status, attempts, error = sql("SELECT status, attempts, last_error FROM fleetless.jobs")[0]
+    assert (status, attempts) == ("dead", 3)
+    assert isinstance(error, str) and len(error) == 2000
+    assert error.startswith("exit code 1\n") and error.endswith("ConnectionError: upstream said 503")
+
+
+def test_backoff_settings_are_the_drainers(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"fail.py": "raise SystemExit(3)"})
+    queue.enqueue("fail", {})
+    drain(queue, h, retry=RetryPolicy(base_seconds=10, max_jitter_seconds=0))
+    (wait,) = sql("SELECT extract(epoch FROM run_after - now()) FROM fleetless.jobs")[0]
+    assert 18 <= float(wait) <= 20
+
+
+def test_a_kind_with_no_handler_is_dead_at_once_and_not_retried(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"other.py": "print(1)"})
+    queue.enqueue("resize-image", {}, max_attempts=5)
+    drain(queue, h)
+    status, attempts, error = sql("SELECT status, attempts, last_error FROM fleetless.jobs")[0]
+    assert (status, attempts) == ("dead", 1)
+    assert "no handler for kind 'resize-image'" in error
+
+
+def test_death_by_signal_is_named(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"crash.py": "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"})
+    queue.enqueue("crash", {}, max_attempts=1)
+    drain(queue, h)
+    assert sql("SELECT status, last_error FROM fleetless.jobs") == [("dead", "killed by SIGSEGV")]
+
+
+def test_a_timeout_kills_the_whole_tree_including_setsid_grandchildren(queue: Queue, handlers, sql,
+                                                                      tmp_path: Path) -> None:
+    pidfile = tmp_path / "grandchild.pid"
+    h = handlers(**{"hang.py": f"""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                open({str(pidfile)!r}, "w").write(str(os.getpid()))
+                time.sleep(600)
+            os._exit(0)
+        time.sleep(600)
+    """})
+    queue.enqueue("hang", {}, max_attempts=1, timeout=2)
+    drain(queue, h, timeout=600)  # the job's own timeout wins
+    assert sql("SELECT status, last_error FROM fleetless.jobs") == [("dead", "killed: timeout after 2 s")]
+    assert not alive(int(pidfile.read_text()))
+
+
+def test_the_environment_is_scrubbed(queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DATABASE_URL", "postgresql://secret@db/prod")
+    monkeypatch.setenv("PGPASSWORD", "hunter2")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "shh")
+    monkeypatch.setenv("ALLOWED_TOKEN", "yes")
+    h = handlers(**{"env.py": "import os; print(' '.join(sorted(os.environ)))"})
+    queue.enqueue("env", {})
+    drain(queue, h, pass_env=("ALLOWED_TOKEN", "MODE=fast"))
+    (result,) = sql("SELECT result FROM fleetless.jobs")[0]
+    assert str(result).split() == ["ALLOWED_TOKEN", "FLEETLESS_ATTEMPT", "FLEETLESS_JOB_ID", "FLEETLESS_KIND",
+                                   "HOME", "LANG", "MODE", "PATH"]
+
+
+def test_huge_stdout_is_read_and_capped_without_harm(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"loud.py": """
+        import sys
+        chunk = "y" * 65536
+        for _ in range(160):  # 10 MiB
+            sys.stdout.write(chunk)
+    """})
+    queue.enqueue("loud", {})
+    drain(queue, h)
+    assert sql("SELECT status, length(result) FROM fleetless.jobs") == [("done", 65536)]
+
+
+def test_jobs_run_concurrently_up_to_the_limit(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"nap.py": "import time; time.sleep(0.5)"})
+    queue.enqueue_many([("nap", {})] * 6)
+    drain(queue, h, concurrency=3)
+    spans = sql("SELECT started_at, finished_at FROM fleetless.jobs")
+    assert all(s is not None for row in spans for s in row)
+    most = max(sum(1 for s2, f2 in spans if s2 <= s1 < f2) for s1, _ in spans)  # type: ignore[operator]
+    assert 2 <= most <= 3
+
+
+def test_max_runtime_stops_claiming_and_finishes_what_it_holds(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"nap.py": "import time; time.sleep(0.6)"})
+    queue.enqueue_many([("nap", {})] * 6)
+    drain(queue, h, concurrency=1, max_runtime=1.0)
+    counts = dict(sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status"))
+    assert counts.get("running", 0) == 0
+    assert 1 <= counts["done"] < 6 and counts["pending"] == 6 - counts["done"]
+
+
+def test_a_missing_handlers_directory_touches_no_job(queue: Queue, sql, tmp_path: Path) -> None:
+    queue.enqueue("a", {})
+    with pytest.raises(DrainError, match="handlers directory .* does not exist"):
+        drain(queue, tmp_path / "nope")
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
+
+
+def test_an_unusable_work_directory_is_reported_before_any_claim(queue: Queue, handlers, sql,
+                                                                 tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    h = handlers(**{"a.py": "print(1)"})
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(blocker / "sub"))
+    queue.enqueue("a", {})
+    with pytest.raises(DrainError, match="cannot use the sandbox work directory"):
+        drain(queue, h)
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
+
+
+def test_a_sandbox_that_breaks_mid_drain_returns_the_claim_without_charging_an_attempt(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless.sandbox import _workspace
+
+    def disk_full() -> Path:
+        raise OSError(28, "No space left on device")
+
+    h = handlers(**{"a.py": "print(1)"})
+    queue.enqueue_many([("a", {})] * 3)
+    monkeypatch.setattr(_workspace, "create", disk_full)
+    with pytest.raises(DrainError, match="sandbox error .*No space left on device"):
+        drain(queue, h, concurrency=1)
+    rows = sql("SELECT status, attempts, last_error FROM fleetless.jobs ORDER BY id")
+    assert rows[0][:2] == ("pending", 0) and "No space left" in str(rows[0][2])
+    assert [r[:2] for r in rows[1:]] == [("pending", 0)] * 2  # the drain stopped claiming
+
+
+def test_two_drainers_racing_over_1000_jobs_never_run_one_twice(dsn: str, queue: Queue, handlers, sql,
+                                                               tmp_path: Path) -> None:
+    h = handlers(ok="""
+        #!/bin/sh
+        echo "$FLEETLESS_JOB_ID"
+    """)
+    queue.enqueue_many([("ok", {"i": i}) for i in range(1000)])
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
+                          "--concurrency", "2", "--batch", "10"],
+                         env={**os.environ, "DATABASE_URL": dsn}, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 1000)]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE result <> id || E'\\n'") == [(0,)]
+    claimed = [int(o.split("claimed ")[1].split(",")[0]) for o in outs]
+    assert sum(claimed) == 1000 and all(c > 0 for c in claimed), outs
+
+
+def _start_drain(dsn: str, h: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--concurrency", "2", *extra],
+        env={**os.environ, "DATABASE_URL": dsn}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(dsn: str, queue: Queue,
+                                                                             handlers, sql,
+                                                                             tmp_path: Path,
+                                                                             private_workdir: Path,
+                                                                             fleetless) -> None:
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    h = handlers(**{"work.py": f"""
+        import os, time
+        if os.environ["FLEETLESS_ATTEMPT"] == "1":
+            open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+            if os.fork() == 0:
+                os.setsid()
+                open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+                time.sleep(600)
+            time.sleep(600)
+        print("recovered")
+    """})
+    queue.enqueue("work", {}, timeout=3)
+    proc = _start_drain(dsn, h, "--lease-grace", "0")
+    started = wait_for(lambda: len(list(pids.iterdir())) >= 2, what="job and grandchild")
+    assert started
+    proc.kill()
+    proc.wait()
+    job_pids = [int(p.name) for p in pids.iterdir()]
+    wait_for(lambda: not any(alive(p) for p in job_pids), timeout=10, what="job processes to die")
+    wait_for(lambda: not any(private_workdir.iterdir()), timeout=10, what="workspace removal")
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("running", 1)]
+    # The lease (timeout 3 s + grace 0) has not expired yet: nothing to recover.
+    early = fleetless("drain", "--handlers", str(h), dsn=dsn)
+    assert early.returncode == 0 and "claimed 0" in early.stdout
+    wait_for(lambda: sql("SELECT lease_expires_at < now() FROM fleetless.jobs") == [(True,)], timeout=10,
+             what="lease expiry")
+    again = fleetless("drain", "--handlers", str(h), dsn=dsn)
+    assert again.returncode == 0, again.stderr
+    assert "1 reaped" in again.stdout
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "recovered\n")]
+
+
+def test_sigterm_lets_short_jobs_finish_and_returns_the_claims_of_long_ones(dsn: str, queue: Queue, handlers,
+                                                                          sql, tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    marker.mkdir()
+    h = handlers(**{"short.py": f"""
+        import os, time
+        open(os.path.join({str(marker)!r}, "short"), "w").close()
+        time.sleep(1)
+        print("finished")
+    """, "long.py": f"""
+        import os, time
+        open(os.path.join({str(marker)!r}, "long"), "w").close()
+        time.sleep(600)
+    """})
+    short = queue.enqueue("short", {})
+    long = queue.enqueue("long", {})
+    proc = _start_drain(dsn, h, "--shutdown-grace", "3")
+    wait_for(lambda: len(list(marker.iterdir())) == 2, what="both jobs to start")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "1 released" in out
+    rows = dict((r[0], r[1:]) for r in sql("SELECT id, status, attempts, last_error FROM fleetless.jobs"))
+    assert rows[short] == ("done", 1, None)
+    assert rows[long][0:2] == ("pending", 0) and "drainer stopped" in str(rows[long][2])
