@@ -60,6 +60,7 @@ def _size(_: click.Context | None, param: click.Parameter | None, value: str | N
         raise click.BadParameter(str(exc)) from None
 
 
+_current_schema = [db.DEFAULT_SCHEMA]  # for the error message when the schema was never created
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
@@ -80,6 +81,7 @@ def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="fleetless: %(message)s", stream=sys.stderr)
     ctx.obj = {"dsn": database_url, "schema": schema}
+    _current_schema[0] = schema
 
 
 @cli.command()
@@ -161,7 +163,7 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
                     network=kw["network"] == "on")
     return DrainConfig(
         handlers_dir=kw["handlers_dir"], queues=tuple(kw["queues"]) or None, batch=kw["batch"],
-        concurrency=kw["concurrency"] or os.cpu_count() or 1, max_runtime=kw["max_runtime"],
+        concurrency=kw["concurrency"] if kw["concurrency"] is not None else os.cpu_count() or 1, max_runtime=kw["max_runtime"],
         timeout=kw["timeout"], ttl=kw["ttl"], lease_grace=kw["lease_grace"],
         shutdown_grace=kw["shutdown_grace"],
         retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
@@ -374,7 +376,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(3 if isinstance(exc, DrainError) else 1)
     except Exception as exc:  # psycopg errors and the like: still one line
         from psycopg import Error as PgError
+        from psycopg.errors import InvalidSchemaName, UndefinedTable
 
+        if isinstance(exc, UndefinedTable | InvalidSchemaName):
+            schema = _current_schema[0]
+            click.echo(f"fleetless: error: schema {schema} is not initialised: run 'fleetless init'", err=True)
+            sys.exit(1)
         if isinstance(exc, PgError):
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             click.echo(f"fleetless: error: database: {first}", err=True)

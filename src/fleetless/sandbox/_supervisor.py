@@ -100,10 +100,13 @@ def main() -> None:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             for name, value in spec.get("rlimits", {}).items():
                 limit = int(value)
-                resource.setrlimit(getattr(resource, name), (limit, limit))
+                # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
+                hard = limit + 1 if name == "RLIMIT_CPU" else limit
+                resource.setrlimit(getattr(resource, name), (limit, hard))
             os.chdir(spec["cwd"])
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+            # Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: restore them.
+            for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(signum, signal.SIG_DFL)
             os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
         except BaseException as exc:  # noqa: BLE001 - report exec failure the shell's way
             os.write(2, f"fleetless: cannot run {spec['argv'][0]}: {exc}\n".encode())

@@ -1,0 +1,121 @@
+"""The command line as an operator uses it: every command, --json, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetless import Queue
+
+
+def one_line_error(result, fragment: str) -> None:  # type: ignore[no-untyped-def]
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("fleetless: error: ") and fragment in lines[0], lines[0]
+
+
+def test_commands_without_a_database_say_they_need_one(fleetless) -> None:
+    one_line_error(fleetless("status"), "no database given: set DATABASE_URL or pass --database-url")
+
+
+def test_unreachable_database_is_one_line(fleetless) -> None:
+    r = fleetless("status", "--json", dsn="postgresql://postgres@127.0.0.1:1/nope?connect_timeout=2")
+    one_line_error(r, "cannot connect to the database")
+
+
+def test_init_enqueue_show_status_jobs(dsn: str, queue: Queue, fleetless, sql) -> None:
+    assert "up to date" in fleetless("init", dsn=dsn).stdout
+    r = fleetless("enqueue", "report", '{"month": "2026-11"}', "--max-attempts", "5", "--delay", "5m",
+                  "--queue", "reports", "--priority", "3", "--timeout", "90s", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    job_id = int(r.stdout)
+    row = sql("SELECT kind, payload, max_attempts, queue, priority, timeout_seconds,"
+              " round(extract(epoch FROM run_after - created_at)) FROM fleetless.jobs WHERE id = %s", job_id)
+    assert row == [("report", {"month": "2026-11"}, 5, "reports", 3, 90, 300)]
+    from_stdin = fleetless("enqueue", "greet", "-", input='{"name": "stdin"}', dsn=dsn)
+    assert sql("SELECT payload FROM fleetless.jobs WHERE id = %s", int(from_stdin.stdout)) == [({"name": "stdin"},)]
+    shown = json.loads(fleetless("show", str(job_id), "--json", dsn=dsn).stdout)
+    assert shown["kind"] == "report" and shown["status"] == "pending" and shown["payload"] == {"month": "2026-11"}
+    assert "last_error" in shown and "result" in shown and "claim_token" in shown
+    status = json.loads(fleetless("status", "--json", dsn=dsn).stdout)
+    assert status["by_status"]["pending"] == 2 and status["by_kind"]["report"] == {"pending": 1}
+    listed = json.loads(fleetless("jobs", "--kind", "greet", "--json", dsn=dsn).stdout)
+    assert [j["kind"] for j in listed] == ["greet"]
+    text = fleetless("jobs", "--status", "pending", dsn=dsn).stdout
+    assert "report" in text and "greet" in text
+    assert "pending 2" in fleetless("status", dsn=dsn).stdout
+
+
+def test_run_after_needs_a_zone(dsn: str, queue: Queue, fleetless, sql) -> None:
+    r = fleetless("enqueue", "a", "{}", "--run-after", "2030-01-01T00:00:00Z", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    one_line_error(fleetless("enqueue", "a", "{}", "--run-after", "2030-01-01T00:00:00", dsn=dsn),
+                   "give a time zone")
+    one_line_error(fleetless("enqueue", "a", "{}", "--run-after", "tomorrow", dsn=dsn), "invalid --run-after")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["enqueue", "../etc/passwd", "{}"], "invalid job kind '../etc/passwd'"),
+        (["enqueue", "A B", "{}"], "invalid job kind 'A B'"),
+        (["enqueue", "", "{}"], "invalid job kind ''"),
+        (["enqueue", "a", '{"x": }'], "invalid JSON payload: Expecting value at line 1 column 7"),
+        (["enqueue", "a", '{"x": 1'], "invalid JSON payload: Expecting ',' delimiter"),
+        (["enqueue", "a", "{}", "--max-attempts", "0"], "max_attempts must be an integer from 1 to 1000"),
+        (["enqueue", "a", "{}", "--delay", "soon"], "invalid duration 'soon'"),
+        (["enqueue", "a", "{}", "--priority", "x"], "'x' is not a valid integer"),
+        (["enqueue", "a", "{}", "--queue", "a b"], "invalid queue name"),
+        (["show", "999"], "no job with id 999"),
+        (["show", "abc"], "'abc' is not a valid integer"),
+        (["show", "1; DROP TABLE fleetless.jobs"], "is not a valid integer"),
+        (["retry"], "give a JOB_ID or --all-dead"),
+        (["cancel", "999"], "no job with id 999"),
+        (["jobs", "--status", "weird"], "unknown status 'weird'"),
+        (["drain", "--handlers", "/nonexistent"], "handlers directory /nonexistent does not exist"),
+        (["drain", "--handlers", "/tmp", "--concurrency", "0"], "--concurrency must be at least 1"),
+        (["drain", "--handlers", "/tmp", "--sandbox", "docker"], "'docker' is not one of"),
+        (["drain", "--handlers", "/tmp", "--memory", "lots"], "invalid size 'lots'"),
+        (["drain", "--handlers", "/tmp", "--pass-env", "1BAD"], "invalid --pass-env '1BAD'"),
+        (["--schema", "x; drop", "status"], "invalid schema name"),
+        (["nonsense"], "No such command 'nonsense'"),
+    ],
+)
+def test_bad_input_gets_a_one_line_error_and_writes_nothing(dsn: str, queue: Queue, fleetless, sql,
+                                                            args: list[str], fragment: str) -> None:
+    one_line_error(fleetless(*args, dsn=dsn), fragment)
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(0,)]
+
+
+def test_an_uninitialised_schema_is_named(dsn: str, queue: Queue, fleetless) -> None:
+    one_line_error(fleetless("--schema", "never_made", "status", dsn=dsn),
+                   "schema never_made is not initialised: run 'fleetless init'")
+
+
+def test_retry_cancel_reap_prune(dsn: str, queue: Queue, fleetless, sql) -> None:
+    a = queue.enqueue("a", {}, max_attempts=1)
+    b = queue.enqueue("b", {})
+    (job,) = queue.claim(1)
+    queue.fail(job, "boom", delay=0)
+    assert fleetless("retry", str(a), dsn=dsn).stdout.strip() == "retried 1 job(s): 1"
+    assert json.loads(fleetless("cancel", str(b), "--json", dsn=dsn).stdout) == {"cancelled": b}
+    one_line_error(fleetless("cancel", str(b), dsn=dsn), f"job {b} is cancelled; only pending jobs")
+    (job,) = queue.claim(1)
+    sql("UPDATE fleetless.jobs SET locked_at = now() - interval '2 hours' WHERE id = %s", a)
+    assert "reaped 0" in fleetless("reap", dsn=dsn).stdout
+    assert "reaped 1" in fleetless("reap", "--older-than", "30m", dsn=dsn).stdout
+    assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", a) == [("dead",)]  # it had 2 of 2
+    assert json.loads(fleetless("retry", "--all-dead", "--json", dsn=dsn).stdout) == {"retried": [a]}
+    sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days' WHERE id = %s", b)
+    assert "pruned 1" in fleetless("prune", "--older-than", "7d", dsn=dsn).stdout
+
+
+def test_drain_prints_a_one_line_summary(dsn: str, queue: Queue, fleetless, handlers) -> None:
+    h = handlers(**{"ok.py": "print('fine')", "bad.py": "raise SystemExit(2)"})
+    queue.enqueue("ok", {})
+    queue.enqueue("bad", {}, max_attempts=1)
+    r = fleetless("drain", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().startswith("drained: claimed 2, done 1, retried 0, dead 1 in ")
