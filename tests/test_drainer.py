@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fleetless import Queue, RetryPolicy
-from fleetless.drainer import DrainConfig, DrainError, Drainer
+from fleetless.drainer import DrainConfig, Drainer, DrainError
 
 
 @pytest.fixture(autouse=True)
@@ -189,7 +189,7 @@ def test_max_runtime_stops_claiming_and_finishes_what_it_holds(queue: Queue, han
 
 def test_a_missing_handlers_directory_touches_no_job(queue: Queue, sql, tmp_path: Path) -> None:
     queue.enqueue("a", {})
-    with pytest.raises(DrainError, match="handlers directory .* does not exist"):
+    with pytest.raises(DrainError, match=r"handlers directory .* does not exist"):
         drain(queue, tmp_path / "nope")
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
 
@@ -217,7 +217,7 @@ def test_a_sandbox_that_breaks_mid_drain_returns_the_claim_without_charging_an_a
     h = handlers(**{"a.py": "print(1)"})
     queue.enqueue_many([("a", {})] * 3)
     monkeypatch.setattr(_workspace, "create", disk_full)
-    with pytest.raises(DrainError, match="sandbox error .*No space left on device"):
+    with pytest.raises(DrainError, match=r"sandbox error .*No space left on device"):
         drain(queue, h, concurrency=1)
     rows = sql("SELECT status, attempts, last_error FROM fleetless.jobs ORDER BY id")
     assert rows[0][:2] == ("pending", 0) and "No space left" in str(rows[0][2])

@@ -14,7 +14,7 @@ import click
 
 from . import db
 from ._units import parse_duration, parse_size
-from .drainer import DrainConfig, DrainError, Drainer
+from .drainer import DrainConfig, Drainer, DrainError
 from .job import parse_payload_json
 from .queue import JobNotFound, Queue
 from .retry import RetryPolicy
@@ -163,7 +163,8 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
                     network=kw["network"] == "on")
     return DrainConfig(
         handlers_dir=kw["handlers_dir"], queues=tuple(kw["queues"]) or None, batch=kw["batch"],
-        concurrency=kw["concurrency"] if kw["concurrency"] is not None else os.cpu_count() or 1, max_runtime=kw["max_runtime"],
+        concurrency=kw["concurrency"] if kw["concurrency"] is not None else os.cpu_count() or 1,
+        max_runtime=kw["max_runtime"],
         timeout=kw["timeout"], ttl=kw["ttl"], lease_grace=kw["lease_grace"],
         shutdown_grace=kw["shutdown_grace"],
         retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
@@ -174,7 +175,7 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
 @cli.command()
 @drain_options
 @click.pass_context
-def drain(ctx: click.Context, **kw: Any) -> None:
+def drain(ctx: click.Context, /, **kw: Any) -> None:
     """Reap, claim and run due jobs, one sandbox each; exit when nothing is claimable."""
     config = _drain_config(kw)
     drainer = Drainer(_queue(ctx), config)

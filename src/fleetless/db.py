@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from functools import cache
 from importlib import resources
+from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -61,16 +62,16 @@ def _migrations() -> list[tuple[int, str, str]]:
     return sorted(found)
 
 
-def connect(dsn: str, **kwargs: object) -> psycopg.Connection[object]:
+def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
     """A connection, with the error said in one line when the server cannot be reached."""
     try:
-        return psycopg.connect(dsn, **kwargs)  # type: ignore[arg-type]
+        return psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConnectionError(f"cannot connect to the database: {first}") from None
 
 
-def migrate(conn: psycopg.Connection[object], schema: str = DEFAULT_SCHEMA) -> list[int]:
+def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[int]:
     """Create or upgrade the schema. Idempotent, safe to run concurrently; commits.
 
     Returns the versions applied by this call."""

@@ -8,6 +8,7 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from importlib import resources
 from pathlib import Path
@@ -32,7 +33,7 @@ def burst(n_jobs: int) -> list[dict[str, object]]:
         {"kind": "slow", "payload": {}, "max_attempts": 1, "timeout": 2},
         {"kind": "resize-image", "payload": {"path": "cat.png"}},
     ]
-    makers = [
+    makers: list[Callable[[int], dict[str, object]]] = [
         lambda i: {"kind": "greet", "payload": {"name": f"user {i}"}},
         lambda i: {"kind": "word-count", "payload": {"text": texts[i % len(texts)]}},
         lambda i: {"kind": "checksum", "payload": {"invoice": 1000 + i}},

@@ -14,11 +14,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Literal
+from typing import Literal, TypeVar
 
 import psycopg
 
@@ -31,6 +32,7 @@ from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, 
 __all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "describe_failure", "job_env"]
 
 log = logging.getLogger("fleetless.drainer")
+T = TypeVar("T")
 
 #: How long the drainer keeps trying to reach a database that went away before giving up.
 DB_RETRY_SECONDS = 30.0
@@ -209,9 +211,7 @@ class Drainer:
                     if claiming:
                         while len(running) < self.config.concurrency:
                             want = min(self.config.batch, self.config.concurrency - len(running))
-                            jobs = self._db(lambda want=want: self.queue.claim(
-                                want, queues=self.config.queues, default_timeout=self.config.timeout,
-                                ttl=self.config.ttl, lease_grace=self.config.lease_grace))
+                            jobs = self._claim(want)
                             self.summary.claimed += len(jobs)
                             for job in jobs:
                                 running[pool.submit(self._execute, job)] = job
@@ -232,6 +232,11 @@ class Drainer:
             raise DrainError(self._fatal)
         return self.summary
 
+    def _claim(self, n: int) -> list[Job]:
+        c = self.config
+        return self._db(lambda: self.queue.claim(
+            n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=c.lease_grace))
+
     def _maintenance(self) -> None:
         reaped = self._db(self.queue.reap)
         self.summary.reaped = len(reaped)
@@ -250,7 +255,7 @@ class Drainer:
                 if sbx is not None:
                     sbx.kill()
 
-    def _db(self, call):  # type: ignore[no-untyped-def]
+    def _db(self, call: Callable[[], T]) -> T:
         """Run a queue call, riding out a database restart for up to DB_RETRY_SECONDS."""
         deadline = time.monotonic() + DB_RETRY_SECONDS
         delay = 0.2

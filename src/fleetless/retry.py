@@ -30,5 +30,5 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
         exp = min(attempt, 60)  # 2**60 minutes is already forever; avoid float overflow
-        backoff = min((2**exp) * self.base_seconds, self.max_delay_seconds)
+        backoff = min((2.0**exp) * self.base_seconds, self.max_delay_seconds)
         return backoff + random.uniform(0, self.max_jitter_seconds)

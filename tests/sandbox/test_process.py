@@ -54,8 +54,9 @@ def test_payload_in_stdout_out_exit_code_and_stderr(hdir: Path) -> None:
 
 def test_only_the_template_environment_reaches_the_job(hdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DATABASE_URL", "postgresql://secret")
-    r, ws = run(hdir, "import os; print(sorted(os.environ.items()))", env={"PATH": "/usr/bin", "LANG": "C.UTF-8", "ONLY": "1"})
-    assert r.stdout.strip() == str(sorted({"PATH": "/usr/bin", "LANG": "C.UTF-8", "ONLY": "1", "HOME": ws}.items()))
+    env = {"PATH": "/usr/bin", "LANG": "C.UTF-8", "ONLY": "1"}
+    r, ws = run(hdir, "import os; print(sorted(os.environ.items()))", env=env)
+    assert r.stdout.strip() == str(sorted({**env, "HOME": ws}.items()))
 
 
 def test_address_space_limit_stops_a_memory_bomb(hdir: Path) -> None:

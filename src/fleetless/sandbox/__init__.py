@@ -104,6 +104,7 @@ class Sandbox(ABC):
     @classmethod
     def check(cls) -> None:
         """Raise :class:`SandboxUnavailable` with the reason if this backend cannot run here."""
+        return None
 
     @classmethod
     def sweep(cls) -> int:

@@ -108,7 +108,7 @@ def main() -> None:
             for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(signum, signal.SIG_DFL)
             os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
-        except BaseException as exc:  # noqa: BLE001 - report exec failure the shell's way
+        except BaseException as exc:
             os.write(2, f"fleetless: cannot run {spec['argv'][0]}: {exc}\n".encode())
             os._exit(127)
     while True:
