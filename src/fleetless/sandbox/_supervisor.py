@@ -3,17 +3,17 @@
 It is the job's parent and a child subreaper, so every descendant of the job, even one that
 called setsid() and double-forked, is re-parented to it and can be found and killed. It dies
 with the drainer (parent-death signal), and then kills the job's whole tree and removes the
-workspace on its way out. It reports the job's wait status on a pipe (fd given in the spec).
+workspace on its way out. It reports the job's wait status on a pipe (STATUS_FD).
 
-Spec (JSON, argv[1]): {"argv": [...], "env": {...}, "cwd": str, "status_fd": int,
-"rlimits": {"RLIMIT_AS": n, ...}, "workspace": str}
+Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
+    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS -- ARGV...
+where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"); the job gets this process's environment
+and working directory.
 """
 
 import ctypes
-import json
 import os
 import resource
-import shutil
 import signal
 import sys
 
@@ -75,12 +75,15 @@ def _reap_all() -> None:
 
 
 def main() -> None:
-    spec = json.loads(sys.argv[1])
-    workspace = spec.get("workspace")
+    status_fd, workspace, rlimits_arg, sep, *argv = sys.argv[1:]
+    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS -- ARGV..."
+    rlimits = [item.split("=") for item in rlimits_arg.split(",")] if rlimits_arg != "-" else []
 
     def die(signum: int, frame: object) -> None:
         _kill_tree()
         if workspace:
+            import shutil
+
             shutil.rmtree(workspace, ignore_errors=True)
         os._exit(128 + signum)
 
@@ -91,25 +94,24 @@ def main() -> None:
         die(signal.SIGTERM, None)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
-    status_fd = int(spec["status_fd"])
+    fd = int(status_fd)
     pid = os.fork()
     if pid == 0:
         try:
-            os.close(status_fd)
+            os.close(fd)
             os.setsid()
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            for name, value in spec.get("rlimits", {}).items():
+            for name, value in rlimits:
                 limit = int(value)
                 # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
                 hard = limit + 1 if name == "RLIMIT_CPU" else limit
                 resource.setrlimit(getattr(resource, name), (limit, hard))
-            os.chdir(spec["cwd"])
             # Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: restore them.
             for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
                 signal.signal(signum, signal.SIG_DFL)
-            os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
-        except BaseException as exc:
-            os.write(2, f"fleetless: cannot run {spec['argv'][0]}: {exc}\n".encode())
+            os.execvp(argv[0], argv)
+        except BaseException as exc:  # report an exec failure the shell's way
+            os.write(2, f"fleetless: cannot run {argv[0]}: {exc}\n".encode())
             os._exit(127)
     while True:
         try:
@@ -118,8 +120,8 @@ def main() -> None:
         except InterruptedError:
             continue
     _kill_tree()  # whatever the job left behind dies with it
-    os.write(status_fd, str(status).encode())
-    os.close(status_fd)
+    os.write(fd, str(status).encode())
+    os.close(fd)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ and the network are the drainer user's. Use ``bwrap`` or ``microvm`` for untrust
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -93,22 +92,17 @@ class ProcessSandbox(Sandbox):
         )
         rlimits = rlimits_for(self._template, timeout_seconds)
         status_r, status_w = os.pipe()
-        spec = {
-            "argv": list(argv),
-            "env": {"HOME": self.workspace_path, **self._template.env},
-            "cwd": self.workspace_path,
-            "status_fd": status_w,
-            "rlimits": rlimits,
-            "workspace": self.workspace_path,
-        }
+        limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
         try:
             self._proc = proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _SUPERVISOR, json.dumps(spec)],
+                [sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
+                 "--", *argv],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(status_w,),
-                env={},
+                cwd=self.workspace_path,
+                env={"HOME": self.workspace_path, **self._template.env},
             )
         finally:
             os.close(status_w)
