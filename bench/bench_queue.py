@@ -19,9 +19,9 @@ from pathlib import Path
 import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, scratch_db, spread, timed  # noqa: E402
+from _common import median, scratch_db, spread, timed
 
-from fleetless import Queue  # noqa: E402
+from fleetless import Queue
 
 RAW_DDL = """
 DROP TABLE IF EXISTS raw_jobs;

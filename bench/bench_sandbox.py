@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, spread  # noqa: E402
+from _common import median, spread
 
-from fleetless.sandbox import Limits, Template, default_python, get_backend  # noqa: E402
+from fleetless.sandbox import Limits, Template, default_python, get_backend
 
 
 def main() -> None:
