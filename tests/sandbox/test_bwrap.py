@@ -1,0 +1,608 @@
+"""The bwrap tier against the real bubblewrap and this host's real cgroups (no mocks).
+
+Every handler is written by its test into ``tmp_path``. No test sends a packet to anything but
+loopback: network checks read /proc/net and /sys/class/net inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, cgroups
+from fleetless.sandbox import bwrap as bw
+from fleetless.sandbox.bwrap import BwrapSandbox
+
+MiB = 1024 * 1024
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+
+try:
+    BwrapSandbox.check()
+    _unavailable = ""
+except SandboxUnavailable as exc:
+    _unavailable = str(exc)
+
+pytestmark = pytest.mark.skipif(bool(_unavailable), reason=f"bwrap cannot run here: {_unavailable}")
+
+needs_cgroups = pytest.mark.skipif(
+    not (cgroups.available().memory and cgroups.available().pids),
+    reason="no writable memory/pids cgroup (not root, or not delegated)",
+)
+
+
+@pytest.fixture
+def handlers(tmp_path: Path) -> Callable[..., Path]:
+    folder = tmp_path / "handlers"
+    folder.mkdir()
+
+    def write(**files: str) -> Path:
+        for name, source in files.items():
+            path = folder / name
+            path.write_text(textwrap.dedent(source).lstrip())
+            path.chmod(0o755)
+        return folder
+
+    return write
+
+
+@pytest.fixture
+def sandboxes() -> Iterator[list[BwrapSandbox]]:
+    made: list[BwrapSandbox] = []
+    yield made
+    for s in made:
+        s.kill()
+
+
+def make(
+    sandboxes: list[BwrapSandbox], folder: Path, ttl: float = 60, env: dict[str, str] | None = None, **limits: object
+) -> BwrapSandbox:
+    sbx = BwrapSandbox.create(Template(folder, Limits(**limits), dict(ENV if env is None else env)), ttl)  # type: ignore[arg-type]
+    sandboxes.append(sbx)
+    return sbx
+
+
+def run_py(sbx: BwrapSandbox, kind: str, payload: object = None, timeout: float = 20) -> ExecResult:
+    sbx.write("payload.json", json.dumps(payload))
+    return sbx.exec([sbx.python, f"{sbx.handlers_path}/{kind}.py", f"{sbx.workspace_path}/payload.json"], timeout)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host pids whose command line contains ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+# -- results ------------------------------------------------------------------------------------
+def test_payload_round_trip_and_stdout_result(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(
+        **{
+            "echo.py": """
+            import json, os, sys
+            payload = json.load(open(sys.argv[1]))
+            print(json.dumps({"doubled": payload["n"] * 2, "cwd": os.getcwd(), "argv1": sys.argv[1]}))
+            """
+        }
+    )
+    sbx = make(sandboxes, folder)
+    r = run_py(sbx, "echo", {"n": 21})
+    assert r.ok, r
+    assert json.loads(r.stdout) == {"doubled": 42, "cwd": "/workspace", "argv1": "/workspace/payload.json"}
+    assert r.killed is None and r.duration > 0
+
+
+def test_exit_1_keeps_stderr_tail(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(
+        **{
+            "fail.py": """
+            import sys
+            sys.stderr.write("noise\\n" * 50000)
+            raise SystemExit("boom: the real error")
+            """
+        }
+    )
+    r = run_py(make(sandboxes, folder), "fail")
+    assert r.exit_code == 1 and r.killed is None and not r.ok
+    assert r.stderr.rstrip().endswith("boom: the real error")
+    assert len(r.stderr) <= 64 * 1024
+
+
+def test_executable_handlers_with_shebang(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(
+        shell='#!/bin/sh\necho "sh got $(cat "$1")"\n',
+        envpy='#!/usr/bin/env python3\nimport sys\nprint("py got", open(sys.argv[1]).read())\n',
+    )
+    sbx = make(sandboxes, folder)
+    sbx.write("payload.json", "42")
+    r = sbx.exec([f"{sbx.handlers_path}/shell", f"{sbx.workspace_path}/payload.json"], 10)
+    assert r.ok and r.stdout == "sh got 42\n", r
+    r = sbx.exec([f"{sbx.handlers_path}/envpy", f"{sbx.workspace_path}/payload.json"], 10)
+    assert r.ok and r.stdout == "py got 42\n", r
+
+
+def test_missing_handler_is_a_failed_job_not_an_exception(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
+) -> None:
+    sbx = make(sandboxes, handlers())
+    r = sbx.exec([f"{sbx.handlers_path}/nope", "x"], 10)
+    assert r.exit_code != 0 and r.killed is None
+    assert "nope" in r.stderr
+
+
+# -- identity and privileges -------------------------------------------------------------------
+def test_runs_as_65534_without_capabilities_even_as_root(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
+) -> None:
+    folder = handlers(
+        **{
+            "who.py": """
+            import ctypes, json, os
+            status = dict(l.split(":\\t", 1) for l in open("/proc/self/status").read().splitlines() if ":\\t" in l)
+            libc = ctypes.CDLL(None, use_errno=True)
+            userns = libc.unshare(0x10000000)  # CLONE_NEWUSER
+            print(json.dumps({"uid": os.getuid(), "euid": os.geteuid(), "gid": os.getgid(),
+                "groups": os.getgroups(), "CapEff": status["CapEff"].strip(), "CapPrm": status["CapPrm"].strip(),
+                "CapBnd": status["CapBnd"].strip(), "NoNewPrivs": status["NoNewPrivs"].strip(),
+                "userns": userns, "errno": ctypes.get_errno(), "pid": os.getpid(),
+                "hostname": os.uname().nodename}))
+            """
+        }
+    )
+    r = run_py(make(sandboxes, folder), "who")
+    assert r.ok, r
+    info = json.loads(r.stdout)
+    assert info["uid"] == info["euid"] == info["gid"] == 65534
+    assert info["CapEff"] == info["CapPrm"] == info["CapBnd"] == "0000000000000000"
+    assert info["NoNewPrivs"] == "1"
+    assert info["userns"] == -1  # nested user namespaces are disabled
+    assert info["pid"] < 10  # its own pid namespace
+    assert info["hostname"] == "fleetless"
+    if os.getuid() == 0:
+        assert os.getuid() == 0  # the point: the drainer (this test) is root, the job is not
+
+
+def test_cannot_read_host_secrets_or_drainer_environment(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = f"hunter2-{uuid.uuid4().hex}"
+    monkeypatch.setenv("DATABASE_URL", f"postgresql://app:{secret}@db/prod")
+    monkeypatch.setenv("SECRET", secret)
+    folder = handlers(
+        **{
+            "snoop.py": """
+            import json, os, sys
+            secret = sys.argv[2]
+            out = {"env": dict(os.environ)}
+            for path in ["/root", "/etc/shadow", "/home", "/proc/1/environ", "/etc/passwd", "/work"]:
+                try:
+                    if os.path.isdir(path):
+                        out[path] = "listed: " + ",".join(os.listdir(path))
+                    else:
+                        data = open(path, "rb").read()
+                        out[path] = "SECRET FOUND" if secret.encode() in data else "read, no secret"
+                except OSError as exc:
+                    out[path] = type(exc).__name__
+            leaks = []
+            for pid in os.listdir("/proc"):
+                if pid.isdigit():
+                    for f in ("environ", "cmdline"):
+                        try:
+                            if secret.encode() in open(f"/proc/{pid}/{f}", "rb").read():
+                                leaks.append(f"{pid}/{f}")
+                        except OSError:
+                            pass
+            out["leaks"] = leaks
+            out["etc"] = sorted(os.listdir("/etc"))
+            print(json.dumps(out))
+            """
+        }
+    )
+    snoop = folder / "snoop.py"  # the secret in two halves: neither the file nor argv contains it
+    snoop.write_text(snoop.read_text().replace("secret = sys.argv[2]", f"secret = {secret[:8]!r} + {secret[8:]!r}"))
+    r = run_py(make(sandboxes, folder), "snoop")
+    assert r.ok, r
+    out = json.loads(r.stdout)
+    assert secret not in r.stdout
+    assert set(out["env"]) <= {*ENV, "PWD", "LC_CTYPE"}, out["env"]
+    assert out["/root"] == "FileNotFoundError"
+    assert out["/etc/shadow"] == "FileNotFoundError"
+    assert out["/home"] == "FileNotFoundError"
+    assert out["/work"] == "FileNotFoundError"
+    assert out["/proc/1/environ"] in ("read, no secret", "PermissionError")
+    assert out["/etc/passwd"] == "read, no secret"
+    assert out["leaks"] == []
+    assert "shadow" not in out["etc"] and "gshadow" not in out["etc"]
+
+
+def test_cannot_see_another_jobs_workspace(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(
+        **{
+            "peek.py": """
+            import json, sys
+            target = json.load(open(sys.argv[1]))["path"]
+            try:
+                print("READ " + open(target).read())
+            except OSError as exc:
+                print(type(exc).__name__)
+            """
+        }
+    )
+    first = make(sandboxes, folder)
+    second = make(sandboxes, folder)
+    first.write("secret.txt", "first job's data")
+    assert first.host_workspace is not None and second.host_workspace is not None
+    assert first.host_workspace != second.host_workspace
+    r = run_py(second, "peek", {"path": str(first.host_workspace / "secret.txt")})
+    assert r.ok and r.stdout.strip() == "FileNotFoundError", r
+    assert (first.host_workspace.stat().st_mode & 0o077) == 0  # and not readable by other host users
+
+
+def test_read_only_system_and_handlers_writable_workspace_and_tmp(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
+) -> None:
+    folder = handlers(
+        **{
+            "write.py": """
+            import json, os
+            out = {}
+            for path in ["/usr/evil", "/usr/bin/python3", "/handlers/write.py", "/handlers/new.py", "/etc/passwd",
+                         "/workspace/out.txt", "/tmp/scratch", "/dev/shm/x"]:
+                try:
+                    with open(path, "a") as f:
+                        f.write("x")
+                    out[path] = "written"
+                except OSError as exc:
+                    out[path] = type(exc).__name__
+            try:
+                os.chmod("/handlers/write.py", 0o777)
+                out["chmod"] = "changed"
+            except OSError as exc:
+                out["chmod"] = type(exc).__name__
+            print(json.dumps(out))
+            """
+        }
+    )
+    sbx = make(sandboxes, folder)
+    r = run_py(sbx, "write")
+    assert r.ok, r
+    out = json.loads(r.stdout)
+    for path in ["/usr/evil", "/usr/bin/python3", "/handlers/write.py", "/handlers/new.py", "/etc/passwd"]:
+        assert out[path] in ("OSError", "PermissionError"), (path, out)
+    assert out["chmod"] in ("OSError", "PermissionError")
+    assert out["/workspace/out.txt"] == out["/tmp/scratch"] == out["/dev/shm/x"] == "written"
+    assert sbx.host_workspace is not None and (sbx.host_workspace / "out.txt").read_text() == "x"
+    assert not (folder / "new.py").exists()
+
+
+def test_tmp_is_size_capped(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(
+        **{
+            "fill.py": """
+            import errno
+            try:
+                with open("/tmp/big", "wb") as f:
+                    for _ in range(64):
+                        f.write(b"x" * (1 << 20))
+                print("wrote 64 MiB")
+            except OSError as exc:
+                print(errno.errorcode[exc.errno])
+            """
+        }
+    )
+    r = run_py(make(sandboxes, folder, tmp_bytes=8 * MiB), "fill")
+    assert r.ok and r.stdout.strip() == "ENOSPC", r
+
+
+# -- network -----------------------------------------------------------------------------------
+NET_PROBE = """
+import errno, json, os, socket
+out = {"dev": [l.split(":")[0].strip() for l in open("/proc/net/dev").read().splitlines()[2:]],
+       "routes": open("/proc/net/route").read().splitlines()[1:],
+       "sys": sorted(os.listdir("/sys/class/net")) if os.path.isdir("/sys/class/net") else None}
+s = socket.socket()
+s.settimeout(3)
+try:
+    s.connect(("127.0.0.1", 5432))
+    out["pg"] = "connected"
+except OSError as exc:
+    out["pg"] = errno.errorcode.get(exc.errno or 0, str(exc))
+print(json.dumps(out))
+"""
+
+
+def test_no_network_but_loopback(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    r = run_py(make(sandboxes, handlers(**{"net.py": NET_PROBE})), "net")
+    assert r.ok, r
+    out = json.loads(r.stdout)
+    assert out["dev"] == ["lo"]
+    assert out["routes"] == []
+    assert out["sys"] in (None, ["lo"])
+    assert out["pg"] in ("ECONNREFUSED", "ENETUNREACH")  # the host's PostgreSQL is not reachable
+
+
+def test_network_shared_only_when_allowed(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    host_ifaces = [line.split(":")[0].strip() for line in Path("/proc/net/dev").read_text().splitlines()[2:]]
+    if host_ifaces == ["lo"]:
+        pytest.skip("the host has no interface but lo")
+    r = run_py(make(sandboxes, handlers(**{"net.py": NET_PROBE}), network=True), "net")
+    assert r.ok, r
+    out = json.loads(r.stdout)
+    assert sorted(out["dev"]) == sorted(host_ifaces)  # read only: no packet is sent anywhere but lo
+
+
+# -- limits and kills --------------------------------------------------------------------------
+@needs_cgroups
+def test_memory_bomb_is_killed_by_the_memory_limit(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
+) -> None:
+    folder = handlers(
+        **{
+            "bomb.py": """
+            hog = []
+            for _ in range(4096):  # 4 GiB, every page touched
+                hog.append(b"x" * (1 << 20))
+            print("survived")
+            """
+        }
+    )
+    r = run_py(make(sandboxes, folder, memory_bytes=64 * MiB), "bomb", timeout=30)
+    assert r.killed == "killed: memory limit 64 MiB exceeded", r
+    assert r.exit_code == -signal.SIGKILL and "survived" not in r.stdout
+    assert r.duration < 20
+
+
+@needs_cgroups
+def test_fork_bomb_is_contained_by_the_pids_limit(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(
+        **{
+            "forkbomb.py": """
+            import os, time
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    time.sleep(0.01)
+            """
+        }
+    )
+    sbx = make(sandboxes, folder, pids=32)
+    cg = sbx.cgroup
+    assert cg is not None
+    r = run_py(sbx, "forkbomb", timeout=3)
+    assert r.killed is not None and r.killed.startswith("killed: pids limit 32 reached"), r
+    assert r.duration < 10
+    assert cg.pids() == set()  # the whole tree is gone
+    # the host is fine: it can still start processes
+    assert subprocess.run(["true"]).returncode == 0
+
+
+def test_busy_loop_past_timeout(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(**{"spin.py": "while True:\n    pass\n"})
+    r = run_py(make(sandboxes, folder), "spin", timeout=1)
+    assert r.killed == "killed: timeout after 1 s", r
+    assert r.exit_code == -signal.SIGKILL
+    assert 0.9 < r.duration < 4
+
+
+def test_cpu_time_rlimit(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(**{"spin.py": "while True:\n    pass\n"})
+    r = run_py(make(sandboxes, folder, cpu_seconds=1), "spin", timeout=20)
+    assert r.killed == "killed: cpu time limit 1 s exceeded", r
+
+
+def test_ttl_expiry(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    folder = handlers(**{"sleep.py": "import time\ntime.sleep(30)\n"})
+    sbx = make(sandboxes, folder, ttl=1.5)
+    r = run_py(sbx, "sleep", timeout=20)
+    assert r.killed == "killed: ttl of 1.5 s expired", r
+    assert r.duration < 5
+    r = run_py(sbx, "sleep", timeout=20)  # the TTL is over: nothing runs any more
+    assert r.killed == "killed: ttl of 1.5 s expired" and r.duration == 0
+
+
+SETSID_DAEMON = """
+import os, subprocess, sys
+marker = sys.argv[2]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)", marker])
+    os._exit(0)
+os.wait()
+print("daemon started", flush=True)
+if len(sys.argv) > 3:
+    import time
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_setsid_grandchild_does_not_survive_the_job(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
+) -> None:
+    marker = f"fleetless-marker-{uuid.uuid4().hex}"
+    sbx = make(sandboxes, handlers(**{"daemon.py": SETSID_DAEMON}))
+    sbx.write("payload.json", "{}")
+    r = sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", marker], 20)
+    assert r.ok and "daemon started" in r.stdout, r
+    assert r.duration < 5  # the daemon holding stdout did not keep exec waiting
+    assert wait_until(lambda: not processes_with(marker), 3), processes_with(marker)
+
+
+def test_kill_removes_processes_workspace_and_cgroups(
+    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
+) -> None:
+    marker = f"fleetless-marker-{uuid.uuid4().hex}"
+    sbx = make(sandboxes, handlers(**{"daemon.py": SETSID_DAEMON}))
+    sbx.write("payload.json", "{}")
+    ws = sbx.host_workspace
+    cg_dirs = list(sbx.cgroup.dirs) if sbx.cgroup else []
+    assert ws is not None and ws.is_dir()
+    assert all(d.is_dir() for d in cg_dirs)
+    results: list[ExecResult] = []
+    t = threading.Thread(
+        target=lambda: results.append(
+            sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", marker, "60"], 60)
+        )
+    )
+    t.start()
+    assert wait_until(lambda: len(processes_with(marker)) >= 2, 10)  # job and daemon both run
+    started = time.monotonic()
+    sbx.kill()  # cancel from another thread, as the drainer does
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - started < 5
+    assert results[0].killed == "killed: sandbox destroyed", results[0]
+    assert processes_with(marker) == []
+    assert not ws.exists()
+    assert not any(d.exists() for d in cg_dirs)
+    sbx.kill()  # idempotent
+    r = sbx.exec(["/bin/true"], 5)
+    assert r.killed == "killed: sandbox destroyed"
+
+
+def test_create_then_kill_without_exec_leaves_nothing(handlers: Callable[..., Path]) -> None:
+    sbx = BwrapSandbox.create(Template(handlers(), Limits(), ENV))
+    ws = sbx.host_workspace
+    cg_dirs = list(sbx.cgroup.dirs) if sbx.cgroup else []
+    sbx.kill()
+    assert ws is not None and not ws.exists()
+    assert not any(d.exists() for d in cg_dirs)
+
+
+PARENT = """
+import json, sys
+sys.path.insert(0, {src!r})
+from pathlib import Path
+from fleetless.sandbox import Limits, Template
+from fleetless.sandbox.bwrap import BwrapSandbox
+sbx = BwrapSandbox.create(Template(Path({folder!r}), Limits(), {{"PATH": "/usr/bin:/bin"}}), 600)
+sbx.write("payload.json", "{{}}")
+print(json.dumps({{"workspace": str(sbx.host_workspace),
+                  "cgroups": [str(d) for d in sbx.cgroup.dirs] if sbx.cgroup else []}}), flush=True)
+sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", {marker!r}, "600"], 600)
+"""
+
+
+def test_drainer_sigkill_kills_the_job_and_sweep_cleans_up(handlers: Callable[..., Path]) -> None:
+    marker = f"fleetless-marker-{uuid.uuid4().hex}"
+    folder = handlers(**{"daemon.py": SETSID_DAEMON})
+    code = PARENT.format(src=SRC, folder=str(folder), marker=marker)
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        info = json.loads(parent.stdout.readline())
+        assert wait_until(lambda: len(processes_with(marker)) >= 2, 15), "job did not start"
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert wait_until(lambda: not processes_with(marker), 5), processes_with(marker)
+    workspace = Path(info["workspace"])
+    dirs = [Path(d) for d in info["cgroups"]]
+    assert workspace.exists()  # nobody removed them yet...
+    removed = bw.sweep()
+    assert removed >= 1
+    assert not workspace.exists()  # ...sweep() did
+    assert not any(d.exists() for d in dirs)
+    leftovers = [p for d in dirs for p in d.parent.glob(f"{cgroups.PREFIX}{parent.pid}-*")]
+    assert leftovers == []  # its prepared (pooled) groups too
+
+
+# -- host compatibility ------------------------------------------------------------------------
+def test_enforced_caps_and_check() -> None:
+    BwrapSandbox.check()
+    caps = bw.enforced_caps()
+    assert caps[-1].startswith("rlimits")
+    if os.getuid() == 0 and cgroups.available().memory:
+        mode = cgroups.available().layout.mode
+        assert f"memory (cgroup {mode})" in caps
+
+
+def test_venv_interpreter_outside_usr_is_bound(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
+    real = os.path.realpath(sys.executable)
+    if real.startswith("/usr/"):
+        pytest.skip("the test interpreter lives under /usr")
+    folder = handlers(**{"ver.py": "import sys\nprint(sys.prefix, sys.version_info[:2] >= (3, 11))\n"})
+    sbx = BwrapSandbox.create(Template(folder, Limits(), ENV, python=sys.executable))
+    sandboxes.append(sbx)
+    r = run_py(sbx, "ver")
+    assert r.ok and r.stdout.split() == [sys.prefix, "True"], r
+
+
+NONROOT = """
+import json, logging, os, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+from pathlib import Path
+from fleetless.sandbox import Limits, Template
+from fleetless.sandbox.bwrap import BwrapSandbox
+sbx = BwrapSandbox.create(Template(Path({folder!r}), Limits(), {{"PATH": "/usr/bin:/bin"}}), 60)
+sbx.write("payload.json", "{{}}")
+r = sbx.exec([sbx.python, "/handlers/own.py", "/workspace/payload.json"], 20)
+out = (sbx.host_workspace / "made-by-job").stat()
+print(json.dumps({{"r": [r.exit_code, r.stdout, r.stderr, r.killed], "owner": out.st_uid, "me": os.getuid()}}))
+sbx.kill()
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a drainer as another user")
+def test_non_root_drainer_uid_mapping_and_rlimit_fallback() -> None:
+    """A drainer running as an unprivileged user (65534 here): bwrap makes an unprivileged user
+    namespace, the job is 65534 inside and can write its workspace; no cgroup is writable, so it
+    says once which caps it still enforces."""
+    folder = Path(tempfile.mkdtemp(prefix="fleetless-nonroot-"))
+    workdir = Path(tempfile.mkdtemp(prefix="fleetless-nonroot-ws-"))
+    try:
+        folder.chmod(0o755)
+        os.chown(workdir, 65534, 65534)
+        (folder / "own.py").write_text(
+            "import os\nopen('/workspace/made-by-job', 'w').write('x')\nprint(os.getuid(), os.getgid())\n"
+        )
+        site = [p for p in sys.path if p.endswith("site-packages")]
+        env = {"PYTHONPATH": ":".join([SRC, *site]), "FLEETLESS_WORKDIR": str(workdir), "PATH": "/usr/bin:/bin"}
+        code = NONROOT.format(folder=str(folder))
+        p = subprocess.run(
+            ["/usr/bin/python3", "-c", code],
+            capture_output=True,
+            text=True,
+            env=env,
+            user=65534,
+            group=65534,
+            timeout=60,
+        )
+        if "cannot create namespaces" in p.stderr or "SandboxUnavailable" in p.stderr:
+            pytest.skip(f"unprivileged user namespaces are not available: {p.stderr[-300:]}")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        assert out["r"][0] == 0 and out["r"][1].strip() == "65534 65534", out
+        assert out["owner"] == out["me"] == 65534  # the job's files belong to the drainer's user
+        assert "enforcing only" in p.stderr and "rlimits" in p.stderr  # said once which caps hold
+    finally:
+        subprocess.run(["rm", "-rf", str(folder), str(workdir)], check=False)
