@@ -44,9 +44,8 @@ def _probe(name: str, handlers: Path) -> tuple[bool, str]:
     except Exception as exc:
         return False, f"trivial job failed: {exc}"
     detail = f"trivial job end to end {statistics.median(times) * 1000:.0f} ms"
-    extra = getattr(backend, "describe", None)
-    if callable(extra):
-        detail += f"; {extra()}"
+    if backend.describe():
+        detail += f"; {backend.describe()}"
     return True, detail
 
 

@@ -107,6 +107,11 @@ class Sandbox(ABC):
         return None
 
     @classmethod
+    def describe(cls) -> str:
+        """One line for ``fleetless doctor``: what this backend enforces here."""
+        return ""
+
+    @classmethod
     def sweep(cls) -> int:
         """Remove what sandboxes of drainers that died left behind; returns how many.
 

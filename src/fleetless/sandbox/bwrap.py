@@ -460,7 +460,7 @@ class BwrapSandbox(Sandbox):
             self.kill()
             raise
         args = [binary, *_isolation_args(limits.network)]
-        for key, value in template.env.items():
+        for key, value in {"HOME": WORKSPACE, **template.env}.items():
             args += ["--setenv", key, value]
         args += _system_args(limits.network)
         args += ["--ro-bind", str(etc), "/etc"]
@@ -475,6 +475,14 @@ class BwrapSandbox(Sandbox):
         binary, reason = _probe()
         if binary is None:
             raise SandboxUnavailable(reason)
+
+    @classmethod
+    def sweep(cls) -> int:
+        return sweep()
+
+    @classmethod
+    def describe(cls) -> str:
+        return "enforces: " + "; ".join(enforced_caps())
 
     @classmethod
     def create(cls, template: Template, ttl_seconds: float = 900) -> BwrapSandbox:

@@ -488,6 +488,10 @@ class MicroVMSandbox(Sandbox):
         load_image()
 
     @classmethod
+    def describe(cls) -> str:
+        return f"accelerator: {accel()}"
+
+    @classmethod
     def accel(cls) -> str:
         """Which accelerator the VMs run with here: ``"kvm"`` or ``"tcg"``."""
         return accel()
@@ -518,7 +522,7 @@ class MicroVMSandbox(Sandbox):
             rlimits["FSIZE"] = limits.file_size_bytes
         cpu = limits.cpu_seconds if limits.cpu_seconds is not None else math.ceil(timeout) + 5
         rlimits["CPU"] = cpu
-        return GuestJob(list(argv), dict(self.template.env), timeout, dict(self.files),
+        return GuestJob(list(argv), {"HOME": self.workspace_path, **self.template.env}, timeout, dict(self.files),
                         limits.stdout_bytes, limits.stderr_bytes, rlimits)
 
     def memory_mib(self) -> int:
