@@ -13,14 +13,14 @@ from psycopg import sql
 __all__ = ["DEFAULT_SCHEMA", "connect", "migrate", "queries", "validate_schema_name"]
 
 DEFAULT_SCHEMA = "fleetless"
-_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # fullmatch: "$" matches before a final "\n"
 _NAME_RE = re.compile(r"^-- name: (\S+)\s*$", re.MULTILINE)
 # Any number; fixed so that concurrent `init`s serialise instead of racing on CREATE.
 _MIGRATION_LOCK = 0x666C656574
 
 
 def validate_schema_name(schema: str) -> str:
-    if not _SCHEMA_RE.match(schema):
+    if not _SCHEMA_RE.fullmatch(schema):
         raise ValueError(
             f"invalid schema name {schema!r}: use lower-case letters, digits and _ (max 63)"
         )
