@@ -21,8 +21,12 @@ __all__ = [
 #: Default cap on an encoded payload. Payloads are arguments, not data: put blobs elsewhere.
 MAX_PAYLOAD_BYTES = 1024 * 1024
 
-_KIND_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-_QUEUE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+# Used with fullmatch: a "$" would also match before a trailing newline ("abc\n").
+_KIND_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+_QUEUE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
+# A JSON \u0000 escape, i.e. a NUL character: preceded by an even number of backslashes (the text
+# \\u0000, a backslash then "u0000", is not one).
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 class Status(StrEnum):
@@ -50,7 +54,7 @@ class Job:
 
 def validate_kind(kind: object) -> str:
     """A kind becomes a file name in the handlers directory, so it is held to a strict pattern."""
-    if not isinstance(kind, str) or not _KIND_RE.match(kind) or ".." in kind:
+    if not isinstance(kind, str) or not _KIND_RE.fullmatch(kind) or ".." in kind:
         raise ValueError(
             f"invalid job kind {kind!r}: use 1-64 of a-z 0-9 _ . - starting with a letter or digit,"
             " without '..'"
@@ -59,7 +63,7 @@ def validate_kind(kind: object) -> str:
 
 
 def validate_queue_name(queue: object) -> str:
-    if not isinstance(queue, str) or not _QUEUE_RE.match(queue):
+    if not isinstance(queue, str) or not _QUEUE_RE.fullmatch(queue):
         raise ValueError(
             f"invalid queue name {queue!r}: use 1-64 of A-Z a-z 0-9 _ . : - starting with a letter or digit"
         )
@@ -74,7 +78,8 @@ def encode_payload(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> str:
         raise ValueError(f"payload is not JSON-serialisable: {exc}") from None
     except RecursionError:
         raise ValueError("payload is nested too deeply to encode") from None
-    if "\x00" in text or "\\u0000" in text:
+    _check_keys(payload)
+    if "\x00" in text or _NUL_ESCAPE.search(text):
         raise ValueError("payload contains a NUL character (\\u0000), which jsonb cannot store")
     try:
         size = len(text.encode("utf-8"))
@@ -85,6 +90,21 @@ def encode_payload(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> str:
     if size > max_bytes:
         raise ValueError(f"payload is {size} bytes, over the limit of {max_bytes} bytes")
     return text
+
+
+def _check_keys(payload: Any) -> None:
+    """json.dumps turns the keys 1, None and True into "1", "null" and "true" without a word: the
+    payload would not read back as written, and {1: "a", "1": "b"} would silently lose a value."""
+    stack = [payload]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"payload keys must be strings, not {type(key).__name__} {key!r}")
+                stack.append(item)
+        elif isinstance(value, list | tuple):
+            stack.extend(value)
 
 
 def parse_payload_json(text: str) -> Any:
