@@ -47,7 +47,10 @@ def clean_text(text: str | None, limit: int, *, keep: str = "head") -> str | Non
 def _as_float(value: float | dt.timedelta | None, what: str) -> float | None:
     if value is None:
         return None
-    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else float(value)
+    try:
+        seconds = value.total_seconds() if isinstance(value, dt.timedelta) else float(value)
+    except (OverflowError, TypeError, ValueError):  # 10**400, "soon", [1]
+        raise ValueError(f"{what} must be a finite number of seconds, not {value!r:.40}") from None
     if seconds != seconds or seconds in (float("inf"), float("-inf")):
         raise ValueError(f"{what} must be a finite number of seconds")
     return seconds
@@ -151,6 +154,11 @@ class Queue:
             raise ValueError("give run_after or delay, not both")
         if run_after is not None and (not isinstance(run_after, dt.datetime) or run_after.tzinfo is None):
             raise ValueError("run_after must be a timezone-aware datetime")
+        if run_after is not None:
+            try:  # PostgreSQL would store it, but it could not be read back into a datetime
+                run_after.astimezone(dt.UTC)
+            except OverflowError:
+                raise ValueError(f"run_after {run_after.isoformat()} is outside years 1-9999 in UTC") from None
         delay_s = _as_float(delay, "delay") or 0.0
         if not 0 <= delay_s <= 100 * 365 * 86400:
             raise ValueError(f"delay must be from 0 to 100 years in seconds, not {delay_s!r}")
