@@ -15,7 +15,7 @@ import click
 from . import db
 from ._units import parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
-from .job import parse_payload_json
+from .job import MAX_PAYLOAD_BYTES, parse_payload_json
 from .queue import JobNotFound, Queue
 from .retry import RetryPolicy
 from .sandbox import Limits, SandboxUnavailable, available_backends
@@ -31,11 +31,11 @@ def _fail(message: str) -> NoReturn:
     raise Fail(message)
 
 
-def _queue(ctx: click.Context) -> Queue:
+def _queue(ctx: click.Context, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Queue:
     obj = ctx.obj
     if not obj["dsn"]:
         _fail("no database given: set DATABASE_URL or pass --database-url")
-    return Queue(obj["dsn"], schema=obj["schema"])
+    return Queue(obj["dsn"], schema=obj["schema"], max_payload_bytes=max_payload_bytes)
 
 
 def _echo_json(data: Any) -> None:
@@ -102,9 +102,13 @@ def init(ctx: click.Context) -> None:
 @click.option("--queue", "queue_name", default="default", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--timeout", callback=_duration, help="Overrides the drainer's --timeout for this job.")
+@click.option("--max-payload-bytes", "max_payload", callback=_size, default="1M", show_default=True,
+              envvar="FLEETLESS_MAX_PAYLOAD_BYTES",
+              help="Refuse a payload larger than this once encoded [env FLEETLESS_MAX_PAYLOAD_BYTES].")
 @click.pass_context
 def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int, delay: float | None,
-            run_after: str | None, queue_name: str, priority: int, timeout: float | None) -> None:
+            run_after: str | None, queue_name: str, priority: int, timeout: float | None,
+            max_payload: int) -> None:
     """Add a job; PAYLOAD_JSON '-' reads standard input. Prints the new id."""
     text = sys.stdin.read() if payload_json == "-" else payload_json
     payload = parse_payload_json(text)
@@ -116,9 +120,17 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int,
             _fail(f"invalid --run-after {run_after!r}: use ISO 8601, e.g. 2026-12-01T02:00:00Z")
         if when.tzinfo is None:
             _fail(f"invalid --run-after {run_after!r}: give a time zone (Z or +hh:mm)")
-    q = _queue(ctx)
-    click.echo(q.enqueue(kind, payload, max_attempts=max_attempts, run_after=when, delay=delay,
-                         queue=queue_name, priority=priority, timeout=timeout))
+    if max_payload < 1:
+        raise click.BadParameter("must be at least 1 byte", param_hint="--max-payload-bytes")
+    q = _queue(ctx, max_payload_bytes=max_payload)
+    try:
+        job_id = q.enqueue(kind, payload, max_attempts=max_attempts, run_after=when, delay=delay,
+                           queue=queue_name, priority=priority, timeout=timeout)
+    except ValueError as exc:
+        if "over the limit" in str(exc):
+            _fail(f"{exc} (raise it with --max-payload-bytes or FLEETLESS_MAX_PAYLOAD_BYTES)")
+        raise
+    click.echo(job_id)
 
 
 def drain_options(f: F) -> F:
