@@ -263,11 +263,11 @@ class Drainer:
             try:
                 return call()
             except (psycopg.OperationalError, ConnectionError) as exc:
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 if time.monotonic() + delay > deadline:
-                    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                     self._fatal = f"lost the database connection: {first}"
                     raise DrainError(self._fatal) from None
-                log.warning("database unavailable (%s); retrying", str(exc).strip().splitlines()[:1])
+                log.warning("database unavailable (%s); retrying", first)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
@@ -304,7 +304,8 @@ class Drainer:
 
     def _finish(self, job: Job, outcome: _Outcome) -> None:
         s = self.summary
-        if job.id in self._aborted:
+        ended_on_its_own = outcome.what == "ran" and outcome.result is not None and outcome.result.killed is None
+        if job.id in self._aborted and not ended_on_its_own:  # one that ended keeps its outcome
             reason = "released: the drainer stopped before the job finished"
             if self._db(lambda: self.queue.release(job, reason)):
                 s.released += 1
