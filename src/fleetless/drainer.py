@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -195,6 +196,7 @@ class Drainer:
             self._handlers_dir = handlers.check_dir(self.config.handlers_dir)
             self._template = replace(self._template, handlers_dir=self._handlers_dir)
             self._backend.check()
+            self._check_python()
         except (handlers.HandlersDirError, SandboxUnavailable) as exc:
             raise DrainError(str(exc)) from None
         self._maintenance()
@@ -231,6 +233,19 @@ class Drainer:
         if self._fatal:
             raise DrainError(self._fatal)
         return self.summary
+
+    def _check_python(self) -> None:
+        """The process tier runs ``*.py`` handlers with the host's ``--python``: one that is not
+        there would fail every such job and spend its attempts, so refuse it before claiming.
+        (bwrap checks it itself; the microvm's interpreter is a path inside the guest.)"""
+        python = self.config.python
+        if python is None or self.config.sandbox != "process":
+            return
+        path = self._passed_env.get("PATH", DEFAULT_PATH)
+        if shutil.which(python, path=path) is None:
+            raise SandboxUnavailable(
+                f"cannot use {python} as the handler interpreter: no executable file by that name"
+                + ("" if "/" in python else f" on PATH {path}"))
 
     def _claim(self, n: int) -> list[Job]:
         c = self.config
