@@ -102,3 +102,23 @@ def _fleetless(*args: str, dsn: str | None = None, input: str | None = None,
 def fleetless() -> Callable[..., subprocess.CompletedProcess[str]]:
     """``fleetless(*args, dsn=..., input=...)`` runs the real CLI as a user would."""
     return _fleetless
+
+
+def _require_tier(name: str) -> None:
+    """Skip, with the reason, when a sandbox tier cannot run here, unless the environment says it
+    must (``FLEETLESS_REQUIRE_TIERS=bwrap,microvm``, as CI does): then fail."""
+    from fleetless.sandbox import SandboxUnavailable, get_backend
+
+    try:
+        get_backend(name).check()
+    except SandboxUnavailable as exc:
+        required = {t.strip() for t in os.environ.get("FLEETLESS_REQUIRE_TIERS", "").split(",")}
+        if name in required:
+            pytest.fail(f"sandbox tier {name} is required here but unavailable: {exc}")
+        pytest.skip(f"sandbox tier {name} unavailable: {exc}")
+
+
+@pytest.fixture
+def require_tier() -> Callable[[str], None]:
+    """``require_tier("bwrap")``: skip (or, where CI requires the tier, fail) if it cannot run."""
+    return _require_tier

@@ -42,13 +42,15 @@ def remove(path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
         return False
-    except PermissionError:
+    except OSError:
         return True
-    return True
+    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
 
 
 def sweep() -> int:

@@ -29,6 +29,7 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -427,6 +428,27 @@ class _Pool:
 _pool = _Pool(size=2)
 atexit.register(_pool.close)
 
+_watchdog_lock = threading.Lock()
+_watchdog: tuple[int, int, subprocess.Popen[bytes]] | None = None  # (owner pid, pipe write end, proc)
+
+
+def _ensure_watchdog() -> None:
+    """Start this drainer process's watchdog (once): when the drainer dies, however, it kills and
+    removes the per-job cgroups and workspaces its sandboxes left (see ``_watchdog.py``)."""
+    global _watchdog
+    with _watchdog_lock:
+        if _watchdog is not None and _watchdog[0] == os.getpid() and _watchdog[2].poll() is None:
+            return
+        read_end, write_end = os.pipe()  # both close-on-exec: no child inherits the write end
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fleetless.sandbox._watchdog", str(os.getpid())],
+                stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True,
+            )
+        finally:
+            os.close(read_end)
+        _watchdog = (os.getpid(), write_end, proc)
+
 
 class BwrapSandbox(Sandbox):
     name: ClassVar[str] = "bwrap"
@@ -492,6 +514,7 @@ class BwrapSandbox(Sandbox):
         if not template.handlers_dir.is_dir():
             raise SandboxUnavailable(f"handlers directory {template.handlers_dir} does not exist")
         _warn_once()
+        _ensure_watchdog()
         return cls(template, ttl_seconds, binary)
 
     @property

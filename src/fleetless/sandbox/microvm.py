@@ -535,9 +535,9 @@ class MicroVMSandbox(Sandbox):
 
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         ttl_deadline = self.created + self.ttl_seconds
-        ttl_msg = f"ttl of {_fmt_seconds(self.ttl_seconds)} s expired"
+        ttl_msg = f"killed: ttl of {_fmt_seconds(self.ttl_seconds)} s expired"
         if self._killed:
-            return ExecResult(-signal.SIGKILL, "", "", 0.0, "sandbox was killed")
+            return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         if time.monotonic() >= ttl_deadline:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, ttl_msg)
         job = self._guest_job(argv, timeout_seconds)
@@ -564,19 +564,19 @@ class MicroVMSandbox(Sandbox):
             stderr = res.stderr.decode(errors="replace")
             killed = None
             if res.timed_out:
-                killed = f"timeout after {_fmt_seconds(timeout_seconds)} s"
+                killed = f"killed: timeout after {_fmt_seconds(timeout_seconds)} s"
             elif res.oom:
-                killed = f"memory limit {mem} MiB exceeded"
+                killed = f"killed: memory limit {mem} MiB exceeded"
             return ExecResult(res.exit_code, stdout, stderr, wall, killed)
         if out.failure == "ttl":
             killed = ttl_msg
         elif out.failure == "deadline":
-            killed = f"timeout after {_fmt_seconds(timeout_seconds)} s" if out.boot is not None \
-                else f"vm did not boot within {_fmt_seconds(BOOT_TIMEOUT)} s"
+            killed = f"killed: timeout after {_fmt_seconds(timeout_seconds)} s" if out.boot is not None \
+                else f"killed: vm did not boot within {_fmt_seconds(BOOT_TIMEOUT)} s"
         elif out.failure == "killed":
-            killed = "sandbox was killed"
+            killed = "killed: sandbox destroyed"
         else:
-            killed = f"vm failed: {out.failure}"
+            killed = f"killed: vm failed: {out.failure}"
         detail = f"fleetless microvm: {killed}" + (f" ({out.detail})" if out.detail else "")
         return ExecResult(-signal.SIGKILL, "", detail[-limits.stderr_bytes:], wall, killed)
 
