@@ -134,7 +134,6 @@ def test_timeout_kills_the_vm(tmp_path: Path) -> None:
         print("started", flush=True)
         time.sleep(600)
     """)
-    before = _qemu_pids()
     started = time.monotonic()
     sbx, res = _run_py(h, "slow", b"{}", timeout=2)
     elapsed = time.monotonic() - started
@@ -143,7 +142,7 @@ def test_timeout_kills_the_vm(tmp_path: Path) -> None:
     assert res.stdout == "started\n"
     assert elapsed < 30
     assert sbx.last_boot is not None and not _alive(sbx.last_boot.pid)  # this VM's qemu is gone
-    assert _qemu_pids() <= before or all(not _alive(p) for p in _qemu_pids() - before if p == sbx.last_boot.pid)
+    # (not "no new qemu at all": other VMs may be booting on the same machine)
 
 
 @pytest.fixture(scope="module")
