@@ -236,10 +236,14 @@ class SystemCluster:
     def stop(self) -> None:
         self._ctl("stop")
 
+    @staticmethod
+    def ready() -> bool:
+        return subprocess.run(["pg_isready", "-h", "127.0.0.1", "-q"]).returncode == 0
+
     def start(self) -> None:
-        self._ctl("start")
-        wait_for(lambda: subprocess.run(["pg_isready", "-h", "127.0.0.1", "-q"]).returncode == 0, timeout=60,
-                 what="the server to accept connections", interval=0.2)
+        if not self.ready():
+            self._ctl("start")
+        wait_for(self.ready, timeout=60, what="the server to accept connections", interval=0.2)
 
 
 @pytest.fixture(params=["private", "system"])
