@@ -401,3 +401,29 @@ def test_a_handler_writing_1_gib_to_stdout_is_done_with_64_kib_and_flat_drainer_
     assert (status_, length, result) == ("done", 65536, "fleetless\nfleetless\n")
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT octet_length(result) FROM fleetless.jobs").fetchone() == (65536,)
+
+
+def test_a_jobs_output_cannot_drive_the_operators_terminal(dsn: str, queue: Queue, sql: Sql, handlers: Any,
+                                                           fleetless: Any, tmp_path: Path) -> None:
+    # A job's stdout and stderr become result and last_error, which `jobs` and `show` print. Escape
+    # sequences in them could retitle, clear or recolour the terminal, write the clipboard (OSC 52),
+    # or hide text behind a carriage return.
+    h = handlers(evil=r"""
+        #!/bin/sh
+        printf 'result \033]52;c;cHduZWQ=\007\033[2J\rfake\n'
+        printf 'boom \033[8mhidden\033[0m\r\033]0;title\007\tend\n' >&2
+        exit 1
+    """)
+    job_id = queue.enqueue("evil", {}, max_attempts=1)
+    r = fleetless("drain", "--handlers", str(h), dsn=dsn, env={"FLEETLESS_WORKDIR": str(tmp_path / "w")})
+    assert r.returncode == 0, r.stderr
+    stored = sql("SELECT status, result, last_error FROM fleetless.jobs")[0]
+    assert stored[0] == "dead" and "\x1b]52;" in str(stored[1]) and "\x1b[8m" in str(stored[2])  # kept as is
+    for args in (["jobs"], ["jobs", "--status", "dead"], ["show", str(job_id)], ["show", str(job_id), "--json"],
+                 ["jobs", "--json"]):
+        out = fleetless(*args, dsn=dsn)
+        assert out.returncode == 0, out.stderr
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", out.stdout), (args, out.stdout)
+    shown = fleetless("show", str(job_id), dsn=dsn).stdout
+    assert "result \\x1b]52;c;cHduZWQ=\\x07\\x1b[2J\\x0dfake" in shown
+    assert "boom \\x1b[8mhidden\\x1b[0m\\x0d\\x1b]0;title\\x07\tend" in shown

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -238,8 +239,19 @@ def status(ctx: click.Context, as_json: bool) -> None:
             click.echo(kind.ljust(width) + "".join(str(counts.get(st, 0)).rjust(10) for st in statuses))
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """A job's own output (result, last_error) made safe for the operator's terminal: control
+    characters other than tab and newline are shown as \\xNN, so escape sequences cannot retitle,
+    clear or recolour it, write its clipboard, or hide text behind a carriage return."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    cells = [[("" if r[c] is None else str(r[c])).replace("\n", " ")[:60] for c in columns] for r in rows]
+    cells = [[_printable(("" if r[c] is None else str(r[c])).replace("\n", " ").replace("\t", " "))[:60]
+              for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for row in cells:
@@ -276,11 +288,11 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
     for key, value in row.items():
         if key in ("last_error", "result") and value:
             click.echo(f"{key}:")
-            click.echo("  " + str(value).rstrip().replace("\n", "\n  "))
+            click.echo("  " + _printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key == "payload":
             click.echo(f"{key}: {json.dumps(value)}")
         else:
-            click.echo(f"{key}: {'' if value is None else value}")
+            click.echo(f"{key}: {'' if value is None else _printable(str(value))}")
 
 
 @cli.command()
