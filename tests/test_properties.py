@@ -378,6 +378,18 @@ def test_cli_payload_size_limit_is_configurable_with_a_clear_error(dsn: str, que
 
 # -- results -------------------------------------------------------------------------------------
 
+def drain_measured(dsn: str, handlers_dir: Path, workdir: Path) -> float:
+    """Run ``fleetless drain`` and return its max RSS in MiB (its own and its waited-for children's)."""
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(handlers_dir)],
+                            env={**os.environ, "DATABASE_URL": dsn, "FLEETLESS_WORKDIR": str(workdir)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err
+    return usage.ru_maxrss / 1024
+
+
 def test_a_handler_writing_1_gib_to_stdout_is_done_with_64_kib_and_flat_drainer_memory(
         dsn: str, queue: Queue, sql: Sql, handlers: Any, tmp_path: Path, record_property: Any) -> None:
     h = handlers(loud="""
@@ -386,14 +398,7 @@ def test_a_handler_writing_1_gib_to_stdout_is_done_with_64_kib_and_flat_drainer_
     """)
     queue.enqueue("loud", {})
     started = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h)],
-                            env={**os.environ, "DATABASE_URL": dsn, "FLEETLESS_WORKDIR": str(tmp_path / "w")},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)  # the drainer's rusage, with its waited-for children's
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    _, err = proc.communicate()
-    assert proc.returncode == 0, err
-    max_rss_mib = usage.ru_maxrss / 1024
+    max_rss_mib = drain_measured(dsn, h, tmp_path / "w")
     record_property("drainer_max_rss_mib_for_1gib_stdout", round(max_rss_mib, 1))
     print(f"\n1 GiB of stdout drained in {time.monotonic() - started:.1f} s; max RSS {max_rss_mib:.0f} MiB")
     assert max_rss_mib < 200
@@ -401,6 +406,23 @@ def test_a_handler_writing_1_gib_to_stdout_is_done_with_64_kib_and_flat_drainer_
     assert (status_, length, result) == ("done", 65536, "fleetless\nfleetless\n")
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT octet_length(result) FROM fleetless.jobs").fetchone() == (65536,)
+
+
+def test_a_handler_writing_1_gib_to_stderr_fails_with_its_tail_and_flat_drainer_memory(
+        dsn: str, queue: Queue, sql: Sql, handlers: Any, tmp_path: Path, record_property: Any) -> None:
+    h = handlers(noisy="""
+        #!/bin/sh
+        yes 'noise' | head -c 1073741824 >&2
+        echo 'the real cause' >&2
+        exit 4
+    """)
+    queue.enqueue("noisy", {}, max_attempts=1)
+    max_rss_mib = drain_measured(dsn, h, tmp_path / "w")
+    record_property("drainer_max_rss_mib_for_1gib_stderr", round(max_rss_mib, 1))
+    assert max_rss_mib < 200
+    ((status_, error),) = sql("SELECT status, last_error FROM fleetless.jobs")
+    assert status_ == "dead" and len(str(error)) == 2000
+    assert str(error).startswith("exit code 4\n") and str(error).endswith("noise\nnoisthe real cause")  # 2**30 % 6 = 4
 
 
 def test_a_jobs_output_cannot_drive_the_operators_terminal(dsn: str, queue: Queue, sql: Sql, handlers: Any,
