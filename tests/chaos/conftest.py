@@ -1,7 +1,7 @@
 """Helpers for the chaos tests: real ``fleetless drain`` processes against a real database, killed,
 cut off from PostgreSQL or stopped, with a log of every execution kept outside the sandbox.
 
-``FLEETLESS_SOAK=1`` makes the long tests long (the issue's full size and more)."""
+``FLEETLESS_SOAK=1`` runs the kill test at the issue's full size: 20 SIGKILLs over 2,000 jobs."""
 
 from __future__ import annotations
 

@@ -16,9 +16,11 @@ from fleetless import Queue
 
 from .conftest import SOAK, Drain, executions, processes_mentioning, wait_for
 
-# The issue asks for 20 kills over 2,000 jobs: the default keeps the 20 kills over 1,000 jobs, to fit
-# the suite in its time on a 2-core machine; FLEETLESS_SOAK=1 goes well past it.
-JOBS, KILLS = (10_000, 100) if SOAK else (1_000, 20)
+# The issue asks for 20 kills over 2,000 jobs (FLEETLESS_SOAK=1); by default the 20 kills come over
+# 1,000 jobs, to fit the suite in its time on a 2-core machine. FLEETLESS_CHAOS_JOBS and
+# FLEETLESS_CHAOS_KILLS set any other size.
+JOBS = int(os.environ.get("FLEETLESS_CHAOS_JOBS", 2_000 if SOAK else 1_000))
+KILLS = int(os.environ.get("FLEETLESS_CHAOS_KILLS", 20))
 DRAINERS, CONCURRENCY = 3, 2
 DRAIN_ARGS = ("--concurrency", str(CONCURRENCY), "--batch", str(CONCURRENCY), "--timeout", "5",
               "--lease-grace", "0", "--backoff-base", "0", "--max-jitter", "0")
@@ -40,7 +42,7 @@ def test_drainers_sigkilled_at_random_lose_no_job_and_every_rerun_is_a_counted_a
     # The k-th kill comes when the done count first passes its threshold, after a random pause.
     thresholds = sorted(rng.sample(range(JOBS * 3 // 100, JOBS * 95 // 100), KILLS))
     started = time.monotonic()
-    deadline = started + (3600 if SOAK else 170)
+    deadline = started + max(170, JOBS / 5)  # ~40 jobs/s here alone, half that under load
 
     def done_count() -> int:
         return int(sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'")[0][0])
