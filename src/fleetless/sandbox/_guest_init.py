@@ -24,6 +24,7 @@ The job's stdout/stderr are pipes read by the runner; it never writes to the cha
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import resource
@@ -37,6 +38,9 @@ from typing import Any
 CHANNEL = "/dev/ttyS1"
 JOBS = "/fleetless/jobs.json"
 MAGIC = "FLEETLESS1"
+F_SETPIPE_SZ = 1031
+#: Size of the job's stdout/stderr pipes and of each read (the kernel's default pipe-max-size).
+PIPE_BYTES = 1 << 20
 NET_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "failover", "net_failover", "virtio_net")
 
 
@@ -135,6 +139,14 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
                 "stderr": base64.b64encode(msg.encode()).decode(), "duration": 0.0,
                 "timed_out": False, "oom": False}
     assert proc.stdout is not None and proc.stderr is not None
+    for pipe in (proc.stdout, proc.stderr):
+        # Big pipes: every read is a round trip through the emulated CPU (TCG), so a job
+        # writing a gigabyte costs ~16x fewer of them than with the default 64 KiB.
+        try:
+            fcntl.fcntl(pipe.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
+        except OSError:
+            pass
+    devnull = os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
     out = bytearray()
     err = bytearray()
     sel = selectors.DefaultSelector()
@@ -155,7 +167,18 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
             kill_all_jobs_but(None)
         events = sel.select(timeout=0.05 if exited else min(max(remaining, 0.0), 0.05))
         for key, _ in events:
-            chunk = os.read(key.fd, 65536)
+            if key.data == "out" and len(out) >= stdout_cap:
+                # Past the cap: drop what the job writes without copying it through Python.
+                try:
+                    if os.splice(key.fd, devnull, PIPE_BYTES, flags=os.SPLICE_F_NONBLOCK):
+                        continue
+                    chunk = b""
+                except BlockingIOError:
+                    continue
+                except (OSError, AttributeError):
+                    chunk = os.read(key.fd, PIPE_BYTES)
+            else:
+                chunk = os.read(key.fd, PIPE_BYTES)
             if not chunk:
                 sel.unregister(key.fileobj)
                 continue
@@ -167,6 +190,7 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
                 if len(err) > stderr_cap:
                     del err[: len(err) - stderr_cap]
     sel.close()
+    os.close(devnull)
     proc.stdout.close()
     proc.stderr.close()
     code = proc.wait()
