@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 
 from fleetless.sandbox import ExecResult, MiB, Sandbox, SandboxUnavailable, Template
 from fleetless.sandbox.microvm_image import CpioWriter, ImageInfo, load_image
+from fleetless.sandbox.process import rlimit_kill_reason
 
 __all__ = ["MIN_MEMORY_MIB", "GuestJob", "MicroVMSandbox", "accel", "boot", "network_mode"]
 
@@ -567,6 +568,8 @@ class MicroVMSandbox(Sandbox):
                 killed = f"killed: timeout after {_fmt_seconds(timeout_seconds)} s"
             elif res.oom:
                 killed = f"killed: memory limit {mem} MiB exceeded"
+            else:  # SIGXCPU / SIGXFSZ from the guest's rlimits, named as the other tiers name them
+                killed = rlimit_kill_reason(res.exit_code, {f"RLIMIT_{k}": v for k, v in job.rlimits.items()})
             return ExecResult(res.exit_code, stdout, stderr, wall, killed)
         if out.failure == "ttl":
             killed = ttl_msg
@@ -577,6 +580,11 @@ class MicroVMSandbox(Sandbox):
             killed = "killed: sandbox destroyed"
         else:
             killed = f"killed: vm failed: {out.failure}"
+        if out.failure in ("ttl", "killed") or (out.failure == "deadline" and out.boot is not None):
+            # The host stopped the VM on purpose: the reason is all there is to say (the kernel
+            # console's tail, e.g. "PCI: Fatal: No config space access function found", is noise
+            # here; it stays in sbx.last_boot for diagnostics).
+            return ExecResult(-signal.SIGKILL, "", "", wall, killed)
         detail = f"fleetless microvm: {killed}" + (f" ({out.detail})" if out.detail else "")
         return ExecResult(-signal.SIGKILL, "", detail[-limits.stderr_bytes:], wall, killed)
 
