@@ -321,8 +321,10 @@ def _exit_code(returncode: int) -> int:
 #: longer than bwrap itself), so a background thread keeps one launcher ready in fresh groups
 #: (see :class:`_Pool`) and a job only pays for the limits it writes. A Python ``preexec_fn`` is
 #: no alternative: it forces a full fork() of the drainer (3-7 ms here). If the drainer dies
-#: before sending the line, ``read`` hits EOF and nothing runs.
-_SHIM_SCRIPT = 'nl=\'\n\'\nread -r line || exit 125\neval "set -- $line"\nexec "$@"\n'
+#: before sending the line, ``read`` hits EOF and nothing runs. The shell exports a ``PWD`` (the
+#: drainer's working directory) of its own accord: unset, so that bwrap, whose environment the job
+#: can read as /proc/1/environ, starts with an empty one.
+_SHIM_SCRIPT = 'nl=\'\n\'\nunset PWD\nread -r line || exit 125\neval "set -- $line"\nexec "$@"\n'
 _SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
 
 
