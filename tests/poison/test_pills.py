@@ -1,0 +1,361 @@
+"""Poison pills, one test per pill per sandbox tier, each through a real drain beside ten
+well-behaved jobs that must all end ``done`` (see conftest.py for how drains run and what
+"nothing left behind" checks).
+
+Every test states what the tier does with the pill: *contained* (killed or denied, and said so in
+the job's row) or, where the tier cannot contain it, *not contained*: the test then asserts that
+the pill succeeded, and docs/isolation.md ("Poison pills") says so too. The process tier runs jobs
+as the drainer's user with the host's filesystem and network: it contains resources, the process
+tree and the environment, not files or the network.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fleetless.sandbox import cgroups
+
+from .conftest import LIMITS, MICROVM_TTL, Context, Outcome, alive, require_tier
+from .pills import HANDLERS
+
+Poison = Callable[..., Outcome]
+ROOT = os.geteuid() == 0
+
+
+def _bwrap_has(controller: str) -> bool:
+    return bool(getattr(cgroups.available(), controller))
+
+
+def _ctx(o: Outcome) -> Context:
+    ctx: Context = o.context["ctx"]
+    return ctx
+
+
+# -- resources ---------------------------------------------------------------------------------
+def test_memory_bomb(tier: str, poison: Poison) -> None:
+    """Allocating 4 GiB (every page written) with a 256 MiB limit.
+
+    process: RLIMIT_AS refuses the allocation; Python says ``MemoryError`` and exits 1.
+    bwrap: the job's memory cgroup OOM-kills it. microvm: the guest's OOM killer (guest RAM =
+    the limit) kills it."""
+    o = poison("memory_bomb")
+    o.assert_contained()
+    row = o["memory_bomb"]
+    assert row.status == "dead" and row.result in (None, ""), row
+    if tier == "process" or (tier == "bwrap" and not _bwrap_has("memory")):
+        assert row.last_error is not None and row.last_error.startswith("exit code 1\n"), row
+        assert row.last_error.endswith("MemoryError"), row
+    else:
+        assert row.last_error == "killed: memory limit 256 MiB exceeded", row
+
+
+def test_fork_bomb(tier: str, poison: Poison) -> None:
+    """``while True: os.fork()`` with pids = 64 and a 2 s timeout.
+
+    bwrap: the pids cgroup refuses forks past 64, and the timeout kills the tree (reported as
+    both). microvm: RLIMIT_NPROC 64 in the guest (the job is the guest's only unprivileged user)
+    refuses forks; the timeout kills the tree.
+
+    process: **not contained by a cap** — the process tier does not limit the number of processes
+    (``Limits.pids`` is ignored; see docs/isolation.md): a fork bomb runs until its timeout, and
+    on a shared host it could exhaust the pid space first. So that this test cannot hurt the host,
+    the pill's first act is to put itself into a pids cgroup of 64 that *the test* made (which a
+    process-tier job can do only because it runs as the drainer's user, root here). What the tier
+    does do is shown: at the timeout its supervisor kills every process of the tree."""
+    if tier == "bwrap" and not _bwrap_has("pids"):
+        pytest.skip("bwrap without a writable pids cgroup does not cap processes (docs/isolation.md); "
+                    "a fork bomb is not run on this host")
+    o = poison("fork_bomb")
+    o.assert_contained()
+    row = o["fork_bomb"]
+    assert row.status == "dead", row
+    if tier == "bwrap":
+        assert row.last_error == f"killed: pids limit {LIMITS.pids} reached (timeout after 2 s)", row
+    else:
+        assert row.last_error == "killed: timeout after 2 s", row
+    if tier == "process":
+        assert o.context["harness_pids_events"] > 0  # it did fork up to the test's cap
+        assert o.context["harness_pids_left"] == set()  # and the supervisor killed all of them
+
+
+def test_busy_loop_past_the_timeout(tier: str, poison: Poison) -> None:
+    """``while True: pass`` with a 2 s timeout: killed at the timeout in every tier."""
+    o = poison("busy_loop")
+    o.assert_contained()
+    row = o["busy_loop"]
+    assert (row.status, row.last_error) == ("dead", "killed: timeout after 2 s"), row
+    assert 1.5 <= (row.finished_at - row.started_at).total_seconds() < (40 if tier == "microvm" else 10)
+
+
+def test_sleep_past_the_ttl(tier: str, poison: Poison) -> None:
+    """A job with a 600 s timeout that sleeps for an hour in a drain whose sandbox TTL is 2 s
+    (microvm: 15 s — a boot takes ~2 s here, so the batch drain's good jobs need more): killed at
+    the TTL, which bounds every job whatever its own timeout."""
+    o = poison("sleep_past_ttl")
+    o.assert_contained()
+    row = o["sleep_past_ttl"]
+    ttl = f"{MICROVM_TTL:g}" if tier == "microvm" else "2"
+    assert (row.status, row.last_error) == ("dead", f"killed: ttl of {ttl} s expired"), row
+    assert (row.finished_at - row.started_at).total_seconds() < float(ttl) + 10
+
+
+def test_segfault(tier: str, poison: Poison) -> None:
+    """A read of address 0: the job dies of SIGSEGV, which is named."""
+    o = poison("segfault")
+    o.assert_contained()
+    row = o["segfault"]
+    assert (row.status, row.last_error) == ("dead", "killed by SIGSEGV"), row
+
+
+def test_one_gib_to_stdout(tier: str, poison: Poison) -> None:
+    """1 GiB written to stdout: the job is done, its result is the first 64 KiB, the rest is read
+    and dropped as it arrives (the drainer's memory stays flat). microvm: the runner drops it in
+    the guest; only 64 KiB cross the serial channel."""
+    o = poison("stdout_1gib")
+    o.assert_contained()
+    row = o["stdout_1gib"]
+    assert row.status == "done" and row.result == "y" * LIMITS.stdout_bytes, (row.status, row.last_error)
+    assert o.rss_growth is not None and o.rss_growth < 64 * 1024 * 1024, o.rss_growth
+    assert (row.finished_at - row.started_at).total_seconds() < (30 if tier == "microvm" else 15)
+
+
+def test_one_gib_file_in_the_workspace(tier: str, poison: Poison) -> None:
+    """``dd`` of 1 GiB into one workspace file with a 64 MiB file size limit: RLIMIT_FSIZE stops it
+    at 64 MiB (SIGXFSZ) in every tier, named as the file size limit."""
+    o = poison("workspace_1gib")
+    o.assert_contained()
+    row = o["workspace_1gib"]
+    assert (row.status, row.last_error) == ("dead", "killed: file size limit 64 MiB exceeded"), row
+
+
+def test_one_gib_in_many_workspace_files(tier: str, poison: Poison) -> None:
+    """1 GiB into the workspace as 32 files of 32 MiB, each under the file size limit.
+
+    microvm: contained — the workspace lives in guest RAM; the guest's root tmpfs fills up and the
+    write fails (``No space left on device``) or the guest OOM killer stops the job.
+
+    process and bwrap: **not contained** — neither caps the total size of a workspace on a
+    disk-backed ``FLEETLESS_WORKDIR`` (no disk quota; see docs/isolation.md): the job writes its
+    1 GiB and is done; the workspace is removed afterwards. (bwrap with the work directory on a
+    tmpfs does contain it: test_one_gib_in_workspace_files_on_a_tmpfs_workdir.)"""
+    o = poison("workspace_1gib_files")
+    o.assert_contained()
+    row = o["workspace_1gib_files"]
+    if tier == "microvm":
+        assert row.status == "dead", row
+        assert row.last_error is not None and (
+            row.last_error.startswith("killed: memory limit 256 MiB exceeded")
+            or "No space left on device" in row.last_error), row
+    else:
+        assert (row.status, row.result) == ("done", "wrote 1024 MiB to the workspace\n"), row
+
+
+@pytest.mark.parametrize("tier", ["bwrap"])
+def test_one_gib_in_workspace_files_on_a_tmpfs_workdir(tier: str, poison: Poison, tmp_path: Path) -> None:
+    """bwrap with ``FLEETLESS_WORKDIR`` on a tmpfs (/dev/shm): what the job writes to its workspace
+    is RAM charged to its memory cgroup, so 1 GiB in files is stopped by the memory limit."""
+    require_tier("bwrap")
+    if not _bwrap_has("memory"):
+        pytest.skip("no writable memory cgroup for bwrap here")
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    workdir = shm / f"fleetless-poison-{os.getpid()}-{tmp_path.name}"
+    try:
+        o = poison("workspace_1gib_files", workdir=workdir)
+        o.assert_contained()
+        row = o["workspace_1gib_files"]
+        assert (row.status, row.last_error) == ("dead", "killed: memory limit 256 MiB exceeded"), row
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+
+# -- files -------------------------------------------------------------------------------------
+def test_write_to_usr_and_the_handler_directory(tier: str, poison: Poison) -> None:
+    """Create a file in /usr, plant a new handler next to its own, append to its own handler.
+
+    bwrap: /usr and /handlers are read-only binds (``Read-only file system``) — also with a
+    root drainer, whose uid the job's 65534 maps to. microvm: the job is uid 65534 in the guest;
+    /usr and /handlers belong to root (``Permission denied``); and nothing of the guest reaches the
+    host anyway.
+
+    process: **not contained** — the job has the drainer's permissions (root here: it writes
+    /usr; any user: it rewrites the handler directory it owns). See docs/isolation.md."""
+    o = poison("write_system")
+    o.assert_contained()
+    row = o["write_system"]
+    ctx = _ctx(o)
+    own = "/handlers/write_system.py" if tier != "process" else str(ctx.handlers / "write_system.py")
+    planted = own.replace("write_system.py", "planted.py")
+    lines = (row.result or "").splitlines()
+    if tier == "process":
+        usr = "written" if ROOT else "denied (Permission denied)"
+        assert lines == [f"{ctx.usr_file}: {usr}", f"{planted}: written", f"{own}: written"], row
+        assert (ctx.handlers / "planted.py").exists()
+        assert row.status == ("done" if ROOT else "dead"), row
+        return
+    reason = "Read-only file system" if tier == "bwrap" else "Permission denied"
+    assert row.status == "dead", row
+    assert lines == [f"{ctx.usr_file}: denied ({reason})", f"{planted}: denied ({reason})",
+                     f"{own}: denied ({reason})"], row
+    assert row.last_error == "exit code 1\n" + "\n".join(lines), row
+    assert not Path(ctx.usr_file).exists() and not (ctx.handlers / "planted.py").exists()
+    assert (ctx.handlers / "write_system.py").read_text() == textwrap.dedent(HANDLERS["write_system.py"]).lstrip()
+
+
+def test_read_etc_shadow_and_root(tier: str, poison: Poison) -> None:
+    """Read /etc/shadow, list /root.
+
+    bwrap: neither exists in the sandbox. microvm: the guest has no /etc/shadow, and its /root is
+    root's (0700).
+
+    process: **not contained** — the job reads what the drainer's user can (root here: both).
+    See docs/isolation.md."""
+    o = poison("read_secrets")
+    o.assert_contained()
+    row = o["read_secrets"]
+    lines = (row.result or "").splitlines()
+    if tier == "process":
+        if ROOT:
+            assert row.status == "done", row
+            assert lines[0].startswith("/etc/shadow: read ") and lines[1].startswith("/root: listed "), row
+        else:
+            assert row.status == "dead" and lines == ["/etc/shadow: denied (Permission denied)",
+                                                      "/root: denied (Permission denied)"], row
+        return
+    root = "No such file or directory" if tier == "bwrap" else "Permission denied"
+    assert lines == ["/etc/shadow: denied (No such file or directory)", f"/root: denied ({root})"], row
+    assert (row.status, row.last_error) == ("dead", "exit code 1\n" + "\n".join(lines)), row
+
+
+def test_read_proc_1_environ_and_the_drainers_environment(tier: str, poison: Poison) -> None:
+    """The drainer's environment holds DATABASE_URL, PGPASSWORD and a secret (process and bwrap:
+    a ``fleetless drain`` process started with them; microvm: the in-process drainer, whose QEMU
+    children inherit them). The job looks in its own environment, /proc/1/environ and every
+    /proc/*/environ it can read.
+
+    Every tier: the job's own environment has none of them (only ``template.env``).
+    bwrap: its /proc shows only its own pid namespace; pid 1 is bwrap's reaper, started with an
+    empty environment. microvm: the guest's /proc holds no host process; pid 1 (the runner) is
+    root's.
+
+    process: **not contained** — the job runs as the drainer's user, so it reads the drainer's
+    /proc/<pid>/environ and finds the secret. See docs/isolation.md."""
+    o = poison("read_environment")
+    o.assert_contained()
+    row = o["read_environment"]
+    ctx = _ctx(o)
+    lines = (row.result or "").splitlines()
+    assert lines[0] == "own environment: none of DATABASE_URL, PGPASSWORD, FLEETLESS_POISON_SECRET", row
+    if tier == "process":
+        assert row.status == "done", row
+        assert any(line.startswith(f"found FLEETLESS_POISON_SECRET={ctx.secret} in /proc/") for line in lines), row
+        return
+    assert row.status == "dead" and ctx.secret not in row.said, row
+    assert lines[-1] == "found no secret", row
+    if tier == "bwrap":  # bwrap's own pid 1, with an empty environment (not even the drainer's PWD)
+        assert lines[1] == "/proc/1/environ: read, variables: none", row
+    else:
+        assert lines[1] == "/proc/1/environ: denied (Permission denied)", row
+    assert row.last_error == "exit code 1\n" + "\n".join(lines), row
+
+
+def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
+    """Two jobs at once: one writes a secret into its workspace and waits; the other looks for it
+    under the host's FLEETLESS_WORKDIR and next to its own workspace, for up to 4 s.
+
+    bwrap: the sibling's workspace is not even visible (each job sees only its own at /workspace;
+    the host's work directory is not mounted). microvm: each job is in its own VM.
+
+    process: **not contained** — every workspace belongs to the drainer's user, so a job lists the
+    work directory next to its own and reads its sibling's files. See docs/isolation.md."""
+    o = poison("sibling_workspace")
+    o.assert_contained()
+    writer, reader = o["sibling_writer"], o["sibling_reader"]
+    ctx = _ctx(o)
+    assert writer.started_at < reader.finished_at and reader.started_at < writer.finished_at  # at once
+    assert writer.status == "done", writer
+    if tier == "process":
+        assert reader.status == "done" and f": {ctx.secret}" in (reader.result or ""), reader
+        assert (reader.result or "").startswith(f"read {ctx.workdir}/ws-"), reader
+        assert (writer.result or "").endswith("the sibling read it\n"), writer
+        return
+    assert reader.status == "dead" and ctx.secret not in reader.said, reader
+    assert reader.last_error is not None and reader.last_error.startswith(
+        "exit code 1\nno sibling workspace visible: nothing matches "), reader
+    assert (writer.result or "").endswith("no sibling came\n"), writer
+
+
+# -- network -----------------------------------------------------------------------------------
+def test_connect_to_the_hosts_postgresql(tier: str, poison: Poison) -> None:
+    """Connect to 127.0.0.1:5432 and log in as postgres (the test server trusts local connections).
+
+    bwrap: the job has its own network namespace; its 127.0.0.1 is its own (``Connection
+    refused``). microvm: no network device at all; the guest's loopback is its own.
+
+    process: **not contained** — the job shares the host's network: it reaches the database the
+    drainer uses (here it even logs in). See docs/isolation.md."""
+    o = poison("connect_postgres")
+    o.assert_contained()
+    row = o["connect_postgres"]
+    if tier == "process":
+        assert row.status == "done" and (row.result or "").startswith("127.0.0.1:5432: connected"), row
+        return
+    assert (row.status, row.last_error) == ("dead", "exit code 1\n127.0.0.1:5432: denied (Connection refused)"), row
+
+
+def _host_network_view(handlers: Path) -> dict[str, object]:
+    """What the network pill sees when run directly on the host (it only reads files)."""
+    out = subprocess.run([sys.executable, str(handlers / "network_probe.py")], capture_output=True, text=True,
+                         timeout=30)
+    view: dict[str, object] = json.loads(out.stdout)
+    return view
+
+
+def test_look_for_a_way_off_the_machine(tier: str, poison: Poison) -> None:
+    """Read /proc/net/dev, /proc/net/route, /proc/net/ipv6_route and /sys/class/net for any
+    interface but lo or any route (no packet is sent).
+
+    bwrap: only ``lo``, no route (own network namespace; no /sys). microvm: only ``lo`` (no
+    network device unless ``limits.network``).
+
+    process: **not contained** — the job sees exactly the host's interfaces and routes. See
+    docs/isolation.md."""
+    o = poison("network_probe")
+    o.assert_contained()
+    row = o["network_probe"]
+    view = json.loads((row.result or "{}").splitlines()[0])
+    if tier == "process":
+        assert row.status == "done", row
+        assert view == _host_network_view(_ctx(o).handlers)
+        return
+    assert (row.status, row.last_error) == (
+        "dead", "exit code 1\ndenied: no interface but lo, no route off the machine"), row
+    assert view["dev"] == ["lo"] and view["routes"] == [] and view["routes6"] == [], view
+    assert view["sys_class_net"] == ("denied (No such file or directory)" if tier == "bwrap" else ["lo"]), view
+
+
+# -- processes ---------------------------------------------------------------------------------
+def test_setsid_grandchild_that_tries_to_outlive_the_job(tier: str, poison: Poison) -> None:
+    """The job starts a daemon (fork, setsid, fork, stdio to /dev/null, exec a 600 s sleep with a
+    marker in its argv) and exits 0. The job is done, and no process of it is left on the host.
+
+    process: the supervisor is a child subreaper; the daemon is re-parented to it and killed when
+    the job exits. bwrap: the daemon is in the job's pid namespace and cgroup, which die with it.
+    microvm: the runner kills every leftover in the guest, and the VM is destroyed."""
+    o = poison("setsid_daemon")
+    o.assert_contained()  # no host process carries the run's marker (argv or environment)
+    row = o["setsid_daemon"]
+    assert row.status == "done" and (row.result or "").startswith("daemon "), row
+    if tier == "process":  # the pid is a host pid
+        assert not alive(int((row.result or "").split()[1]))
