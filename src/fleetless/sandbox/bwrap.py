@@ -488,8 +488,9 @@ class BwrapSandbox(Sandbox):
             args += ["--setenv", key, value]
         args += _system_args(limits.network)
         args += ["--ro-bind", str(etc), "/etc"]
-        args += interp
+        # /tmp first: an interpreter bound from under /tmp (a venv there) must land on top of it
         args += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
+        args += interp
         args += ["--ro-bind", str(template.handlers_dir.resolve()), HANDLERS]
         args += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
         self._args = args
