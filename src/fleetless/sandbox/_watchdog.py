@@ -15,11 +15,7 @@ import os
 import sys
 import time
 
-from . import _workspace, bwrap, cgroups
-
-
-def _gone(pid: int) -> bool:
-    return not cgroups._alive(pid)
+from . import _workspace, bwrap
 
 
 def main() -> None:
@@ -31,7 +27,7 @@ def main() -> None:
         except InterruptedError:
             continue
     deadline = time.monotonic() + 10
-    while not _gone(owner) and time.monotonic() < deadline:
+    while _workspace.pid_alive(owner) and time.monotonic() < deadline:
         time.sleep(0.01)
     bwrap.sweep()
     _workspace.sweep()

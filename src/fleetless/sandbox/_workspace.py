@@ -41,7 +41,7 @@ def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -60,7 +60,7 @@ def sweep() -> int:
         parts = entry.name.split("-")
         if len(parts) < 3 or parts[0] != "ws" or not parts[1].isdigit():
             continue
-        if not _alive(int(parts[1])):
+        if not pid_alive(int(parts[1])):
             remove(entry)
             removed += 1
     return removed

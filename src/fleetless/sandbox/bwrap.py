@@ -217,7 +217,7 @@ def _sweep_etc() -> int:
     for entry in _workspace.root().iterdir():
         parts = entry.name.split("-")
         stale = len(parts) >= 3 and parts[0] == "etc" and parts[1].isdigit()
-        if stale and not _workspace._alive(int(parts[1])):
+        if stale and not _workspace.pid_alive(int(parts[1])):
             shutil.rmtree(entry, ignore_errors=True)
             removed += 1
     return removed

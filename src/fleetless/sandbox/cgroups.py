@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import _workspace
+
 __all__ = [
     "CgroupCaps",
     "JobCgroup",
@@ -497,18 +499,6 @@ def _kill_groups(dirs: list[Path], kill_dir: Path | None, how: str | None) -> No
         time.sleep(0.001)
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie, dead but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] != b"Z"
-
-
 def _owner_pid(name: str) -> int | None:
     """``fleetless-<pid>-<rand>``, ``fleetless-probe-<pid>-<rand>`` or ``fleetless-drainer-<pid>``."""
     if not name.startswith(PREFIX):
@@ -536,7 +526,7 @@ def sweep() -> int:
             continue
         for entry in entries:
             pid = _owner_pid(entry.name)
-            if pid is None or not entry.is_dir() or _alive(pid):
+            if pid is None or not entry.is_dir() or _workspace.pid_alive(pid):
                 continue
             if entry.name.startswith(PREFIX + "drainer-") and _pids_of([entry]):
                 continue  # a drainer leaf still holding processes (e.g. its children): leave it
