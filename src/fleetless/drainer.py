@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -30,7 +29,7 @@ from .queue import Queue
 from .retry import MAX_ERROR_CHARS, RetryPolicy
 from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, get_backend
 
-__all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "describe_failure", "job_env"]
+__all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "base_env", "describe_failure", "job_env"]
 
 log = logging.getLogger("fleetless.drainer")
 T = TypeVar("T")
@@ -136,14 +135,16 @@ def parse_pass_env(items: tuple[str, ...], environ: dict[str, str] | None = None
     return out
 
 
-def job_env(job: Job, passed: dict[str, str]) -> dict[str, str]:
-    """The job's whole environment. Nothing else of the drainer's reaches it."""
-    env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
-    env.update(passed)
-    env.update(
-        FLEETLESS_JOB_ID=str(job.id), FLEETLESS_ATTEMPT=str(job.attempts), FLEETLESS_KIND=job.kind
-    )
-    return env
+def base_env(passed: dict[str, str]) -> dict[str, str]:
+    """What every job of a drain gets: PATH, LANG and what the operator passed. Nothing else of
+    the drainer's environment reaches a job."""
+    return {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **passed}
+
+
+def job_env(job: Job, base: dict[str, str]) -> dict[str, str]:
+    """One job's whole environment: the drain's, plus who it is."""
+    return {**base, "FLEETLESS_JOB_ID": str(job.id), "FLEETLESS_ATTEMPT": str(job.attempts),
+            "FLEETLESS_KIND": job.kind}
 
 
 class Drainer:
@@ -152,14 +153,15 @@ class Drainer:
         self.config = config
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
-        self._passed_env = parse_pass_env(config.pass_env)
+        self._env = base_env(parse_pass_env(config.pass_env))
         self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
         self._fatal: str | None = None
         self._lock = threading.Lock()
         self._sandboxes: dict[int, Sandbox] = {}
         self._aborted: set[int] = set()
         self._handlers_dir = config.handlers_dir
-        self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, python=config.python)
+        self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
+                                  python=config.python)
 
     # -- control -----------------------------------------------------------------------------
 
@@ -196,7 +198,7 @@ class Drainer:
             self._handlers_dir = handlers.check_dir(self.config.handlers_dir)
             self._template = replace(self._template, handlers_dir=self._handlers_dir)
             self._backend.check()
-            self._check_python()
+            self._backend.check_template(self._template)
         except (handlers.HandlersDirError, SandboxUnavailable) as exc:
             raise DrainError(str(exc)) from None
         self._maintenance()
@@ -233,19 +235,6 @@ class Drainer:
         if self._fatal:
             raise DrainError(self._fatal)
         return self.summary
-
-    def _check_python(self) -> None:
-        """The process tier runs ``*.py`` handlers with the host's ``--python``: one that is not
-        there would fail every such job and spend its attempts, so refuse it before claiming.
-        (bwrap checks it itself; the microvm's interpreter is a path inside the guest.)"""
-        python = self.config.python
-        if python is None or self.config.sandbox != "process":
-            return
-        path = self._passed_env.get("PATH", DEFAULT_PATH)
-        if shutil.which(python, path=path) is None:
-            raise SandboxUnavailable(
-                f"cannot use {python} as the handler interpreter: no executable file by that name"
-                + ("" if "/" in python else f" on PATH {path}"))
 
     def _claim(self, n: int) -> list[Job]:
         c = self.config
@@ -297,7 +286,7 @@ class Drainer:
                 error=f"no handler for kind {job.kind!r}: neither {job.kind}.py nor an executable "
                 f"{job.kind} in {self._handlers_dir}",
             )
-        template = replace(self._template, env=job_env(job, self._passed_env))
+        template = replace(self._template, env=job_env(job, self._env))
         timeout = min(float(job.timeout_seconds or self.config.timeout), self.config.ttl)
         sbx: Sandbox | None = None
         try:

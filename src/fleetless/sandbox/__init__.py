@@ -107,6 +107,12 @@ class Sandbox(ABC):
         return None
 
     @classmethod
+    def check_template(cls, template: Template) -> None:
+        """Raise :class:`SandboxUnavailable` if sandboxes cannot be made from ``template`` (checked
+        before a drain claims anything, so an operator's mistake spends no job's attempts)."""
+        return None
+
+    @classmethod
     def describe(cls) -> str:
         """One line for ``fleetless doctor``: what this backend enforces here."""
         return ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,20 @@ class ProcessSandbox(Sandbox):
         self.workspace_path = str(self._workspace)
         self.handlers_path = str(template.handlers_dir.resolve())
         self.python = template.python or default_python()
+
+    @classmethod
+    def check_template(cls, template: Template) -> None:
+        """The handlers' interpreter is the host's: one that is not there would fail every ``.py``
+        job and spend its attempts."""
+        python = template.python
+        if python is None:
+            default_python()
+            return
+        path = template.env.get("PATH", os.defpath)
+        if shutil.which(python, path=path) is None:
+            raise SandboxUnavailable(
+                f"cannot use {python} as the handler interpreter: no executable file by that name"
+                + ("" if "/" in python else f" on PATH {path}"))
 
     @classmethod
     def create(cls, template: Template, ttl_seconds: float = 900) -> ProcessSandbox:
