@@ -61,7 +61,7 @@ def test_a_job_runs_with_its_payload_and_its_stdout_becomes_the_result(queue: Qu
     assert sql("SELECT status, attempts, result, last_error, finished_at IS NOT NULL FROM fleetless.jobs") == [
         ("done", 1, f"Hello, Ada! job {job_id} attempt 1\n", None, True)]
     assert (d.summary.claimed, d.summary.done) == (1, 1)
-    assert list(private_workdir.iterdir()) == []  # every workspace removed
+    assert list(private_workdir.glob("ws-*")) == []  # every workspace removed (hs-*: the handlers snapshot)
 
 
 def test_an_executable_handler_in_any_language_runs_the_same_way(queue: Queue, handlers, sql) -> None:
@@ -277,7 +277,7 @@ def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(ds
     proc.wait()
     job_pids = [int(p.name) for p in pids.iterdir()]
     wait_for(lambda: not any(alive(p) for p in job_pids), timeout=10, what="job processes to die")
-    wait_for(lambda: not any(private_workdir.iterdir()), timeout=10, what="workspace removal")
+    wait_for(lambda: not any(private_workdir.glob("ws-*")), timeout=10, what="workspace removal")
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("running", 1)]
     # The lease (timeout 3 s + grace 0) has not expired yet: nothing to recover.
     early = fleetless("drain", "--handlers", str(h), dsn=dsn)

@@ -189,21 +189,28 @@ def test_write_to_usr_and_the_handler_directory(tier: str, poison: Poison) -> No
     /usr and /handlers belong to root (``Permission denied``); and nothing of the guest reaches the
     host anyway.
 
-    process: **not contained** — the job has the drainer's permissions (root here: it writes
-    /usr; any user: it rewrites the handler directory it owns). See docs/isolation.md."""
+    process: jobs run from a read-only snapshot of the handlers (0555/0444), so the handlers
+    directory itself is never the job's; a non-root job is denied all three. **Not contained** with
+    a root drainer: root ignores modes, so it writes /usr and the snapshot (which later jobs of the
+    same drain would run). See docs/isolation.md."""
     o = poison("write_system")
     o.assert_contained()
     row = o["write_system"]
     ctx = _ctx(o)
-    own = "/handlers/write_system.py" if tier != "process" else str(ctx.handlers / "write_system.py")
-    planted = own.replace("write_system.py", "planted.py")
-    lines = (row.result or "").splitlines()
+    lines = (row.result or row.last_error or "").removeprefix("exit code 1\n").splitlines()
     if tier == "process":
-        usr = "written" if ROOT else "denied (Permission denied)"
-        assert lines == [f"{ctx.usr_file}: {usr}", f"{planted}: written", f"{own}: written"], row
-        assert (ctx.handlers / "planted.py").exists()
+        snapshot = Path(lines[2].rsplit(": ", 1)[0]).parent  # where the job's handlers are
+        assert snapshot != ctx.handlers.resolve()
+        outcome = "written" if ROOT else "denied (Permission denied)"
+        assert lines == [f"{ctx.usr_file}: {outcome}", f"{snapshot}/planted.py: {outcome}",
+                         f"{snapshot}/write_system.py: {outcome}"], row
         assert row.status == ("done" if ROOT else "dead"), row
+        assert not (ctx.handlers / "planted.py").exists()  # the original directory is never the job's
+        assert (ctx.handlers / "write_system.py").read_text() == \
+            textwrap.dedent(HANDLERS["write_system.py"]).lstrip()
         return
+    own = "/handlers/write_system.py"
+    planted = own.replace("write_system.py", "planted.py")
     reason = "Read-only file system" if tier == "bwrap" else "Permission denied"
     assert row.status == "dead", row
     assert lines == [f"{ctx.usr_file}: denied ({reason})", f"{planted}: denied ({reason})",

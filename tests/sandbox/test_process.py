@@ -135,3 +135,21 @@ def test_write_refuses_paths_outside_the_workspace(hdir: Path) -> None:
 def test_unknown_backend_is_a_one_line_error() -> None:
     with pytest.raises(ValueError, match="unknown sandbox backend 'docker'"):
         get_backend("docker")
+
+
+def test_handlers_are_a_read_only_snapshot_refreshed_when_they_change(hdir: Path) -> None:
+    script(hdir, "job.py", "print('v1')")
+    template = Template(handlers_dir=hdir)
+    with get_backend("process").create(template, 10) as sbx:
+        assert sbx.handlers_path != str(hdir)
+        r = sbx.exec(["/bin/sh", "-c", f"echo hacked > {sbx.handlers_path}/job.py"], 10)
+        assert r.exit_code != 0 or os.geteuid() == 0  # root ignores modes: see docs/isolation.md
+        first = sbx.handlers_path
+    assert (hdir / "job.py").read_text() == "print('v1')"  # the original is never the job's
+    script(hdir, "job.py", "print('v2')")
+    with get_backend("process").create(template, 10) as sbx:
+        assert sbx.handlers_path != first
+        r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py"], 10)
+    assert r.stdout == "v2\n"
+    mode = os.stat(f"{sbx.handlers_path}/job.py").st_mode & 0o777
+    assert mode == 0o444

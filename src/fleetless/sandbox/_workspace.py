@@ -58,7 +58,8 @@ def sweep() -> int:
     removed = 0
     for entry in root().iterdir():
         parts = entry.name.split("-")
-        if len(parts) < 3 or parts[0] != "ws" or not parts[1].isdigit():
+        # ws-: a job's workspace; hs-: a process-tier handlers snapshot
+        if len(parts) < 3 or parts[0] not in ("ws", "hs") or not parts[1].isdigit():
             continue
         if not pid_alive(int(parts[1])):
             remove(entry)
