@@ -315,3 +315,15 @@ def test_sigterm_lets_short_jobs_finish_and_returns_the_claims_of_long_ones(dsn:
     rows = dict((r[0], r[1:]) for r in sql("SELECT id, status, attempts, last_error FROM fleetless.jobs"))
     assert rows[short] == ("done", 1, None)
     assert rows[long][0:2] == ("pending", 0) and "drainer stopped" in str(rows[long][2])
+
+
+@pytest.mark.parametrize(("tier", "overhead"), [("process", 5), ("bwrap", 5), ("microvm", 65)])
+def test_a_lease_covers_the_timeout_the_grace_and_the_sandboxs_own_overhead(queue: Queue, handlers, sql,
+                                                                           tier: str, overhead: int) -> None:
+    """A microVM boots before its job's timeout starts: its lease is longer by that much."""
+    h = handlers(**{"a.py": "print(1)"})
+    queue.enqueue("a", {}, timeout=10)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, lease_grace=20))
+    assert len(drainer._claim(1)) == 1
+    assert sql("SELECT round(extract(epoch FROM lease_expires_at - locked_at)) FROM fleetless.jobs") == [
+        (10 + 20 + overhead,)]

@@ -238,8 +238,9 @@ class Drainer:
 
     def _claim(self, n: int) -> list[Job]:
         c = self.config
+        grace = c.lease_grace + self._backend.overhead_seconds
         return self._db(lambda: self.queue.claim(
-            n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=c.lease_grace))
+            n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=grace))
 
     def _maintenance(self) -> None:
         reaped = self._db(self.queue.reap)

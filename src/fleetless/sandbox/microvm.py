@@ -464,6 +464,7 @@ class MicroVMSandbox(Sandbox):
 
     name: ClassVar[str] = "microvm"
     workspace_path = GUEST_WORKSPACE
+    overhead_seconds: ClassVar[float] = BOOT_TIMEOUT + REPORT_GRACE  # a boot, then the report
     handlers_path = GUEST_HANDLERS
 
     def __init__(self, template: Template, ttl_seconds: float, image: ImageInfo) -> None:
