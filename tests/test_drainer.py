@@ -317,7 +317,7 @@ def test_sigterm_lets_short_jobs_finish_and_returns_the_claims_of_long_ones(dsn:
     assert rows[long][0:2] == ("pending", 0) and "drainer stopped" in str(rows[long][2])
 
 
-@pytest.mark.parametrize(("tier", "overhead"), [("process", 5), ("bwrap", 5), ("microvm", 65)])
+@pytest.mark.parametrize(("tier", "overhead"), [("process", 0), ("bwrap", 0), ("microvm", 65)])
 def test_a_lease_covers_the_timeout_the_grace_and_the_sandboxs_own_overhead(queue: Queue, handlers, sql,
                                                                            tier: str, overhead: int) -> None:
     """A microVM boots before its job's timeout starts: its lease is longer by that much."""

@@ -91,9 +91,10 @@ class Sandbox(ABC):
     """One isolated environment. Create it, write files into its workspace, exec, kill."""
 
     name: ClassVar[str]
-    #: Seconds a sandbox may live beyond its job's timeout (start-up, reporting, teardown). The
-    #: drainer adds it to every lease, so a live drainer's lease never expires under a running job.
-    overhead_seconds: ClassVar[float] = 5.0
+    #: Seconds a sandbox may take beyond its job's timeout before the timeout even starts (a VM's
+    #: boot). The drainer adds it to every lease, so a live drainer's lease never expires under a
+    #: running job; the teardown after a kill (a second or two) is what --lease-grace covers.
+    overhead_seconds: ClassVar[float] = 0.0
     #: Paths as the job sees them.
     workspace_path: str
     handlers_path: str
