@@ -5,11 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def test_demo_runs_on_the_embedded_server(fleetless, tmp_path: Path) -> None:
-    r = fleetless("demo", "--sandbox", "process", env={"XDG_DATA_HOME": str(tmp_path / "data")}, timeout=300)
+def test_demo_runs_on_the_embedded_server_as_the_readme_says(fleetless, tmp_path: Path) -> None:
+    """`fleetless demo` with no database and no options: embedded PostgreSQL, the bwrap tier where
+    it works (else process)."""
+    from fleetless.demo import pick_sandbox
+
+    r = fleetless("demo", env={"XDG_DATA_HOME": str(tmp_path / "data")}, timeout=300)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "starting an embedded PostgreSQL" in out
+    assert f"draining with the '{pick_sandbox(None)}' sandbox" in out
     assert "drained: claimed" in out
     assert "killed: timeout after 2 s" in out
     assert "upstream API answered 503" in out
