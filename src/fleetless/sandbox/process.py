@@ -87,12 +87,16 @@ def handlers_snapshot(folder: Path) -> Path:
         if cached is not None and cached[0] == signature and cached[1].is_dir():
             return cached[1]
         copy = Path(tempfile.mkdtemp(prefix=f"hs-{os.getpid()}-", dir=_workspace.root()))
-        shutil.copytree(folder, copy, dirs_exist_ok=True)
-        for dirpath, _, filenames in os.walk(copy, topdown=False):
-            for name in filenames:
-                target = os.path.join(dirpath, name)
-                os.chmod(target, 0o555 if os.stat(target).st_mode & 0o111 else 0o444)
-            os.chmod(dirpath, 0o555)
+        try:
+            shutil.copytree(folder, copy, dirs_exist_ok=True)
+            for dirpath, _, filenames in os.walk(copy, topdown=False):
+                for name in filenames:
+                    target = os.path.join(dirpath, name)
+                    os.chmod(target, 0o555 if os.stat(target).st_mode & 0o111 else 0o444)
+                os.chmod(dirpath, 0o555)
+        except BaseException:  # a full or broken work directory: leave nothing half-copied
+            _workspace.remove(copy)
+            raise
         _snapshots[folder] = (signature, copy)  # an older copy may still be in use: kept until exit
         return copy
 
@@ -111,9 +115,9 @@ class ProcessSandbox(Sandbox):
         self._ttl = ttl_seconds
         self._born = time.monotonic()
         self._proc: subprocess.Popen[bytes] | None = None
+        self.handlers_path = str(handlers_snapshot(template.handlers_dir))  # may fail: nothing made yet
         self._workspace = _workspace.create()
         self.workspace_path = str(self._workspace)
-        self.handlers_path = str(handlers_snapshot(template.handlers_dir))
         self.python = template.python or default_python()
 
     @classmethod
