@@ -30,7 +30,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -155,72 +154,29 @@ def _system_args(network: bool) -> list[str]:
     return args
 
 
-_etc_lock = threading.Lock()
-_etc_dirs: dict[bool, tuple[tuple[tuple[str, int, int, int], ...], Path]] = {}
-_etc_old: list[Path] = []
-
-
-def _etc_signature(paths: Sequence[str]) -> tuple[tuple[str, int, int, int], ...]:
-    sig = []
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        sig.append((p, st.st_mtime_ns, st.st_size, st.st_ino))
-    return tuple(sig)
-
-
 def etc_dir(network: bool) -> Path:
     """The sandbox's ``/etc``: a copy of the few host files it needs plus a one-user passwd and
     group, made once per drainer process (and again when one of the host files changes) and bound
     read-only as a whole: one mount instead of a dozen, which is measurable per job. Named
-    ``etc-<drainer pid>-*`` under the workspace root; :func:`sweep` removes dead drainers' ones."""
-    paths = _ETC_FILES + (_ETC_NETWORK_FILES if network else ())
-    sig = _etc_signature(paths)
-    with _etc_lock:
-        current = _etc_dirs.get(network)
-        if current is not None and current[0] == sig and current[1].is_dir():
-            return current[1]
-        d = Path(tempfile.mkdtemp(prefix=f"etc-{os.getpid()}-", dir=_workspace.root()))
-        try:
-            for p in paths:
-                if not os.path.exists(p):
-                    continue
-                dest = d / os.path.relpath(p, "/etc")
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                if os.path.isdir(p):
-                    shutil.copytree(p, dest, symlinks=True)
-                else:
-                    shutil.copyfile(p, dest)  # content, also of a symlink (resolv.conf)
-                    os.chmod(dest, 0o644)
-            (d / "passwd").write_text(_PASSWD)
-            (d / "group").write_text(_GROUP)
-            os.chmod(d, 0o755)
-        except BaseException:
-            shutil.rmtree(d, ignore_errors=True)
-            raise
-        if current is not None:
-            _etc_old.append(current[1])  # a job may be binding it right now; removed at exit
-        _etc_dirs[network] = (sig, d)
-        return d
+    ``etc-<drainer pid>-*`` under the workspace root; sweeps remove dead drainers' ones."""
+    paths = [*_ETC_FILES, *(_ETC_NETWORK_FILES if network else ())]
 
+    def build(d: Path) -> None:
+        for p in paths:
+            if not os.path.exists(p):
+                continue
+            dest = d / os.path.relpath(p, "/etc")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if os.path.isdir(p):
+                shutil.copytree(p, dest, symlinks=True)
+            else:
+                shutil.copyfile(p, dest)  # content, also of a symlink (resolv.conf)
+                os.chmod(dest, 0o644)
+        (d / "passwd").write_text(_PASSWD)
+        (d / "group").write_text(_GROUP)
+        os.chmod(d, 0o755)
 
-@atexit.register
-def _remove_etc_dirs() -> None:
-    for d in [*_etc_old, *(v[1] for v in _etc_dirs.values())]:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def _sweep_etc() -> int:
-    removed = 0
-    for entry in _workspace.root().iterdir():
-        parts = entry.name.split("-")
-        stale = len(parts) >= 3 and parts[0] == "etc" and parts[1].isdigit()
-        if stale and not _workspace.pid_alive(int(parts[1])):
-            shutil.rmtree(entry, ignore_errors=True)
-            removed += 1
-    return removed
+    return _workspace.cached_copy("etc", network, _workspace.signature(paths), build)
 
 
 _BOUND_ALREADY = ("/usr/",)
@@ -302,7 +258,6 @@ def sweep() -> int:
         log.warning("cgroup sweep failed: %s", exc)
     try:
         removed += _workspace.sweep()
-        _sweep_etc()
     except OSError as exc:
         log.warning("workspace sweep failed: %s", exc)
     return removed

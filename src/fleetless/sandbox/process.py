@@ -9,15 +9,12 @@ and the network are the drainer user's. Use ``bwrap`` or ``microvm`` for untrust
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -59,52 +56,23 @@ def rlimit_kill_reason(exit_code: int, rlimits: dict[str, int]) -> str | None:
     return None
 
 
-_snapshot_lock = threading.Lock()
-_snapshots: dict[Path, tuple[tuple[tuple[str, int, int, int], ...], Path]] = {}
-
-
-def _signature(folder: Path) -> tuple[tuple[str, int, int, int], ...]:
-    """What the handlers directory holds now (names, sizes, modes, mtimes), to notice changes."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames.sort()
-        for name in sorted(filenames):
-            st = os.stat(os.path.join(dirpath, name))
-            out.append((os.path.relpath(os.path.join(dirpath, name), folder), st.st_size, st.st_mode,
-                        st.st_mtime_ns))
-    return tuple(out)
-
-
 def handlers_snapshot(folder: Path) -> Path:
     """A read-only copy of the handlers directory (directories 0555, files 0444, or 0555 where the
     original is executable) that jobs run from, made again when the original changes. Jobs
     therefore cannot change the handlers other jobs run, short of a deliberate chmod (or being
     root, which the process tier does not defend against: use bwrap or microvm for that)."""
     folder = folder.resolve()
-    signature = _signature(folder)
-    with _snapshot_lock:
-        cached = _snapshots.get(folder)
-        if cached is not None and cached[0] == signature and cached[1].is_dir():
-            return cached[1]
-        copy = Path(tempfile.mkdtemp(prefix=f"hs-{os.getpid()}-", dir=_workspace.root()))
-        try:
-            shutil.copytree(folder, copy, dirs_exist_ok=True)
-            for dirpath, _, filenames in os.walk(copy, topdown=False):
-                for name in filenames:
-                    target = os.path.join(dirpath, name)
-                    os.chmod(target, 0o555 if os.stat(target).st_mode & 0o111 else 0o444)
-                os.chmod(dirpath, 0o555)
-        except BaseException:  # a full or broken work directory: leave nothing half-copied
-            _workspace.remove(copy)
-            raise
-        _snapshots[folder] = (signature, copy)  # an older copy may still be in use: kept until exit
-        return copy
+    files = sorted(os.path.join(d, f) for d, _, names in os.walk(folder) for f in names)
 
+    def build(copy: Path) -> None:
+        shutil.copytree(folder, copy, dirs_exist_ok=True)
+        for dirpath, _, filenames in os.walk(copy, topdown=False):
+            for name in filenames:
+                target = os.path.join(dirpath, name)
+                os.chmod(target, 0o555 if os.stat(target).st_mode & 0o111 else 0o444)
+            os.chmod(dirpath, 0o555)
 
-@atexit.register
-def _remove_snapshots() -> None:
-    for _, copy in _snapshots.values():
-        _workspace.remove(copy)
+    return _workspace.cached_copy("hs", folder, _workspace.signature(files), build)
 
 
 class ProcessSandbox(Sandbox):
