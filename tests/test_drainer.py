@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from fleetless import Queue, RetryPolicy
 from fleetless.drainer import DrainConfig, Drainer, DrainError
+
+from proctools import alive, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -28,24 +29,6 @@ def drain(queue: Queue, handlers_dir: Path, **options: object) -> Drainer:
     drainer = Drainer(queue, DrainConfig(handlers_dir=handlers_dir, **options))  # type: ignore[arg-type]
     drainer.run()
     return drainer
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_job_runs_with_its_payload_and_its_stdout_becomes_the_result(queue: Queue, handlers, sql,
@@ -271,7 +254,7 @@ def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(ds
     """})
     queue.enqueue("work", {}, timeout=3)
     proc = _start_drain(dsn, h, "--lease-grace", "0")
-    started = wait_for(lambda: len(list(pids.iterdir())) >= 2, what="job and grandchild")
+    started = wait_for(lambda: len(list(pids.iterdir())) >= 2, timeout=20, what="job and grandchild")
     assert started
     proc.kill()
     proc.wait()
@@ -307,7 +290,7 @@ def test_sigterm_lets_short_jobs_finish_and_returns_the_claims_of_long_ones(dsn:
     short = queue.enqueue("short", {})
     long = queue.enqueue("long", {})
     proc = _start_drain(dsn, h, "--shutdown-grace", "3")
-    wait_for(lambda: len(list(marker.iterdir())) == 2, what="both jobs to start")
+    wait_for(lambda: len(list(marker.iterdir())) == 2, timeout=20, what="both jobs to start")
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err

@@ -16,6 +16,8 @@ from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import Limits
 
+from proctools import pids_with
+
 TIERS = ["process", "bwrap", "microvm"]
 
 
@@ -59,21 +61,6 @@ def test_each_tier_runs_the_handler_contract(tier: str, queue: Queue, handlers, 
     assert not private_workdir.exists() or list(private_workdir.glob("ws-*")) == []
 
 
-def _job_processes(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(entry))
-        except OSError:
-            pass
-    return found
-
-
 def test_sigkill_of_a_bwrap_drainer_leaves_no_process_and_the_next_drain_sweeps_and_recovers(
         dsn: str, queue: Queue, handlers, sql, private_workdir: Path, require_tier) -> None:
     require_tier("bwrap")
@@ -93,15 +80,15 @@ def test_sigkill_of_a_bwrap_drainer_leaves_no_process_and_the_next_drain_sweeps_
     proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
                              "--sandbox", "bwrap", "--lease-grace", "0"], env=env)
     deadline = time.monotonic() + 30
-    while len(_job_processes("sleeper.py")) < 2 and time.monotonic() < deadline:
+    while len(pids_with("sleeper.py")) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(_job_processes("sleeper.py")) >= 2
+    assert len(pids_with("sleeper.py")) >= 2
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     deadline = time.monotonic() + 10
-    while _job_processes("sleeper.py") and time.monotonic() < deadline:
+    while pids_with("sleeper.py") and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _job_processes("sleeper.py") == []
+    assert pids_with("sleeper.py") == []
     time.sleep(3)  # the lease: timeout 3 s + grace 0
     again = subprocess.run([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
                             "--sandbox", "bwrap"], env=env, capture_output=True, text=True, timeout=120)

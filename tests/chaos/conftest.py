@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,17 +25,6 @@ def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     work = tmp_path / "work"
     monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
     return work
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
-             interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class Drain:
@@ -124,9 +112,3 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False

@@ -19,7 +19,8 @@ import pytest
 
 from fleetless import Queue
 
-from .conftest import APP_NAME, alive, executions, processes_mentioning, wait_for
+from .conftest import APP_NAME, executions, processes_mentioning
+from proctools import alive, wait_for
 
 ADMIN_DSN = os.environ.get("FLEETLESS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # The drainer as a user runs it, but giving up on the database after 2 s instead of 30.

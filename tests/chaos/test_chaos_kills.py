@@ -14,7 +14,8 @@ import psycopg
 
 from fleetless import Queue
 
-from .conftest import SOAK, Drain, executions, processes_mentioning, wait_for
+from .conftest import SOAK, Drain, executions, processes_mentioning
+from proctools import wait_for
 
 # The issue asks for 20 kills over 2,000 jobs (FLEETLESS_SOAK=1); by default the 20 kills come over
 # 1,000 jobs, to fit the suite in its time on a 2-core machine. FLEETLESS_CHAOS_JOBS and

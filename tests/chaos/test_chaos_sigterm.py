@@ -14,7 +14,8 @@ from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import process
 
-from .conftest import executions, processes_mentioning, wait_for
+from .conftest import executions, processes_mentioning
+from proctools import wait_for
 
 
 def test_sigterm_to_three_busy_drainers_finishes_or_returns_every_job_and_exits_0(

@@ -38,6 +38,7 @@ from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import Limits, Sandbox, SandboxUnavailable, cgroups, get_backend
 
 from .pills import GOOD, HANDLERS, Pill, pills
+from proctools import alive
 
 MiB = 1024 * 1024
 TIERS = ("process", "bwrap", "microvm")
@@ -147,11 +148,6 @@ def _processes() -> Iterator[tuple[int, bytes, bytes]]:
         if rest[0] in (b"Z", b"X"):
             continue
         yield int(name), _read(f"/proc/{name}/cmdline"), _read(f"/proc/{name}/environ")
-
-
-def alive(pid: int) -> bool:
-    stat = _read(f"/proc/{pid}/stat")
-    return bool(stat) and stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def _cgroup_bases() -> list[Path]:

@@ -24,8 +24,9 @@ import pytest
 
 from fleetless.sandbox import cgroups
 
-from .conftest import LIMITS, MICROVM_TTL, Context, Outcome, alive, require_tier
+from .conftest import LIMITS, MICROVM_TTL, Context, Outcome, require_tier
 from .pills import HANDLERS
+from proctools import alive
 
 Poison = Callable[..., Outcome]
 ROOT = os.geteuid() == 0

@@ -25,6 +25,8 @@ from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, 
 from fleetless.sandbox import bwrap as bw
 from fleetless.sandbox.bwrap import BwrapSandbox
 
+from proctools import pids_with, wait_for
+
 MiB = 1024 * 1024
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -77,30 +79,6 @@ def make(
 def run_py(sbx: BwrapSandbox, kind: str, payload: object = None, timeout: float = 20) -> ExecResult:
     sbx.write("payload.json", json.dumps(payload))
     return sbx.exec([sbx.python, f"{sbx.handlers_path}/{kind}.py", f"{sbx.workspace_path}/payload.json"], timeout)
-
-
-def processes_with(marker: str) -> list[int]:
-    """Host pids whose command line contains ``marker``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                if marker.encode() in f.read():
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # -- results ------------------------------------------------------------------------------------
@@ -455,7 +433,7 @@ def test_setsid_grandchild_does_not_survive_the_job(
     r = sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", marker], 20)
     assert r.ok and "daemon started" in r.stdout, r
     assert r.duration < 5  # the daemon holding stdout did not keep exec waiting
-    assert wait_until(lambda: not processes_with(marker), 3), processes_with(marker)
+    wait_for(lambda: not pids_with(marker), 3, what="the job's processes to be gone")
 
 
 def test_kill_removes_processes_workspace_and_cgroups(
@@ -475,13 +453,13 @@ def test_kill_removes_processes_workspace_and_cgroups(
         )
     )
     t.start()
-    assert wait_until(lambda: len(processes_with(marker)) >= 2, 10)  # job and daemon both run
+    wait_for(lambda: len(pids_with(marker)) >= 2, 10, what="job and daemon both running")
     started = time.monotonic()
     sbx.kill()  # cancel from another thread, as the drainer does
     t.join(10)
     assert not t.is_alive() and time.monotonic() - started < 5
     assert results[0].killed == "killed: sandbox destroyed", results[0]
-    assert processes_with(marker) == []
+    assert pids_with(marker) == []
     assert not ws.exists()
     assert not any(d.exists() for d in cg_dirs)
     sbx.kill()  # idempotent
@@ -520,15 +498,16 @@ def test_drainer_sigkill_kills_the_job_and_sweep_cleans_up(handlers: Callable[..
     try:
         assert parent.stdout is not None
         info = json.loads(parent.stdout.readline())
-        assert wait_until(lambda: len(processes_with(marker)) >= 2, 15), "job did not start"
+        wait_for(lambda: len(pids_with(marker)) >= 2, 15, what="the job to start")
     finally:
         parent.send_signal(signal.SIGKILL)
         parent.wait()
-    assert wait_until(lambda: not processes_with(marker), 5), processes_with(marker)
+    wait_for(lambda: not pids_with(marker), 5, what="the job's processes to be gone")
     workspace = Path(info["workspace"])
     dirs = [Path(d) for d in info["cgroups"]]
     # the dead drainer's watchdog removes its workspace and cgroups; sweep() is the backstop
-    assert wait_until(lambda: not workspace.exists() and not any(d.exists() for d in dirs), 10)
+    wait_for(lambda: not workspace.exists() and not any(d.exists() for d in dirs), 10,
+             what="the watchdog to remove the workspace and cgroups")
     bw.sweep()
     leftovers = [p for d in dirs for p in d.parent.glob(f"{cgroups.PREFIX}{parent.pid}-*")]
     assert leftovers == []  # its prepared (pooled) groups too

@@ -14,6 +14,8 @@ import pytest
 
 from fleetless.sandbox import cgroups
 
+from proctools import alive
+
 MiB = 1024 * 1024
 CAPS = cgroups.available()
 needs_cgroups = pytest.mark.skipif(not CAPS.any, reason=f"no writable cgroup here: {CAPS.reason}")
@@ -200,17 +202,9 @@ print(json.dumps({{"dirs": [str(d) for d in cg.dirs], "pid": p.pid}}), flush=Tru
     assert cgroups.sweep() >= len(dirs)
     assert not any(d.exists() for d in dirs)
     deadline = time.monotonic() + 5
-    while _alive(orphan) and time.monotonic() < deadline:
+    while alive(orphan) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not _alive(orphan)  # what was inside was killed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"  # a zombie waiting for init to reap it is dead
+    assert not alive(orphan)  # what was inside was killed
 
 
 def test_enforced_caps_wording() -> None:

@@ -22,6 +22,8 @@ import pytest
 from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template
 from fleetless.sandbox.microvm import MicroVMSandbox, accel, network_mode
 
+from proctools import alive
+
 MiB = 1024 * 1024
 
 
@@ -70,13 +72,7 @@ def _qemu_pids() -> set[int]:
     return pids
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+
 
 
 def _run_py(handlers: Path, kind: str, payload: bytes, timeout: float = 30,
@@ -141,7 +137,7 @@ def test_timeout_kills_the_vm(tmp_path: Path) -> None:
     assert res.exit_code == -signal.SIGKILL
     assert res.stdout == "started\n"
     assert elapsed < 30
-    assert sbx.last_boot is not None and not _alive(sbx.last_boot.pid)  # this VM's qemu is gone
+    assert sbx.last_boot is not None and not alive(sbx.last_boot.pid)  # this VM's qemu is gone
     # (not "no new qemu at all": other VMs may be booting on the same machine)
 
 
@@ -268,7 +264,7 @@ def test_kill_during_exec_leaves_nothing(tmp_path: Path) -> None:
     t.join(15)
     assert not t.is_alive()
     assert results and results[0].killed == "killed: sandbox destroyed", results
-    assert not any(_alive(p) for p in spawned)
+    assert not any(alive(p) for p in spawned)
     leftovers = {n for n in set(os.listdir("/tmp")) - tmp_before if "fleetless" in n}
     assert not leftovers
 
@@ -298,9 +294,9 @@ def test_parent_death_kills_the_vm(tmp_path: Path) -> None:
         child.send_signal(signal.SIGKILL)
         child.wait()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in spawned) and time.monotonic() < deadline:
+    while any(alive(p) for p in spawned) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(_alive(p) for p in spawned)
+    assert not any(alive(p) for p in spawned)
 
 
 def _ppid(pid: int) -> int:

@@ -1,0 +1,48 @@
+"""Process helpers the tests share: is a pid alive, which processes carry a marker, waiting."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs; a zombie (dead, not yet reaped) does not."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :][:1] not in (b"Z", b"X")
+
+
+def pids_with(marker: str) -> list[int]:
+    """Live host pids (other than this one) whose command line contains ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            continue
+    return [pid for pid in found if alive(pid)]
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
+             interval: float = 0.05) -> Any:
+    """Poll until ``predicate()`` is truthy and return it; AssertionError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    value = predicate()
+    if value:
+        return value
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
