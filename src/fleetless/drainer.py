@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -252,9 +252,9 @@ class Drainer:
         except OSError as exc:
             raise DrainError(f"cannot use the sandbox work directory: {exc}") from None
 
-    def _abort(self, jobs: object) -> None:
+    def _abort(self, jobs: Iterable[Job]) -> None:
         with self._lock:
-            for job in list(jobs):  # type: ignore[call-overload]
+            for job in list(jobs):
                 sbx = self._sandboxes.get(job.id)
                 self._aborted.add(job.id)
                 if sbx is not None:
