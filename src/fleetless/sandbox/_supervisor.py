@@ -80,6 +80,11 @@ def main() -> None:
     rlimits = [item.split("=") for item in rlimits_arg.split(",")] if rlimits_arg != "-" else []
 
     def die(signum: int, frame: object) -> None:
+        # Once only: a multi-threaded drainer's death can deliver the parent-death signal twice
+        # (the child is re-parented to a sibling thread first), and a second run of this handler
+        # inside the first one broke its lazy import of shutil, leaving the workspace behind.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         _kill_tree()
         if workspace:
             import shutil
