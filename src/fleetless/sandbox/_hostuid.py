@@ -1,0 +1,204 @@
+"""Host uids for the jobs of a root drainer: one unprivileged uid per running job, from a dedicated range.
+
+A root drainer must never run a job as root, nor as itself. Each job therefore *leases* one uid
+(and the gid of the same number) from a range that owns nothing on the host, for the job's whole
+life, and runs as it (:meth:`Lease.popen_kwargs`, or bwrap started as it). No two running jobs share
+a uid, also across drainer processes on the same host, so one job cannot signal, trace or read
+another.
+
+The range is ``$FLEETLESS_JOB_UIDS`` (``FIRST-LAST``; ``fleetless drain --job-uids``), by default
+:data:`DEFAULT_RANGE`: 2000000000-2000065535, inside the block systemd documents as unused
+(1879048192-2147352575: above container ranges, below the "negative" 32-bit uids), so no user,
+file or ``/etc/subuid`` delegation of a normal host has it. Reserve it explicitly with a line
+``fleetless:2000000000:65536`` in ``/etc/subuid`` and ``/etc/subgid`` (``useradd`` then never
+hands it out) and in a container make sure it is inside the container's uid map.
+
+Leases are ``flock``-ed files ``<uid>`` under ``$FLEETLESS_RUN_DIR/job-uids`` (default
+``/run/fleetless/job-uids``), one directory for every drainer of the host. The kernel drops a lock
+when its holder dies, even by SIGKILL; the job of such a holder may still be running for a moment
+(its drainer's watchdog is killing it). So a lease writes its pid into the file and :meth:`Lease.release`
+(called once the job is dead) empties it: a uid whose file is not empty is handed out again only
+after ``/proc`` shows no process running as it.
+
+    with _hostuid.lease() as job:          # SandboxUnavailable if the range is exhausted
+        subprocess.Popen(argv, **job.popen_kwargs())
+        ...                                # wait until every process of the job is dead
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from . import SandboxUnavailable
+
+__all__ = ["DEFAULT_RANGE", "ENV", "Lease", "UidRange", "configured_range", "lease", "needed", "parse_range"]
+
+#: Environment variable holding the range (``FIRST-LAST``); the drain flag ``--job-uids`` sets it.
+ENV = "FLEETLESS_JOB_UIDS"
+#: Environment variable naming the host-wide run directory (lock files live in its ``job-uids``).
+RUN_DIR_ENV = "FLEETLESS_RUN_DIR"
+_MAX_ID = 2**32 - 2  # 2^32-1 is (uid_t) -1
+
+
+@dataclass(frozen=True)
+class UidRange:
+    """Host uids ``first`` to ``last`` inclusive (the gids of the same numbers go with them)."""
+
+    first: int
+    last: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= self.last <= _MAX_ID:
+            raise ValueError(f"job uid range {self.first}-{self.last} must be within 1-{_MAX_ID}, first <= last")
+        if self.first <= 65535 and self.last >= 65534:
+            raise ValueError(f"job uid range {self} contains 65534 (nobody) or 65535 ((uint16) -1)")
+
+    def __str__(self) -> str:
+        return f"{self.first}-{self.last}"
+
+    def __len__(self) -> int:
+        return self.last - self.first + 1
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, int) and self.first <= uid <= self.last
+
+
+DEFAULT_RANGE = UidRange(2_000_000_000, 2_000_065_535)
+
+
+def parse_range(text: str) -> UidRange:
+    """``FIRST-LAST`` as a :class:`UidRange`; ValueError with one line naming what is wrong."""
+    first, sep, last = text.strip().partition("-")
+    if not sep or not first.strip().isdigit() or not last.strip().isdigit():
+        raise ValueError(f"job uid range {text!r} is not FIRST-LAST (e.g. {DEFAULT_RANGE})")
+    return UidRange(int(first), int(last))
+
+
+def configured_range() -> UidRange:
+    """``$FLEETLESS_JOB_UIDS`` if set, else :data:`DEFAULT_RANGE`."""
+    text = os.environ.get(ENV)
+    if not text:
+        return DEFAULT_RANGE
+    try:
+        return parse_range(text)
+    except ValueError as exc:
+        raise SandboxUnavailable(f"{ENV}: {exc}") from None
+
+
+def needed() -> bool:
+    """Whether jobs need a leased uid: the drainer is root (a non-root drainer cannot switch uid, and
+    its jobs are not root anyway)."""
+    return os.geteuid() == 0
+
+
+def lock_dir() -> Path:
+    """``$FLEETLESS_RUN_DIR/job-uids`` (default ``/run/fleetless/job-uids``), created root-only."""
+    base = Path(os.environ.get(RUN_DIR_ENV) or "/run/fleetless")
+    path = base / "job-uids"
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def _mapped(path: str, ids: UidRange) -> bool:
+    """Whether every id of ``ids`` exists in this process's user namespace (``/proc/self/uid_map``)."""
+    try:
+        with open(path) as f:
+            rows = [tuple(int(n) for n in line.split()) for line in f if line.strip()]
+    except OSError:
+        return True
+    return any(inside <= ids.first and ids.last < inside + count for inside, _, count in rows)
+
+
+def _in_use(uid: int) -> bool:
+    """Whether any process runs with ``uid`` as its real, effective, saved or filesystem uid."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        if uid in (int(n) for n in line.split()[1:]):
+                            return True
+                        break
+        except OSError:
+            continue
+    return False
+
+
+class Lease:
+    """One uid (and gid) of the range, held until :meth:`release`. Release it only once every process
+    that ran as it is dead; releasing twice is harmless."""
+
+    def __init__(self, uid: int, fd: int) -> None:
+        self.uid = uid
+        self.gid = uid
+        self._fd: int | None = fd
+
+    def popen_kwargs(self) -> dict[str, object]:
+        """``subprocess.Popen`` arguments that start the child as this uid and gid, no other groups."""
+        return {"user": self.uid, "group": self.gid, "extra_groups": []}
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, 0)  # "ended cleanly": the next holder need not look for stragglers
+        finally:
+            os.close(fd)  # drops the flock
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<Lease uid={self.uid}{'' if self._fd is not None else ' released'}>"
+
+
+def lease(uids: UidRange | None = None) -> Lease:
+    """Lease the lowest free uid of ``uids`` (default :func:`configured_range`).
+
+    Raises :class:`SandboxUnavailable` when the range is not usable here (not root, not mapped in
+    this user namespace, contains the drainer's uid) or every uid of it is leased."""
+    ids = uids if uids is not None else configured_range()
+    if os.geteuid() != 0:
+        raise SandboxUnavailable("only a root drainer can run jobs as other uids")
+    if os.getuid() in ids or os.getgid() in ids:
+        raise SandboxUnavailable(f"job uid range {ids} contains the drainer's own uid or gid")
+    if not (_mapped("/proc/self/uid_map", ids) and _mapped("/proc/self/gid_map", ids)):
+        raise SandboxUnavailable(
+            f"job uid range {ids} is not mapped in this user namespace (set {ENV} or --job-uids "
+            "to uids that exist here)"
+        )
+    folder = lock_dir()
+    for uid in range(ids.first, ids.last + 1):
+        fd = os.open(folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                continue
+            raise
+        try:
+            stale = os.pread(fd, 32, 0)
+            if stale and _in_use(uid):  # its last holder died holding it and the job still runs
+                os.close(fd)
+                continue
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return Lease(uid, fd)
+    raise SandboxUnavailable(f"all {len(ids)} job uids of {ids} are in use (widen {ENV} or --job-uids)")

@@ -1,0 +1,95 @@
+"""The host uid allocator of root drainers: one unprivileged uid per running job, never shared.
+
+Each test uses a run directory of its own (``FLEETLESS_RUN_DIR``) and a range of its own, so the
+leases of drains running elsewhere on the host are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fleetless.sandbox import SandboxUnavailable, _hostuid
+from fleetless.sandbox._hostuid import UidRange
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="only a root drainer leases job uids")
+
+RANGE = UidRange(2_000_100_000, 2_000_100_003)
+
+
+@pytest.fixture(autouse=True)
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(_hostuid.RUN_DIR_ENV, str(tmp_path / "run"))
+    return tmp_path / "run"
+
+
+def test_the_default_range_is_unprivileged_and_owns_no_user_of_this_host() -> None:
+    users = {int(line.split(":")[2]) for line in Path("/etc/passwd").read_text().splitlines() if line.count(":") >= 6}
+    assert 0 not in _hostuid.DEFAULT_RANGE and not users & set(range(2_000_000_000, 2_000_065_536))
+    assert str(_hostuid.DEFAULT_RANGE) == "2000000000-2000065535"
+
+
+def test_concurrent_leases_get_distinct_uids_and_a_released_uid_is_reused() -> None:
+    a, b, c = (_hostuid.lease(RANGE) for _ in range(3))
+    assert len({a.uid, b.uid, c.uid}) == 3 and all(x.uid in RANGE and x.gid == x.uid for x in (a, b, c))
+    b.release()
+    b.release()  # idempotent
+    d = _hostuid.lease(RANGE)
+    assert d.uid == b.uid
+    for x in (a, c, d):
+        x.release()
+
+
+def test_an_exhausted_range_is_one_clear_error() -> None:
+    held = [_hostuid.lease(RANGE) for _ in range(len(RANGE))]
+    with pytest.raises(SandboxUnavailable, match="all 4 job uids of 2000100000-2000100003 are in use"):
+        _hostuid.lease(RANGE)
+    for x in held:
+        x.release()
+
+
+def test_leases_of_another_drainer_process_are_respected_and_freed_when_it_dies(run_dir: Path) -> None:
+    """Two drainer processes on one host never share a uid; a SIGKILLed holder frees its uid once
+    no process runs as it any more."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        from fleetless.sandbox import _hostuid
+        held = _hostuid.lease(_hostuid.UidRange({RANGE.first}, {RANGE.last}))
+        print(held.uid, flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, _hostuid.RUN_DIR_ENV: str(run_dir)}
+    other = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, text=True)
+    assert other.stdout is not None
+    theirs = int(other.stdout.readline())
+    mine = _hostuid.lease(RANGE)
+    assert mine.uid != theirs
+    # a "job" still running as their uid: their uid is not handed out after their death
+    job = subprocess.Popen(["sleep", "600"], user=theirs, group=theirs, extra_groups=[])
+    other.send_signal(signal.SIGKILL)
+    other.wait()
+    second = _hostuid.lease(RANGE)
+    assert second.uid not in (theirs, mine.uid)
+    job.kill()
+    job.wait()
+    third = _hostuid.lease(RANGE)
+    assert third.uid == theirs  # no process runs as it now: free again
+    for x in (mine, second, third):
+        x.release()
+
+
+def test_a_range_that_is_not_uids_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    for text, message in [("12", "is not FIRST-LAST"), ("9-3", "first <= last"), ("0-10", "within 1-"),
+                          ("60000-70000", "65534")]:
+        monkeypatch.setenv(_hostuid.ENV, text)
+        with pytest.raises(SandboxUnavailable, match=message):
+            _hostuid.configured_range()
+    monkeypatch.setenv(_hostuid.ENV, "3000000000-3000000009")
+    assert _hostuid.configured_range() == UidRange(3_000_000_000, 3_000_000_009)
+
