@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from importlib import resources
 from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 
-__all__ = ["DEFAULT_SCHEMA", "connect", "migrate", "queries", "validate_schema_name"]
+__all__ = ["DEFAULT_SCHEMA", "atomic", "connect", "migrate", "queries", "validate_schema_name"]
 
 DEFAULT_SCHEMA = "fleetless"
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # fullmatch: "$" matches before a final "\n"
@@ -69,6 +72,21 @@ def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
     except psycopg.OperationalError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConnectionError(f"cannot connect to the database: {first}") from None
+
+
+@contextmanager
+def atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """A block that is all or none and belongs to the caller's transaction when there is one.
+
+    psycopg's ``conn.transaction()`` on a connection that is not in autocommit and has not run
+    anything yet opens *and commits* a transaction of its own. So the caller's implicit
+    transaction is opened first, and the block becomes a savepoint inside it: it commits or rolls
+    back with the caller's work, and a failure inside it leaves the caller's transaction usable.
+    In autocommit the block is a transaction of its own."""
+    if not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        conn.execute(_raw_queries()["open_transaction"])
+    with conn.transaction():
+        yield
 
 
 def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[int]:

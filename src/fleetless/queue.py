@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -27,6 +28,8 @@ __all__ = ["JobNotFound", "Queue"]
 
 #: ``result`` keeps at most this much of the handler's stdout.
 MAX_RESULT_CHARS = 64 * 1024
+#: enqueue_many reads, checks and copies this many jobs at a time.
+ENQUEUE_CHUNK = 5000
 _PG_INT = 2**31 - 1
 
 
@@ -198,46 +201,55 @@ class Queue:
         )
         return int(self._run("enqueue", params, conn)[0]["id"])
 
+    def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            if isinstance(item, Mapping):
+                options = dict(item)
+                unknown = set(options) - {
+                    "kind", "payload", "max_attempts", "run_after", "delay", "queue", "priority", "timeout"
+                }
+                if unknown:
+                    raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
+                if "kind" not in options or "payload" not in options:
+                    raise ValueError("needs 'kind' and 'payload'")
+                return self._job_params(options.pop("kind"), options.pop("payload"), **options)
+            kind, payload = item
+            return self._job_params(kind, payload)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"job #{index}: {exc}") from None
+
     def enqueue_many(
         self,
         jobs: Iterable[tuple[str, Any] | Mapping[str, Any]],
         *,
         conn: psycopg.Connection[Any] | None = None,
     ) -> list[int]:
-        """Add many jobs with one COPY, all or none. Items are ``(kind, payload)`` or dicts with
-        ``kind``, ``payload`` and any option of :meth:`enqueue`. Returns the ids in order."""
-        rows: list[dict[str, Any]] = []
-        for index, item in enumerate(jobs):
-            try:
-                if isinstance(item, Mapping):
-                    options = dict(item)
-                    unknown = set(options) - {
-                        "kind", "payload", "max_attempts", "run_after", "delay", "queue", "priority", "timeout"
-                    }
-                    if unknown:
-                        raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
-                    if "kind" not in options or "payload" not in options:
-                        raise ValueError("needs 'kind' and 'payload'")
-                    rows.append(self._job_params(options.pop("kind"), options.pop("payload"), **options))
-                else:
-                    kind, payload = item
-                    rows.append(self._job_params(kind, payload))
-            except (ValueError, TypeError) as exc:
-                raise ValueError(f"job #{index}: {exc}") from None
-        if not rows:
+        """Add many jobs with COPY, all or none. Items are ``(kind, payload)`` or dicts with
+        ``kind``, ``payload`` and any option of :meth:`enqueue`. Returns the ids in order.
+
+        ``jobs`` may be any iterable, a generator included: it is read, checked and copied
+        ``ENQUEUE_CHUNK`` jobs at a time, so memory stays flat however many there are. A bad item
+        raises ValueError naming its index, and nothing of the call is written."""
+        items = enumerate(jobs)
+        first = next(items, None)
+        if first is None:
             return []
-        with self._connection(conn) as c, c.transaction(), c.cursor() as cur:
-            cur.execute(self._q["reserve_ids"], {"table": f"{self.schema}.jobs", "n": len(rows)})
-            found = cur.fetchone()
-            assert found is not None
-            now, ids = cast(dt.datetime, found[0]), cast(list[int], found[1])
-            with cur.copy(self._q["copy_jobs"]) as copy:
-                for job_id, r in zip(ids, rows, strict=True):
-                    run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
-                    copy.write_row(
-                        (job_id, r["kind"], r["payload"], r["max_attempts"], run_after,
-                         r["queue"], r["priority"], r["timeout"])
-                    )
+        ids: list[int] = []
+        with self._connection(conn) as c, db.atomic(c), c.cursor() as cur:
+            pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
+            while chunk := [self._item_params(i, item) for i, item in itertools.islice(pending, ENQUEUE_CHUNK)]:
+                cur.execute(self._q["reserve_ids"], {"table": f"{self.schema}.jobs", "n": len(chunk)})
+                found = cur.fetchone()
+                assert found is not None
+                now, chunk_ids = cast(dt.datetime, found[0]), cast(list[int], found[1])
+                with cur.copy(self._q["copy_jobs"]) as copy:
+                    for job_id, r in zip(chunk_ids, chunk, strict=True):
+                        run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
+                        copy.write_row(
+                            (job_id, r["kind"], r["payload"], r["max_attempts"], run_after,
+                             r["queue"], r["priority"], r["timeout"])
+                        )
+                ids.extend(chunk_ids)
         return ids
 
     # -- the drainer's side ------------------------------------------------------------------

@@ -9,8 +9,14 @@ VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
         %(queue)s, %(priority)s, %(timeout)s)
 RETURNING id;
 
+-- name: open_transaction
+-- db.atomic: starts the caller's implicit transaction, so that the block after it is a savepoint
+-- inside it rather than a transaction psycopg would commit on its own.
+SELECT 1;
+
 -- name: reserve_ids
--- enqueue_many: COPY cannot return ids, so take them from the sequence first and COPY them in.
+-- enqueue_many: COPY cannot return ids, so take them from the sequence first and COPY them in
+-- (one chunk of jobs at a time, so that a million jobs stream instead of sitting in memory).
 -- now() is the transaction's start, the same clock the column default would use.
 SELECT now() AS now, array_agg(nextval(pg_get_serial_sequence(%(table)s, 'id'))) AS ids
 FROM generate_series(1, %(n)s);
