@@ -13,7 +13,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from . import db
+from . import db, maintenance
 from ._units import parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json
@@ -163,10 +163,26 @@ def drain_options(f: F) -> F:
         click.option("--pass-env", multiple=True, metavar="NAME[=VALUE]",
                      help="Pass this variable to jobs (repeatable). Nothing else is passed."),
         click.option("--python", "python", default=None, help="Interpreter for .py handlers."),
+        click.option("--keep-done", callback=_keep, default="7d", show_default=True,
+                     help="Retention: delete done jobs this long after they finished ('forever': keep)."),
+        click.option("--keep-cancelled", callback=_keep, default="7d", show_default=True,
+                     help="Retention for cancelled jobs ('forever': keep)."),
+        click.option("--keep-dead", callback=_keep, default="30d", show_default=True,
+                     help="Retention for dead jobs ('forever': keep)."),
+        click.option("--retention-batch", type=int, default=500, show_default=True,
+                     help="Most finished jobs one retention pass deletes."),
+        click.option("--maintenance-interval", callback=_duration, default="60", show_default=True,
+                     help="A drain running longer repeats reap, sweep and retention this often."),
     ]
     for option in reversed(options):
         f = option(f)
     return f
+
+
+def _keep(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> float | None:
+    if value is None or value.strip().lower() == "forever":
+        return None
+    return _duration(ctx, param, value)
 
 
 def _drain_config(kw: dict[str, Any]) -> DrainConfig:
@@ -182,6 +198,11 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
         shutdown_grace=kw["shutdown_grace"],
         retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
         sandbox=kw["sandbox"], limits=limits, pass_env=tuple(kw["pass_env"]), python=kw["python"],
+        maintenance=maintenance.Settings(
+            retention=maintenance.retention.Settings(
+                done=kw["keep_done"], cancelled=kw["keep_cancelled"], dead=kw["keep_dead"],
+                batch_size=kw["retention_batch"]),
+            interval=kw["maintenance_interval"]),
     )
 
 
@@ -203,10 +224,10 @@ def drain(ctx: click.Context, /, **kw: Any) -> None:
 @click.pass_context
 def reap(ctx: click.Context, older_than: float | None) -> None:
     """Return expired claims to pending (or dead when no attempt is left)."""
-    reaped = _queue(ctx).reap(older_than)
-    for job_id, status in sorted(reaped.items()):
+    result = maintenance.reaper.run_once(_queue(ctx), maintenance.reaper.Settings(older_than))
+    for job_id, status in sorted(result.reaped.items()):
         click.echo(f"job {job_id}: {status}")
-    click.echo(f"reaped {len(reaped)}")
+    click.echo(f"reaped {len(result.reaped)}")
 
 
 def _age(seconds: float | None) -> str:
@@ -332,12 +353,19 @@ def cancel(ctx: click.Context, job_id: int, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--older-than", callback=_duration, default="7d", show_default=True)
-@click.option("--include-dead", is_flag=True, help="Delete dead jobs too.")
+@click.option("--status", "statuses", default="done,cancelled", show_default=True,
+              help="Comma-separated: which finished statuses to delete (done, cancelled, dead).")
+@click.option("--include-dead", is_flag=True, help="Delete dead jobs too (same as adding dead to --status).")
+@click.option("--batch-size", type=int, default=1000, show_default=True,
+              help="Rows per DELETE statement; batches run until nothing is due.")
 @click.pass_context
-def prune(ctx: click.Context, older_than: float, include_dead: bool) -> None:
-    """Delete done and cancelled jobs finished longer ago than --older-than."""
-    n = _queue(ctx).prune(older_than, include_dead=include_dead)
-    click.echo(f"pruned {n} job(s)")
+def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bool, batch_size: int) -> None:
+    """Delete finished jobs (and their attempt history) finished longer ago than --older-than."""
+    chosen = {s.strip() for s in statuses.split(",") if s.strip()} | ({"dead"} if include_dead else set())
+    settings = maintenance.pruner.Settings(ages=tuple((s, older_than) for s in sorted(chosen)),
+                                           batch_size=batch_size)
+    result = maintenance.pruner.run_once(_queue(ctx), settings)
+    click.echo(f"pruned {result.deleted} job(s)")
 
 
 @cli.command()

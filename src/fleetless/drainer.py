@@ -23,7 +23,7 @@ from typing import Literal, TypeVar
 
 import psycopg
 
-from . import handlers
+from . import handlers, maintenance
 from .job import Job, Status
 from .queue import Queue
 from .retry import MAX_ERROR_CHARS, RetryPolicy
@@ -59,6 +59,7 @@ class DrainConfig:
     limits: Limits = field(default_factory=Limits)
     pass_env: tuple[str, ...] = ()
     python: str | None = None
+    maintenance: maintenance.Settings = field(default_factory=maintenance.Settings)
 
     def __post_init__(self) -> None:
         for name in ("batch", "concurrency"):
@@ -80,12 +81,14 @@ class Summary:
     released: int = 0  # claims given back without charging an attempt
     fenced_out: int = 0  # outcomes discarded: the claim had been reaped and taken over
     reaped: int = 0
+    pruned: int = 0  # finished jobs deleted by retention
     seconds: float = 0.0
 
     def line(self) -> str:
         extra = "".join(
             f", {n} {what}"
-            for n, what in ((self.released, "released"), (self.fenced_out, "fenced out"), (self.reaped, "reaped"))
+            for n, what in ((self.released, "released"), (self.fenced_out, "fenced out"), (self.reaped, "reaped"),
+                              (self.pruned, "pruned"))
             if n
         )
         return (
@@ -162,6 +165,7 @@ class Drainer:
         self._handlers_dir = config.handlers_dir
         self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
                                   python=config.python)
+        self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
 
     # -- control -----------------------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class Drainer:
         with ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="job") as pool:
             try:
                 while True:
+                    self._maintenance()  # a no-op until the maintenance interval has passed
                     claiming = (
                         not self.stopping
                         and self._fatal is None
@@ -243,14 +248,14 @@ class Drainer:
             n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=grace))
 
     def _maintenance(self) -> None:
-        reaped = self._db(self.queue.reap)
-        self.summary.reaped = len(reaped)
-        for job_id, status in reaped.items():
-            log.warning("reaped job %d: claim expired, now %s", job_id, status)
+        """The housekeeping units: at the start of the drain, then every maintenance interval."""
         try:
-            self._backend.sweep()
+            report = self._maintainer.run_due()
         except OSError as exc:
             raise DrainError(f"cannot use the sandbox work directory: {exc}") from None
+        if report is not None:
+            self.summary.reaped += len(report.reaped.reaped)
+            self.summary.pruned += report.pruned.deleted
 
     def _abort(self, jobs: Iterable[Job]) -> None:
         with self._lock:

@@ -375,12 +375,23 @@ class Queue:
             "next_due_in_seconds": times["next_due_in_seconds"],
         }
 
+    def prune_batch(self, ages: Mapping[str, float], *, limit: int | None = None) -> int:
+        """Delete up to ``limit`` (None: all) finished jobs older than the age in seconds given
+        for their status (``done``, ``cancelled``, ``dead``; a status not given is kept), oldest
+        first, with their attempt history. Returns how many."""
+        unknown = set(ages) - {"done", "cancelled", "dead"}
+        if unknown:
+            raise ValueError(f"cannot prune status {', '.join(sorted(unknown))}: only done, cancelled, dead")
+        params: dict[str, Any] = {s: _as_float(ages.get(s), f"{s} age") for s in ("done", "cancelled", "dead")}
+        params["limit"] = limit
+        return len(self._run("prune_batch", params))
+
     def prune(self, older_than: float | dt.timedelta, *, include_dead: bool = False) -> int:
         """Delete done and cancelled (and, if asked, dead) jobs finished longer ago than that."""
-        statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
         seconds = _as_float(older_than, "older_than")
-        return len(self._run("prune", {"statuses": statuses, "older_than": seconds}))
-
+        assert seconds is not None
+        statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
+        return self.prune_batch(dict.fromkeys(statuses, seconds))
 
 def _job_id(job_id: object) -> int:
     if isinstance(job_id, bool) or not isinstance(job_id, int) or not 1 <= job_id < 2**63:

@@ -154,8 +154,22 @@ SELECT extract(epoch FROM now() - min(run_after) FILTER (WHERE run_after <= now(
          AS next_due_in_seconds
 FROM {schema}.jobs WHERE status = 'pending';
 
--- name: prune
--- Finished jobs older than the cutoff. Dead jobs are kept unless asked for: they are evidence.
+-- name: prune_batch
+-- The pruner (retention at every drain, and `fleetless prune`): finished jobs older than the age
+-- given for their status (NULL: that status is kept), oldest first, at most %(limit)s rows (NULL:
+-- all) so that one statement stays short. SKIP LOCKED: two drains pruning at once split the rows
+-- instead of queueing behind each other. A job's attempt history goes with it (ON DELETE CASCADE).
+-- The status list is spelled out so the partial index jobs_finished_idx serves it.
 DELETE FROM {schema}.jobs
-WHERE status = ANY(%(statuses)s::text[]) AND finished_at < now() - make_interval(secs => %(older_than)s)
+WHERE id IN (
+  SELECT id FROM {schema}.jobs
+  WHERE status IN ('done', 'cancelled', 'dead')
+    AND finished_at < now() - make_interval(secs => CASE status
+          WHEN 'done' THEN %(done)s::float8
+          WHEN 'cancelled' THEN %(cancelled)s::float8
+          ELSE %(dead)s::float8 END)
+  ORDER BY finished_at
+  LIMIT %(limit)s
+  FOR UPDATE SKIP LOCKED
+)
 RETURNING id;
