@@ -119,3 +119,18 @@ def test_drain_prints_a_one_line_summary(dsn: str, queue: Queue, fleetless, hand
     r = fleetless("drain", "--handlers", str(h), dsn=dsn)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().startswith("drained: claimed 2, done 1, retried 0, dead 1 in ")
+
+
+def test_show_prints_a_handle_result_as_json(dsn: str, queue: Queue, fleetless) -> None:
+    from fleetless.completer import Completer
+    from fleetless.job import Outcome
+
+    queue.enqueue("k", {})
+    job = queue.claim(1)[0]
+    completer = Completer(queue)
+    completer.add(job, Outcome("done", result_json='{"total": 3, "names": ["a"]}'))
+    completer.flush()
+    out = fleetless("show", str(job.id), dsn=dsn).stdout
+    assert 'result_json: {"names": ["a"], "total": 3}' in out
+    shown = json.loads(fleetless("show", str(job.id), "--json", dsn=dsn).stdout)
+    assert shown["result_json"] == {"names": ["a"], "total": 3} and shown["result"] is None

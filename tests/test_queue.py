@@ -341,3 +341,24 @@ def test_sql_injection_in_strings_is_inert(queue: Queue, sql, evil: str) -> None
     assert sql("SELECT payload FROM fleetless.jobs WHERE id = %s", job_id) == [({evil: evil},)]
     with pytest.raises(ValueError):
         Queue("dbname=x", schema=evil)
+
+
+def test_enqueue_notifies_watchers_in_its_own_transaction(queue: Queue, dsn: str) -> None:
+    """A committed enqueue wakes watchers (payload: its queue); a rolled-back one wakes no one;
+    enqueue_many notifies once. Each check ends with a later enqueue, so nothing is waited for
+    that might never come: what arrives before it is all there is."""
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute(f'LISTEN "{queue.channel}"')
+
+    def heard(n: int) -> list[str]:
+        return [note.payload for note in listener.notifies(timeout=30, stop_after=n)]
+
+    with psycopg.connect(dsn) as c:
+        queue.enqueue("k", {}, queue="rolled", conn=c)
+        c.rollback()
+    queue.enqueue("k", {}, queue="mail")
+    assert heard(1) == ["mail"]
+    queue.enqueue_many([("k", {}), {"kind": "k", "payload": {}, "queue": "b"}, ("k", {})])
+    queue.enqueue("k", {}, queue="last")
+    assert heard(2) == ["b,default", "last"]
+    listener.close()

@@ -310,8 +310,8 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
         if key in ("last_error", "result") and value:
             click.echo(f"{key}:")
             click.echo("  " + _printable(str(value).rstrip()).replace("\n", "\n  "))
-        elif key == "payload":
-            click.echo(f"{key}: {json.dumps(value)}")
+        elif key == "payload" or (key == "result_json" and value is not None):
+            click.echo(f"{key}: {_printable(json.dumps(value))}")
         else:
             click.echo(f"{key}: {'' if value is None else _printable(str(value))}")
 

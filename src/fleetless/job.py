@@ -7,11 +7,12 @@ import re
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
     "Job",
+    "Outcome",
     "Status",
     "encode_payload",
     "validate_kind",
@@ -50,6 +51,23 @@ class Job:
     timeout_seconds: int | None = None
     queue: str = "default"
     priority: int = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one run of a claimed job ended, as the completer writes it.
+
+    ``done``: with the script's stdout (``result``) or handle()'s value as JSON text
+    (``result_json``). ``fail``: ``error`` is the job's last_error; back to pending after ``delay``
+    seconds while attempts are left, unless ``permanent``, else dead. ``release``: not the job's
+    fault (the drainer stopped, a sandbox broke): pending again with the attempt given back."""
+
+    action: Literal["done", "fail", "release"]
+    error: str | None = None
+    result: str | None = None
+    result_json: str | None = None
+    permanent: bool = False
+    delay: float = 0.0
 
 
 def validate_kind(kind: object) -> str:

@@ -17,6 +17,7 @@ from . import db
 from .job import (
     MAX_PAYLOAD_BYTES,
     Job,
+    Outcome,
     Status,
     encode_payload,
     validate_kind,
@@ -85,6 +86,8 @@ class Queue:
         self._owns_conn = self._dsn is not None
         self._lock = threading.RLock()
         self.max_payload_bytes = max_payload_bytes
+        #: The NOTIFY channel of this schema: every enqueue notifies it in its own transaction.
+        self.channel = f"fleetless_{self.schema}"
 
     # -- connections -------------------------------------------------------------------------
 
@@ -199,7 +202,7 @@ class Queue:
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay,
             queue=queue, priority=priority, timeout=timeout,
         )
-        return int(self._run("enqueue", params, conn)[0]["id"])
+        return int(self._run("enqueue", {**params, "channel": self.channel}, conn)[0]["id"])
 
     def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any]) -> dict[str, Any]:
         try:
@@ -235,6 +238,7 @@ class Queue:
         if first is None:
             return []
         ids: list[int] = []
+        queues: set[str] = set()
         with self._connection(conn) as c, db.atomic(c), c.cursor() as cur:
             pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
             while chunk := [self._item_params(i, item) for i, item in itertools.islice(pending, ENQUEUE_CHUNK)]:
@@ -250,6 +254,8 @@ class Queue:
                              r["queue"], r["priority"], r["timeout"])
                         )
                 ids.extend(chunk_ids)
+                queues.update(r["queue"] for r in chunk)
+            cur.execute(self._q["notify"], {"channel": self.channel, "queues": ",".join(sorted(queues))})
         return ids
 
     # -- the drainer's side ------------------------------------------------------------------
@@ -262,12 +268,15 @@ class Queue:
         default_timeout: float = 600,
         ttl: float = 900,
         lease_grace: float = 60,
+        one_kind: bool = False,
     ) -> list[Job]:
-        """Claim up to ``n`` due jobs (priority first, then due time) and mark them running."""
+        """Claim up to ``n`` due jobs (priority first, then due time) and mark them running.
+
+        ``one_kind``: all of the kind of the first due job (batch mode: one sandbox per batch)."""
         if n <= 0:
             return []
         rows = self._run(
-            "claim",
+            "claim_kind" if one_kind else "claim",
             {"n": n, "queues": list(queues) if queues else None,
              "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace},
         )
@@ -308,6 +317,36 @@ class Queue:
             {"id": job.id, "token": job.claim_token, "error": clean_text(reason, MAX_ERROR_CHARS, keep="tail")},
         )
         return bool(rows)
+
+    def finish_many(self, outcomes: Sequence[tuple[Job, Outcome]]) -> dict[int, Status]:
+        """Write many outcomes in one statement, each fenced on its claim. Returns the new status
+        of every job written; a job missing from it was fenced out (its claim was taken over)."""
+        if not outcomes:
+            return {}
+        cols: dict[str, list[Any]] = {k: [] for k in (
+            "ids", "tokens", "actions", "permanent", "delays", "errors", "results", "results_json")}
+        for job, o in outcomes:
+            cols["ids"].append(job.id)
+            cols["tokens"].append(job.claim_token)
+            cols["actions"].append(o.action)
+            cols["permanent"].append(o.permanent)
+            cols["delays"].append(o.delay)
+            cols["errors"].append(clean_text(o.error, MAX_ERROR_CHARS, keep="tail"))
+            cols["results"].append(clean_text(o.result, MAX_RESULT_CHARS))
+            cols["results_json"].append(o.result_json)
+        return {r["id"]: Status(r["status"]) for r in self._run("finish_many", cols)}
+
+    def extend_leases(
+        self, jobs: Iterable[Job], *, default_timeout: float = 600, ttl: float = 900, lease_grace: float = 60
+    ) -> int:
+        """Renew the leases of jobs this drainer still holds (fenced per row); returns how many."""
+        jobs = list(jobs)
+        if not jobs:
+            return 0
+        rows = self._run("extend_leases", {
+            "ids": [j.id for j in jobs], "tokens": [j.claim_token for j in jobs],
+            "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace})
+        return len(rows)
 
     def reap(self, older_than: float | dt.timedelta | None = None) -> dict[int, Status]:
         """Return expired claims to pending (or dead when no attempt is left).

@@ -3,11 +3,20 @@
 
 -- name: enqueue
 -- One job. run_after: an explicit time wins, else now() + delay (0 when not given).
-INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
-VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
-        COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
-        %(queue)s, %(priority)s, %(timeout)s)
-RETURNING id;
+-- The NOTIFY (payload: the job's queue) is part of the same statement and so of the enqueuing
+-- transaction: watchers wake at its commit, and a rolled-back enqueue wakes no one.
+WITH job AS (
+  INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+  VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
+          COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
+          %(queue)s, %(priority)s, %(timeout)s)
+  RETURNING id, queue
+)
+SELECT id, pg_notify(%(channel)s, queue) FROM job;
+
+-- name: notify
+-- enqueue_many's one NOTIFY, after its COPY, in its transaction (payload: the queues, comma-separated).
+SELECT pg_notify(%(channel)s, %(queues)s);
 
 -- name: open_transaction
 -- db.atomic: starts the caller's implicit transaction, so that the block after it is a savepoint
@@ -129,7 +138,7 @@ SELECT status FROM {schema}.jobs WHERE id = %(id)s;
 -- name: get
 SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
        locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
-       last_error, result
+       last_error, result, result_json
 FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: list
@@ -173,3 +182,81 @@ WHERE id IN (
   FOR UPDATE SKIP LOCKED
 )
 RETURNING id;
+
+-- name: finish_many
+-- The completer's one statement per flush: many outcomes (done, failed, released) in one UPDATE
+-- over unnest()ed arrays, so a batch of small jobs costs one round trip instead of one per job.
+-- Each row is still fenced on (id, claim_token, status = 'running'): a drainer whose claim was
+-- reaped and taken over matches nothing and learns it from the rows not returned.
+-- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
+-- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault).
+UPDATE {schema}.jobs AS j
+SET status = CASE
+      WHEN o.action = 'done' THEN 'done'
+      WHEN o.action = 'release' THEN 'pending'
+      WHEN j.attempts < j.max_attempts AND NOT o.permanent THEN 'pending'
+      ELSE 'dead' END,
+    attempts = CASE WHEN o.action = 'release' THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
+    run_after = CASE WHEN o.action = 'fail' AND j.attempts < j.max_attempts AND NOT o.permanent
+                     THEN now() + make_interval(secs => o.delay) ELSE j.run_after END,
+    finished_at = CASE
+      WHEN o.action = 'done' THEN now()
+      WHEN o.action = 'fail' AND NOT (j.attempts < j.max_attempts AND NOT o.permanent) THEN now()
+      ELSE NULL END,
+    last_error = o.error,
+    result = CASE WHEN o.action = 'release' THEN j.result ELSE o.result END,
+    result_json = CASE WHEN o.action = 'release' THEN j.result_json ELSE o.result_json::jsonb END,
+    claim_token = CASE WHEN o.action = 'release' THEN NULL ELSE j.claim_token END,
+    started_at = CASE WHEN o.action = 'release' THEN NULL ELSE j.started_at END,
+    locked_at = NULL, lease_expires_at = NULL
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(actions)s::text[], %(permanent)s::bool[],
+            %(delays)s::float8[], %(errors)s::text[], %(results)s::text[], %(results_json)s::text[])
+     AS o(id, token, action, permanent, delay, error, result, result_json)
+WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
+RETURNING j.id, j.status;
+
+-- name: extend_leases
+-- Batch mode: jobs wait behind each other in one sandbox, so the leases set at claim (own timeout
+-- plus grace) would expire under a live drainer. While a batch runs, its drainer renews all of its
+-- leases with this one statement, fenced per row like a finish; a dead drainer renews nothing and
+-- the reaper takes its batch back as before.
+UPDATE {schema}.jobs AS j
+SET lease_expires_at = now() + make_interval(
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token)
+WHERE j.id = c.id AND j.claim_token = c.token AND j.status = 'running'
+RETURNING j.id;
+
+-- name: claim_kind
+-- Batch mode's claim: up to n due jobs of one kind (they share one sandbox and one imported
+-- handler). The kind is the one of the first due job in claim order, so a drain with many kinds
+-- reaches each kind's oldest job in turn instead of starving the rare ones. The head row is
+-- locked by the CTE and therefore not skipped by the claim that follows.
+WITH head AS (
+  SELECT kind FROM {schema}.jobs
+  WHERE status = 'pending' AND run_after <= now()
+    AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  ORDER BY priority DESC, run_after
+  FOR UPDATE SKIP LOCKED
+  LIMIT 1
+)
+UPDATE {schema}.jobs AS j
+SET status = 'running',
+    attempts = j.attempts + 1,
+    claim_token = gen_random_uuid(),
+    locked_at = now(),
+    started_at = now(),
+    finished_at = NULL,
+    lease_expires_at = now() + make_interval(
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+WHERE j.id IN (
+  SELECT id FROM {schema}.jobs
+  WHERE status = 'pending' AND run_after <= now()
+    AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+    AND kind = (SELECT kind FROM head)
+  ORDER BY priority DESC, run_after
+  FOR UPDATE SKIP LOCKED
+  LIMIT %(n)s
+)
+RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.claim_token, j.timeout_seconds,
+          j.queue, j.priority;

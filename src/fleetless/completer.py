@@ -1,0 +1,183 @@
+"""The completer: writes the outcomes of claimed jobs, inline or batched, always fenced per row.
+
+Every outcome goes through :meth:`Queue.finish_many`: one ``UPDATE … FROM unnest(…)`` per flush,
+each row matched on ``(id, claim_token, status = 'running')``, so a drainer whose claim was reaped
+and taken over can never overwrite the new owner's outcome (it learns it from the rows missing in
+the answer: ``fenced_out``).
+
+Two ways to use it:
+
+- **inline** (per-job mode): ``add`` then ``flush`` before the slot claims its next job, so an
+  outcome is durable before anything else happens; a crash loses at most the job that was
+  running, which the reaper gives back.
+- **batched** (``start``): a background thread flushes when ``flush_size`` outcomes are waiting
+  or ``flush_interval`` seconds after the first of them arrived. A flush that fails keeps its
+  outcomes and is tried again (backing off to 5 s); ``close`` flushes what is left. A drainer
+  SIGKILLed between a job's end and the flush has written nothing for that job: its claim is
+  reaped and the job runs again (at-least-once, as documented in docs/guarantees.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from .job import Job, Outcome, Status
+from .queue import Queue
+from .retry import RetryPolicy
+
+__all__ = ["Completer", "Counts"]
+
+log = logging.getLogger("fleetless.completer")
+
+
+@dataclass
+class Counts:
+    """What the completer has written so far."""
+
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    released: int = 0  # claims given back without charging an attempt
+    fenced_out: int = 0  # outcomes not written: the claim had been reaped (and maybe taken over)
+
+
+class Completer:
+    def __init__(
+        self,
+        queue: Queue,
+        retry: RetryPolicy | None = None,
+        *,
+        flush_size: int = 500,
+        flush_interval: float = 0.05,
+    ) -> None:
+        if flush_size < 1 or flush_interval <= 0:
+            raise ValueError("flush_size must be at least 1 and flush_interval positive")
+        self.queue = queue
+        self.retry = retry or RetryPolicy()
+        self.flush_size = flush_size
+        self.flush_interval = flush_interval
+        self.counts = Counts()
+        self._buffer: list[tuple[Job, Outcome]] = []
+        self._first_at: float | None = None  # monotonic time the oldest buffered outcome arrived
+        self._cond = threading.Condition()
+        self._flushing = threading.Lock()  # one flush at a time, so outcomes are written in order
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.last_error: str | None = None  # the latest failed flush's reason (batched mode)
+
+    # -- adding -------------------------------------------------------------------------------
+
+    def add(self, job: Job, outcome: Outcome) -> None:
+        """Buffer one job's outcome. A failure gets its retry delay from the policy here."""
+        if outcome.action == "fail" and not outcome.permanent:
+            outcome = replace(outcome, delay=self.retry.delay(job.attempts))
+        with self._cond:
+            first = not self._buffer
+            if first:
+                self._first_at = time.monotonic()
+            self._buffer.append((job, outcome))
+            if first or len(self._buffer) >= self.flush_size:  # start the timer, or flush now
+                self._cond.notify_all()
+
+    def holding(self) -> list[Job]:
+        """Jobs whose outcome is buffered, not yet written (their leases must stay alive)."""
+        with self._cond:
+            return [job for job, _ in self._buffer]
+
+    @property
+    def buffered(self) -> int:
+        with self._cond:
+            return len(self._buffer)
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write everything buffered, in one statement. On a database error the outcomes stay
+        buffered (nothing is lost) and the error propagates."""
+        with self._flushing:
+            with self._cond:
+                items, self._buffer = self._buffer, []
+                self._first_at = None
+            if not items:
+                return
+            try:
+                written = self.queue.finish_many(items)
+            except BaseException:
+                with self._cond:
+                    self._buffer[:0] = items
+                    self._first_at = time.monotonic()
+                raise
+            self._count(items, written)
+
+    def _count(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
+        c = self.counts
+        for job, outcome in items:
+            status = written.get(job.id)
+            if status is None:
+                c.fenced_out += 1
+                log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
+            elif outcome.action == "release":
+                c.released += 1
+            elif status is Status.DONE:
+                c.done += 1
+            elif status is Status.DEAD:
+                c.dead += 1
+                first = (outcome.error or "").splitlines()[:1]
+                log.warning("job %d (%s) is dead after %d attempt(s): %s", job.id, job.kind, job.attempts,
+                            first[0] if first else "")
+            else:
+                c.retried += 1
+
+    # -- batched mode -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Flush in the background on size or timer until :meth:`close`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="completer", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        backoff = self.flush_interval
+        while True:
+            with self._cond:
+                while not self._closing:
+                    if self._buffer:
+                        assert self._first_at is not None
+                        due = self._first_at + max(self.flush_interval, backoff)
+                        if len(self._buffer) >= self.flush_size and backoff <= self.flush_interval:
+                            break
+                        left = due - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._cond.wait(left)
+                    else:
+                        self._cond.wait()
+                if self._closing:
+                    return
+            try:
+                self.flush()
+                backoff = self.flush_interval
+                self.last_error = None
+            except Exception as exc:  # the database is away: keep the outcomes and try again
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                self.last_error = first
+                log.warning("writing %d outcome(s) failed (%s); retrying", self.buffered, first)
+                backoff = min(max(backoff * 2, 0.2), 5.0)
+
+    def close(self, flush: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """Stop the background thread, then write what is left: ``flush(self.flush)`` lets the
+        caller wrap the last write in its own retry (the drainer's database ride-out)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if flush is None:
+            self.flush()
+        else:
+            flush(self.flush)

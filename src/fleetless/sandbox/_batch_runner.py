@@ -1,0 +1,230 @@
+"""The in-sandbox batch runner: many jobs of one kind in one sandbox, one result line each.
+
+The drainer writes this file and ``batch.json`` into a sandbox's workspace and runs
+``python _fleetless_batch.py batch.json`` there, on every tier alike. It uses the standard
+library only (it must not import ``fleetless``: the sandbox's python may not have it)::
+
+    {"handler": "/handlers/kind.py", "module": true, "argv": ["/usr/bin/python3", "/handlers/kind.py"],
+     "budget": 880.0, "grace": 2.0, "stdout_bytes": 65536, "stderr_bytes": 2000,
+     "jobs": [{"payload": {...}, "timeout": 10.0, "env": {"FLEETLESS_JOB_ID": "7", ...}}, ...]}
+
+The process's own environment is what every job of the batch shares; a job's ``env`` adds what
+is its own (id, attempt).
+
+``module``: the handler defines ``handle(payload)``. It is imported once and called once per
+job in this process, so a tiny job costs a function call; ``handle``'s return value is the job's
+result (JSON). A per-job timer (SIGALRM) raises in ``handle`` at the job's timeout; a job stuck
+where no signal reaches it (a long C call) is stopped by faulthandler's watchdog, which exits
+this process a little later. Otherwise the handler is a script or executable: each job runs as
+its own process (own process group, killed with its leftovers after the job) with the payload
+in ``payload.json``, as in per-job mode.
+
+Results go to stdout, one JSON line per job, in order, written as soon as the job ends::
+
+    {"i": 0, "ok": true, "result": ..., "duration": 0.001}              (module)
+    {"i": 1, "ok": false, "error": "ValueError: ...", "duration": ...}  (module)
+    {"i": 2, "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
+
+A job that takes this process down (os._exit, a segfault, the memory limit, the watchdog) leaves
+no line: the host charges the first job without one and runs the rest in a fresh sandbox. The
+runner starts no job that could not finish within ``budget`` seconds of its own start (the
+sandbox's TTL): it exits 0 and the host runs the rest elsewhere, charging nobody.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+#: The error text kept for a failed job (as the queue's MAX_ERROR_CHARS).
+ERROR_CHARS = 2000
+#: Largest JSON result of handle(), in bytes (as the queue's MAX_RESULT_CHARS).
+RESULT_BYTES = 64 * 1024
+
+
+class JobTimeout(BaseException):
+    """Raised in handle() at the job's timeout (BaseException: ``except Exception`` in a handler
+    does not swallow it)."""
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise JobTimeout()
+
+
+def describe_exception(exc: BaseException) -> str:
+    """The exception's own line first, then the tail of the traceback, within ERROR_CHARS."""
+    head = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
+    first = (head[-1] if head else type(exc).__name__)[:500]
+    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    room = ERROR_CHARS - len(first) - 1
+    return f"{first}\n{tail[-room:]}" if room > 0 else first
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:g}"
+
+
+class Output:
+    """The result channel: the process's real stdout, kept on a private fd. fd 1 and 2 both become
+    the runner's stderr, so a handler's print() cannot corrupt the records."""
+
+    def __init__(self) -> None:
+        self.fd = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = sys.stderr
+
+    def send(self, record: dict[str, Any]) -> None:
+        self.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
+
+    def write(self, line: str) -> None:
+        data = line.encode("utf-8", "replace")
+        while data:
+            n = os.write(self.fd, data)
+            data = data[n:]
+
+
+def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
+    handler = desc["handler"]
+    jobs = desc["jobs"]
+    grace = float(desc.get("grace", 2.0))
+    budget = float(desc.get("budget", 1e9))
+    longest = max(float(j["timeout"]) for j in jobs)
+    handle = None
+    import_error = None
+    sys.path[0] = os.path.dirname(handler)  # as when the file runs as a script
+    try:
+        spec = importlib.util.spec_from_file_location("fleetless_handler", handler)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["fleetless_handler"] = module
+        spec.loader.exec_module(module)
+        handle = getattr(module, "handle", None)
+        if not callable(handle):
+            raise TypeError(f"{handler} has no callable handle(payload)")
+    except BaseException as exc:  # the import fails for every job alike: each job's failure
+        import_error = "cannot import the handler: " + describe_exception(exc)
+    me = os.getpid()
+    signal.signal(signal.SIGALRM, _on_alarm)
+    armed_at = -10.0
+    for i, job in enumerate(jobs):
+        timeout = float(job["timeout"])
+        now = time.monotonic()
+        if i and now - started + timeout + grace > budget:
+            return
+        if import_error is not None:
+            out.send({"i": i, "ok": False, "error": import_error, "duration": 0.0})
+            continue
+        if now - armed_at > 1.0:
+            # The hard stop, re-armed at most once a second (each arm starts a thread): it fires
+            # no earlier than timeout + grace after any job's start, and at most 1 s later.
+            faulthandler.dump_traceback_later(longest + grace + 1.0, exit=True)
+            armed_at = now
+        os.environ.update(job.get("env", {}))
+        t0 = time.monotonic()
+        try:
+            signal.setitimer(signal.ITIMER_REAL, timeout)
+            try:
+                value = handle(job["payload"])  # type: ignore[misc]
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            if os.getpid() != me:  # a fork of this runner made by the job: never report twice
+                os._exit(0)
+            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+            if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
+                raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
+                                 f"at {RESULT_BYTES} bytes")
+            out.write(f'{{"i":{i},"ok":true,"result":{text},"duration":{time.monotonic() - t0:.6f}}}\n')
+            continue
+        except JobTimeout:
+            if os.getpid() != me:
+                os._exit(0)
+            error = f"killed: timeout after {_fmt(timeout)} s"
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
+            if os.getpid() != me:
+                os._exit(0)
+            error = describe_exception(exc)
+        out.send({"i": i, "ok": False, "error": error, "duration": time.monotonic() - t0})
+    faulthandler.cancel_dump_traceback_later()
+
+
+def _head(path: str, limit: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", "replace")
+
+
+def _tail(path: str, limit: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - limit))
+        return f.read().decode("utf-8", "replace")
+
+
+def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
+    argv0 = list(desc["argv"])
+    budget = float(desc.get("budget", 1e9))
+    grace = float(desc.get("grace", 2.0))
+    stdout_bytes = int(desc.get("stdout_bytes", RESULT_BYTES))
+    stderr_bytes = int(desc.get("stderr_bytes", ERROR_CHARS))
+    cwd = os.getcwd()
+    payload_path = os.path.join(cwd, "payload.json")
+    out_path, err_path = os.path.join(cwd, ".job-stdout"), os.path.join(cwd, ".job-stderr")
+    for i, job in enumerate(desc["jobs"]):
+        timeout = float(job["timeout"])
+        if i and time.monotonic() - started + timeout + grace > budget:
+            return
+        with open(payload_path, "w") as f:
+            json.dump(job["payload"], f)
+        t0 = time.monotonic()
+        killed = None
+        with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
+            try:
+                proc = subprocess.Popen([*argv0, payload_path], stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
+                                        env={**os.environ, **job.get("env", {})}, start_new_session=True,
+                                        cwd=cwd)
+            except OSError as exc:
+                out.send({"i": i, "exit": 127 if isinstance(exc, FileNotFoundError) else 126, "stdout": "",
+                          "stderr": f"cannot execute {argv0[0]}: {exc.strerror or exc}", "killed": None,
+                          "duration": 0.0})
+                continue
+            try:
+                code = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                killed = f"killed: timeout after {_fmt(timeout)} s"
+                code = None
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the job's leftovers go with it
+            except OSError:
+                pass
+            if code is None:
+                code = proc.wait()
+        out.send({"i": i, "exit": code, "stdout": _head(out_path, stdout_bytes),
+                  "stderr": _tail(err_path, stderr_bytes), "killed": killed, "duration": time.monotonic() - t0})
+        for path in (out_path, err_path, payload_path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def main() -> None:
+    started = time.monotonic()
+    with open(sys.argv[1]) as f:
+        desc = json.load(f)
+    os.unlink(sys.argv[1])
+    out = Output()
+    if desc["module"]:
+        run_modules(desc, out, started)
+    else:
+        run_scripts(desc, out, started)
+
+
+if __name__ == "__main__":
+    main()

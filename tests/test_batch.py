@@ -1,0 +1,177 @@
+"""Batch mode's runner on real sandboxes: many jobs of one kind per sandbox, each with its own
+outcome; a job that takes the sandbox down is charged alone and the rest run on in a fresh one."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from fleetless.batch import Runner, Slot
+from fleetless.job import Job, Outcome
+from fleetless.sandbox import Limits, Template, get_backend
+
+from proctools import wait_for
+
+TIERS = ["process", "bwrap", "microvm"]
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def jobs(kind: str, payloads: list[object], timeout: int | None = None) -> list[Job]:
+    return [Job(id=i + 1, kind=kind, payload=p, attempts=1, max_attempts=3, claim_token=uuid.uuid4(),
+                timeout_seconds=timeout) for i, p in enumerate(payloads)]
+
+
+def runner(tier: str, folder: Path, **kw: float) -> Runner:
+    template = Template(handlers_dir=folder.resolve(), limits=Limits(memory_bytes=512 * 1024 * 1024),
+                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    return Runner(get_backend(tier), template, **kw)
+
+
+def summary(outcomes: list[tuple[Job, Outcome]]) -> list[tuple[int, str, object]]:
+    out: list[tuple[int, str, object]] = []
+    for job, o in outcomes:
+        if o.action == "done":
+            out.append((job.id, "done", json.loads(o.result_json) if o.result_json is not None else o.result))
+        else:
+            out.append((job.id, o.action, (o.error or "").splitlines()[0]))
+    return out
+
+
+MODULE = """
+    import os, signal, time
+    calls = 0  # counts the calls in this interpreter: shows the module is imported once per sandbox
+
+    def handle(payload):
+        global calls
+        calls += 1
+        what = payload["do"]
+        if what == "raise":
+            raise ValueError("no good: " + str(payload.get("n")))
+        if what == "exit":
+            os._exit(7)
+        if what == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if what == "sleep":
+            time.sleep(payload["s"])
+        if what == "spin":
+            sum(range(10**12))  # one C call: no signal handler runs until it returns
+        if what == "nan":
+            return float("nan")
+        return {"calls": calls, "job": os.environ["FLEETLESS_JOB_ID"], "n": payload.get("n")}
+"""
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_batch_keeps_each_jobs_outcome_and_survives_a_job_that_kills_the_sandbox(
+        tier: str, handlers: Callable[..., Path], require_tier: Callable[[str], None]) -> None:
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    batch = jobs("mod", [{"do": "ok", "n": 1}, {"do": "raise", "n": 2}, {"do": "ok", "n": 3},
+                         {"do": "exit"}, {"do": "ok", "n": 5}, {"do": "nan"}, {"do": "segv"}, {"do": "ok", "n": 8}])
+    outcomes, fatal = runner(tier, h).run(batch, Slot())
+    assert fatal is None
+    assert summary(outcomes) == [
+        (1, "done", {"calls": 1, "job": "1", "n": 1}),
+        (2, "fail", "ValueError: no good: 2"),
+        (3, "done", {"calls": 3, "job": "3", "n": 3}),  # same interpreter: imported once
+        (4, "fail", "exit code 7"),
+        (5, "done", {"calls": 1, "job": "5", "n": 5}),  # a fresh sandbox after the death
+        (6, "fail", "ValueError: Out of range float values are not JSON compliant"),
+        (7, "fail", "killed by SIGSEGV"),
+        (8, "done", {"calls": 1, "job": "8", "n": 8}),
+    ]
+    error = outcomes[1][1].error or ""
+    assert "Traceback" in error and 'raise ValueError("no good: "' in error  # the traceback's tail
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_each_job_of_a_batch_has_its_own_timeout(tier: str, handlers: Callable[..., Path],
+                                                 require_tier: Callable[[str], None]) -> None:
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    batch = jobs("mod", [{"do": "sleep", "s": 0.3}, {"do": "sleep", "s": 60}, {"do": "spin"}, {"do": "ok", "n": 4}],
+                 timeout=1)
+    outcomes, _ = runner(tier, h).run(batch, Slot())
+    assert summary(outcomes) == [
+        (1, "done", {"calls": 1, "job": "1", "n": None}),
+        (2, "fail", "killed: timeout after 1 s"),
+        (3, "fail", "killed: timeout after 1 s (stopped by the watchdog)"),
+        (4, "done", {"calls": 1, "job": "4", "n": 4}),
+    ]
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_script_handlers_run_one_process_per_job_in_a_batch(tier: str, handlers: Callable[..., Path],
+                                                            require_tier: Callable[[str], None]) -> None:
+    require_tier(tier)
+    h = handlers(**{"script.py": """
+        import json, os, sys, time
+        p = json.load(open(sys.argv[1]))
+        if p == "fail":
+            sys.stderr.write("bad\\n"); sys.exit(3)
+        if p == "hang":
+            time.sleep(60)
+        if p == "die":
+            os.kill(os.getpid(), 9)
+        print(p, os.environ["FLEETLESS_JOB_ID"], os.getcwd() == os.environ["HOME"])
+    """, "shell": """
+        #!/bin/sh
+        echo "shell saw $(cat "$1")"
+    """})
+    outcomes, _ = runner(tier, h).run(jobs("script", ["a", "fail", "hang", "die", "b"], timeout=1), Slot())
+    assert summary(outcomes) == [
+        (1, "done", "a 1 True\n"), (2, "fail", "exit code 3"), (3, "fail", "killed: timeout after 1 s"),
+        (4, "fail", "killed by SIGKILL"), (5, "done", "b 5 True\n"),
+    ]
+    assert outcomes[1][1].error == "exit code 3\nbad"
+    outcomes, _ = runner(tier, h).run(jobs("shell", [1, 2]), Slot())
+    assert summary(outcomes) == [(1, "done", "shell saw 1\n"), (2, "done", "shell saw 2\n")]
+
+
+def test_a_module_that_cannot_be_imported_fails_each_job(handlers: Callable[..., Path]) -> None:
+    h = handlers(**{"broken.py": "import no_such_module\ndef handle(p):\n    return p\n"})
+    outcomes, _ = runner("process", h).run(jobs("broken", [1, 2]), Slot())
+    assert [o.action for _, o in outcomes] == ["fail", "fail"]
+    assert (outcomes[0][1].error or "").startswith(
+        "cannot import the handler: ModuleNotFoundError: No module named 'no_such_module'")
+
+
+def test_a_job_without_handler_is_dead_at_once(handlers: Callable[..., Path]) -> None:
+    outcomes, _ = runner("process", handlers()).run(jobs("nothing", [1]), Slot())
+    assert outcomes[0][1].permanent and (outcomes[0][1].error or "").startswith("no handler for kind 'nothing'")
+
+
+def test_aborting_a_batch_releases_every_job_without_a_result(handlers: Callable[..., Path],
+                                                             tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    h = handlers(**{"mod.py": f"""
+        import time
+        def handle(p):
+            if p == "wait":
+                open({str(marker)!r}, "w").close()
+                time.sleep(60)
+            return p
+    """})
+    slot = Slot()
+    got: list[tuple[list[tuple[Job, Outcome]], str | None]] = []
+    t = threading.Thread(target=lambda: got.append(runner("process", h).run(jobs("mod", ["a", "wait", "c"]), slot)))
+    t.start()
+    wait_for(marker.exists, what="the second job to start")
+    slot.abort()
+    t.join(30)
+    outcomes, fatal = got[0]
+    assert fatal is None
+    assert summary(outcomes) == [(1, "done", "a"), (2, "release", "released: the drainer stopped before the job "
+                                                                    "finished"),
+                                 (3, "release", "released: the drainer stopped before the job finished")]

@@ -1,0 +1,124 @@
+"""The completer writes outcomes fenced per row: inline (per-job mode) or batched by size and
+timer, one statement per flush, never losing an outcome when a flush fails."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+import pytest
+
+from fleetless import Queue
+from fleetless.completer import Completer
+from fleetless.job import Job, Outcome
+
+from proctools import wait_for
+
+
+def claim_all(queue: Queue, n: int) -> list[Job]:
+    return queue.claim(n, default_timeout=60, ttl=60, lease_grace=60)
+
+
+def test_one_flush_writes_mixed_outcomes_in_one_statement(queue: Queue, sql: Callable[..., list[Any]],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = queue.enqueue_many([("k", {"n": i}) for i in range(5)])
+    queue.enqueue("k", {"n": 5}, max_attempts=1)
+    jobs = claim_all(queue, 6)
+    statements: list[str] = []
+    real = queue._run
+
+    def counting(name: str, params: Any, conn: Any = None) -> Any:
+        statements.append(name)
+        return real(name, params, conn)
+
+    monkeypatch.setattr(queue, "_run", counting)
+    c = Completer(queue, flush_size=100)
+    c.add(jobs[0], Outcome("done", result="text out"))
+    c.add(jobs[1], Outcome("done", result_json='{"a": [1, 2]}'))
+    c.add(jobs[2], Outcome("fail", error="ValueError: x\ntraceback"))
+    c.add(jobs[3], Outcome("fail", error="no handler", permanent=True))
+    c.add(jobs[4], Outcome("release", error="released: stopping"))
+    c.add(jobs[5], Outcome("fail", error="last try"))
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(6,)]  # nothing yet
+    c.flush()
+    assert statements == ["finish_many"]
+    rows = {r[0]: r[1:] for r in sql(
+        "SELECT id, status, attempts, result, result_json, last_error, run_after > now() + interval '30 s',"
+        " finished_at IS NOT NULL, claim_token IS NULL FROM fleetless.jobs")}
+    assert rows[ids[0]] == ("done", 1, "text out", None, None, False, True, False)
+    assert rows[ids[1]] == ("done", 1, None, {"a": [1, 2]}, None, False, True, False)
+    assert rows[ids[2]] == ("pending", 1, None, None, "ValueError: x\ntraceback", True, False, False)  # backoff
+    assert rows[ids[3]] == ("dead", 1, None, None, "no handler", False, True, False)
+    assert rows[ids[4]] == ("pending", 0, None, None, "released: stopping", False, False, True)
+    assert rows[6] == ("dead", 1, None, None, "last try", False, True, False)
+    counts = c.counts
+    assert (counts.done, counts.retried, counts.dead, counts.released, counts.fenced_out) == (2, 1, 2, 1, 0)
+
+
+def test_a_reaped_claims_late_outcome_is_fenced_out(queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    job_id = queue.enqueue("k", {})
+    old = claim_all(queue, 1)[0]
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 s'")
+    queue.reap()
+    new = claim_all(queue, 1)[0]
+    c = Completer(queue)
+    c.add(old, Outcome("done", result="late"))
+    c.flush()
+    assert c.counts.fenced_out == 1
+    assert sql("SELECT status, result, claim_token FROM fleetless.jobs WHERE id = %s", job_id) == [
+        ("running", None, new.claim_token)]
+    c.add(new, Outcome("done", result="mine"))
+    c.flush()
+    assert sql("SELECT status, result FROM fleetless.jobs") == [("done", "mine")]
+
+
+def test_batched_mode_flushes_on_size_and_on_the_timer(queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    queue.enqueue_many([("k", {}) for _ in range(5)])
+    jobs = claim_all(queue, 5)
+    c = Completer(queue, flush_size=3, flush_interval=3600)
+    c.start()
+    for job in jobs[:3]:
+        c.add(job, Outcome("done"))
+    wait_for(lambda: sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'") == [(3,)],
+             what="a flush on size")
+    c.close()
+    timed = Completer(queue, flush_size=100, flush_interval=0.05)
+    timed.start()
+    timed.add(jobs[3], Outcome("done"))
+    wait_for(lambda: sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'") == [(4,)],
+             what="a flush on the timer")
+    timed.add(jobs[4], Outcome("done"))
+    timed.close()  # writes what is left
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'") == [(5,)]
+
+
+def test_a_failed_flush_keeps_its_outcomes_and_retries(queue: Queue, sql: Callable[..., list[Any]],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    queue.enqueue_many([("k", {}) for _ in range(3)])
+    jobs = claim_all(queue, 3)
+    real = queue.finish_many
+    failures = [2]
+    lock = threading.Lock()
+
+    def flaky(items: Any) -> Any:
+        with lock:
+            if failures[0]:
+                failures[0] -= 1
+                raise psycopg.OperationalError("server closed the connection unexpectedly")
+        return real(items)
+
+    monkeypatch.setattr(queue, "finish_many", flaky)
+    c = Completer(queue, flush_size=1, flush_interval=0.01)
+    with pytest.raises(psycopg.OperationalError):
+        c.add(jobs[0], Outcome("done"))
+        c.flush()
+    assert c.holding() == [jobs[0]]  # kept
+    c.start()
+    c.add(jobs[1], Outcome("done"))
+    c.add(jobs[2], Outcome("fail", error="x"))
+    wait_for(lambda: c.buffered == 0, what="the retried flush")
+    c.close()
+    assert sorted(r[0] for r in sql("SELECT status FROM fleetless.jobs")) == ["done", "done", "pending"]
+    assert (c.counts.done, c.counts.retried, c.counts.fenced_out) == (2, 1, 0)  # each acknowledged once
