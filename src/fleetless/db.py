@@ -13,7 +13,10 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-__all__ = ["DEFAULT_SCHEMA", "atomic", "connect", "migrate", "queries", "validate_schema_name"]
+__all__ = [
+    "DEFAULT_SCHEMA", "PoolerError", "atomic", "connect", "migrate", "queries", "require_session",
+    "shares_server_sessions", "validate_schema_name",
+]
 
 DEFAULT_SCHEMA = "fleetless"
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # fullmatch: "$" matches before a final "\n"
@@ -66,7 +69,14 @@ def _migrations() -> list[tuple[int, str, str]]:
 
 
 def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
-    """A connection, with the error said in one line when the server cannot be reached."""
+    """A connection, with the error said in one line when the server cannot be reached.
+
+    No server-side prepared statements (``prepare_threshold=None``): psycopg would otherwise
+    prepare a query on its fifth run, and behind a transaction pooler (PgBouncer before 1.21, or
+    with ``max_prepared_statements = 0``) the next run lands on another server connection that
+    lacks it, or that another client already prepared the same name on. Measured here, preparing
+    gains nothing a claim can see (``bench/bench_hosts.py``)."""
+    kwargs.setdefault("prepare_threshold", None)
     try:
         return psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
@@ -87,6 +97,42 @@ def atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
         conn.execute(_raw_queries()["open_transaction"])
     with conn.transaction():
         yield
+
+
+class PoolerError(ConnectionError):
+    """The DSN reaches PostgreSQL through a pooler that cannot give what is asked (a session)."""
+
+
+def shares_server_sessions(dsn: str, tries: int = 3) -> bool:
+    """Whether ``dsn`` hands one server session to several clients in turn: a transaction (or
+    statement) pooler such as PgBouncer with ``pool_mode = transaction``.
+
+    A direct connection's protocol-level backend pid is its server's ``pg_backend_pid()``; a
+    pooler makes up its own. Behind a pooler, a second client that runs while the first sits
+    idle gets the first one's server session in transaction pooling (PgBouncer reuses the most
+    recently used one), never in session pooling, where the first keeps it. Never a false
+    positive; under heavy concurrent load a transaction pooler may go undetected."""
+    with connect(dsn, autocommit=True) as first:
+        own = first.execute("SELECT pg_backend_pid()").fetchone()
+        if own is None or own[0] == first.info.backend_pid:
+            return False  # no pooler in between
+        for _ in range(tries):
+            server = first.execute("SELECT pg_backend_pid()").fetchone()
+            with connect(dsn, autocommit=True) as second:
+                other = second.execute("SELECT pg_backend_pid()").fetchone()
+            if server is not None and other is not None and server[0] == other[0]:
+                return True
+    return False
+
+
+def require_session(dsn: str, why: str = "LISTEN") -> None:
+    """Raise PoolerError, in one line, when ``dsn`` is a transaction pooler: what needs a
+    session of its own (``LISTEN``, session advisory locks) would silently not work there."""
+    if shares_server_sessions(dsn):
+        raise PoolerError(
+            f"{why} needs a session of its own, but this database URL goes through a transaction pooler "
+            "(several clients share one server connection): use a direct connection or session pooling"
+        )
 
 
 def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[int]:
