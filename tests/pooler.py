@@ -30,6 +30,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def skip_unless_possible(why: str | None) -> None:
+    """Skip the test, saying why, unless the environment says these tests must run
+    (``FLEETLESS_REQUIRE_HOSTS=1``, as CI sets): then fail."""
+    import pytest
+
+    if why is None:
+        return
+    if os.environ.get("FLEETLESS_REQUIRE_HOSTS") == "1":
+        pytest.fail(f"required here (FLEETLESS_REQUIRE_HOSTS=1) but impossible: {why}")
+    pytest.skip(why)
+
+
 def unavailable() -> str | None:
     """Why PgBouncer cannot be started here (None when it can)."""
     if not os.path.exists(PGBOUNCER):
