@@ -318,6 +318,22 @@ class Queue:
         )
         return bool(rows)
 
+    def next_due(self, queues: Sequence[str] | None = None) -> float | None:
+        """Seconds until the next pending job of ``queues`` is due (<= 0: due now); None: none."""
+        rows = self._run("next_due", {"queues": list(queues) if queues else None})
+        seconds = rows[0]["seconds"] if rows else None
+        return None if seconds is None else float(seconds)
+
+    @property
+    def conninfo(self) -> str:
+        """How to open another connection to this queue's database (watch mode listens on one)."""
+        if self._dsn is not None:
+            return self._dsn
+        if self._pool is not None and isinstance(self._pool.conninfo, str):
+            return self._pool.conninfo
+        assert self._conn is not None, "a pool whose conninfo is a callable cannot be watched"
+        return self._conn.info.dsn
+
     def finish_many(self, outcomes: Sequence[tuple[Job, Outcome]]) -> dict[int, Status]:
         """Write many outcomes in one statement, each fenced on its claim. Returns the new status
         of every job written; a job missing from it was fenced out (its claim was taken over)."""

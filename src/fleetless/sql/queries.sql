@@ -260,3 +260,20 @@ WHERE j.id IN (
 )
 RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.claim_token, j.timeout_seconds,
           j.queue, j.priority;
+
+-- name: listen
+-- Watch mode: enqueue NOTIFYs this channel ({channel}: the queue's, quoted) in its transaction.
+LISTEN {channel};
+
+-- name: watcher_lock
+-- Watch mode: one watcher per schema and set of queues. A session lock, held by the watcher's own
+-- listening connection, so it ends with that session (a watcher that dies frees it at once). The
+-- cron tick that finds it taken exits after this one query.
+SELECT pg_try_advisory_lock(hashtext(%(key)s)) AS got;
+
+-- name: next_due
+-- Watch mode sleeps until the next pending job of its queues is due (not a poll every second);
+-- seconds from now, or NULL when nothing is pending. Served by the partial index on run_after.
+SELECT extract(epoch FROM min(run_after) - now())::float8 AS seconds
+FROM {schema}.jobs
+WHERE status = 'pending' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]));

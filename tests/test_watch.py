@@ -1,0 +1,69 @@
+"""Watch mode's wait strategy: one watcher per queue set (a session advisory lock), woken by the
+NOTIFY of committed enqueues only, and riding out a lost connection."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from fleetless import Queue
+from fleetless.watch import Watcher, sleep_for
+
+from proctools import wait_for
+
+
+def watcher(queue: Queue, queues: list[str] | None = None) -> Watcher:
+    return Watcher(queue.conninfo, schema=queue.schema, channel=queue.channel, queues=queues,
+                   wake=threading.Event())
+
+
+def test_one_watcher_per_queue_set(queue: Queue) -> None:
+    first = watcher(queue)
+    assert first.acquire()
+    assert not watcher(queue).acquire()  # the cron tick's one query: someone is watching already
+    other = watcher(queue, ["mail"])
+    assert other.acquire()  # another set of queues has its own watcher
+    first.close()
+    again = watcher(queue)
+    assert again.acquire()  # the lock ended with the first watcher's session
+    again.close()
+    other.close()
+
+
+def test_committed_enqueues_wake_the_watcher_and_rolled_back_ones_do_not(queue: Queue, dsn: str) -> None:
+    w = watcher(queue, ["default", "mail"])
+    assert w.acquire()
+    with psycopg.connect(dsn) as c:
+        queue.enqueue("k", {}, queue="mail", conn=c)
+        c.rollback()
+    queue.enqueue("k", {}, queue="other")  # not a queue of this watcher
+    queue.enqueue("k", {}, queue="mail")
+    wait_for(w.wake.is_set, what="the wake-up")
+    # notifications arrive in commit order: anything the rollback had sent would come first
+    assert w.heard == ["mail"]
+    w.close()
+
+
+def test_a_lost_connection_is_ridden_out(queue: Queue, dsn: str, sql: Callable[..., list[Any]]) -> None:
+    w = watcher(queue)
+    assert w.acquire()
+    sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+        " AND datname = current_database()")
+    wait_for(w.wake.is_set, what="the wake-up after reconnecting")  # it looks once: it may have missed some
+    w.wake.clear()
+    wait_for(lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+                         " AND datname = current_database()") == [(1,)], what="the new LISTEN")
+    queue.enqueue("k", {}, queue="after")
+    wait_for(lambda: w.heard[-1:] == ["after"], what="a notification on the new connection")
+    assert not w.lost
+    w.close()
+
+
+def test_the_loop_sleeps_until_the_next_due_job_or_the_idle_exit() -> None:
+    assert sleep_for(None, None) == 60.0
+    assert sleep_for(2.5, None) == 2.5
+    assert sleep_for(-1.0, 10.0) == 0.0  # due already
+    assert sleep_for(30.0, 4.0) == 4.0
