@@ -1,0 +1,129 @@
+"""Shared parts of the suite: the run's context, a section (table, plot, markdown), statistics,
+a scratch database, and whole-process timing."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+ADMIN_DSN = os.environ.get("FLEETLESS_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+ROOT = Path(__file__).resolve().parents[2]
+VENV_PY = str(ROOT / ".venv" / "bin" / "python")
+
+
+@dataclass
+class Context:
+    reps: int
+    quick: bool
+    machine: str
+    note: str = ""
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def spread(values: Sequence[float]) -> str:
+    m = statistics.median(values)
+    return f"{100 * (max(values) - min(values)) / m:.0f}%" if m else "-"
+
+
+def fmt(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
+@dataclass
+class Section:
+    name: str
+    title: str
+    command: str
+    context: Context
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+    #: bars for the plot: label -> (median, min, max), and the axis label
+    bars: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    unit: str = "jobs/s"
+
+    def add_bar(self, label: str, values: Sequence[float]) -> None:
+        self.bars[label] = (median(values), min(values), max(values))
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", "", f"    {self.command}", "",
+                 f"Run: {self.context.machine}; {self.context.reps} repetitions, medians [spread]."]
+        if self.context.note:
+            lines.append(f"*{self.context.note}*")
+        lines += ["", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]
+        lines += ["| " + " | ".join(r) + " |" for r in self.rows]
+        if self.bars:
+            lines += ["", f"![{self.title}](bench/plots/{self.name}.png)"]
+        if self.notes:
+            lines += [""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def plot(self, path: Path) -> None:
+        if not self.bars:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = list(self.bars)
+        med = [self.bars[k][0] for k in labels]
+        low = [m - self.bars[k][1] for k, m in zip(labels, med, strict=True)]
+        high = [self.bars[k][2] - m for k, m in zip(labels, med, strict=True)]
+        fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.5))
+        ax.barh(labels, med, xerr=[low, high], color="#4878a8", capsize=3)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{self.unit} (median; bars: min-max over {self.context.reps} reps)")
+        ax.set_title(self.title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+
+
+@contextmanager
+def scratch_db(prefix: str = "fleetless_bench") -> Iterator[str]:
+    """A database of our own for one measurement, dropped afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as c:
+        c.execute(f'CREATE DATABASE "{name}"')
+    info = psycopg.conninfo.conninfo_to_dict(ADMIN_DSN)
+    info["dbname"] = name
+    try:
+        yield psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as c:
+            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def run_process(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
+    """Run a whole process; its wall time, peak RSS (KiB, from wait4) and stdout."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(list(argv), stdout=out, stderr=err, env={**os.environ, **(env or {})})
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        proc.returncode = code = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        if code != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed ({code}): {err.read().strip()[-2000:]}")
+        return wall, int(usage.ru_maxrss), out.read()
+
+
+__all__ = ["ADMIN_DSN", "VENV_PY", "Context", "Section", "fmt", "median", "run_process",
+           "scratch_db", "spread"]
