@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 from fleetless import Queue, db
+from fleetless.watch import Watcher
 
 import pooler
 from conftest import ADMIN_DSN
@@ -131,10 +132,15 @@ def test_concurrent_inits_serialise_on_a_transaction_scoped_advisory_lock(pooled
 def test_listen_needs_a_session_and_a_transaction_pooler_is_named(bouncer: pooler.PgBouncer, pooled: str,
                                                                    dsn: str) -> None:
     db.require_session(dsn)  # direct: fine
+    watcher = Watcher(pooled, schema="fleetless", channel="fleetless_fleetless", queues=None, wake=threading.Event())
     if bouncer.pool_mode == "session":
         db.require_session(pooled)  # session pooling keeps one server connection per client: fine
+        assert watcher.acquire()
+        watcher.close()
         return
     assert db.shares_server_sessions(pooled)
+    with pytest.raises(db.PoolerError, match=r"^watch mode \(LISTEN and the watcher lock\) needs a session of"):
+        watcher.acquire()
     with pytest.raises(db.PoolerError) as caught:
         db.require_session(pooled, why="drain --watch (LISTEN)")
     assert str(caught.value) == (

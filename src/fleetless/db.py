@@ -99,8 +99,9 @@ def atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
         yield
 
 
-class PoolerError(ConnectionError):
-    """The DSN reaches PostgreSQL through a pooler that cannot give what is asked (a session)."""
+class PoolerError(ValueError):
+    """The DSN reaches PostgreSQL through a pooler that cannot give what is asked (a session).
+    A configuration mistake, not an outage: nothing retries it."""
 
 
 def shares_server_sessions(dsn: str, tries: int = 3) -> bool:

@@ -52,7 +52,9 @@ class Watcher:
 
     def acquire(self) -> bool:
         """Connect, take the watcher lock and LISTEN. False (and nothing held) when another
-        watcher holds the lock."""
+        watcher holds the lock. PoolerError when the connection goes through a transaction
+        pooler, where neither LISTEN nor a session lock works."""
+        db.require_session(self.conninfo, why="watch mode (LISTEN and the watcher lock)")
         conn = self._connect()
         if conn is None:
             return False
