@@ -9,15 +9,25 @@ own; :func:`sweep` (run at the start of every drain) removes those whose drainer
 from __future__ import annotations
 
 import atexit
+import errno
+import logging
 import os
-import shutil
+import secrets
+import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Hashable
 from pathlib import Path
 
+log = logging.getLogger("fleetless.sandbox")
+
 #: Prefixes of what :func:`sweep` removes once its drainer process is gone.
 _SWEPT = ("ws", "hs", "etc")
+#: Longest :func:`remove` works on one tree before it moves it aside.
+REMOVE_SECONDS = 60.0
+#: Subdirectory of :func:`root` for what could not be removed (never swept).
+QUARANTINE = "quarantine"
 
 
 def root() -> Path:
@@ -35,17 +45,142 @@ def create() -> Path:
     return Path(tempfile.mkdtemp(prefix=f"ws-{os.getpid()}-", dir=root()))
 
 
-def remove(path: Path) -> None:
-    """Remove a workspace whatever the job did to its permissions."""
-    if not path.exists():
-        return
-    for dirpath, dirnames, _ in os.walk(path):
-        for name in dirnames:
+def remove(path: Path, seconds: float = REMOVE_SECONDS) -> bool:
+    """Remove a workspace (or a cached copy) whatever its job left in it; True if it is gone.
+
+    Safe for any tree a job can make: symlinks are removed, never followed (every step is relative
+    to a directory file descriptor opened with ``O_NOFOLLOW``); any depth, without recursion (each
+    subdirectory's subdirectories are first moved up to the top, so nothing is ever deeper than
+    two levels); any modes (directories are made 0700 through their own descriptor before they are
+    read); at most ``seconds``. What still cannot be removed (a file the drainer may not delete, a
+    job that keeps writing) is moved into :func:`quarantine_dir` and reported once: it never stops a
+    later drain and is not swept again."""
+    try:
+        _remove_tree(path, time.monotonic() + seconds)
+        return True
+    except (OSError, _OutOfTime) as exc:
+        _quarantine(path, exc)
+        return False
+
+
+class _OutOfTime(Exception):
+    def __str__(self) -> str:
+        return "removal took too long"
+
+
+def _remove_tree(path: Path, deadline: float) -> None:
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        try:
+            st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            top = _open_dir(parent, path.name)
             try:
-                os.chmod(os.path.join(dirpath, name), 0o700)
-            except OSError:
+                _empty(top, deadline)
+            finally:
+                os.close(top)
+            os.rmdir(path.name, dir_fd=parent)
+        else:
+            os.unlink(path.name, dir_fd=parent)
+    finally:
+        os.close(parent)
+
+
+def _open_dir(parent: int, name: str) -> int:
+    """A readable descriptor of the directory ``name`` in ``parent``, made 0700 first; never of
+    what a symlink points to (``O_NOFOLLOW``), and the chmod goes through the descriptor's own
+    ``/proc/self/fd`` link, so it is this directory's even if the name is swapped meanwhile."""
+    handle = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent)
+    try:
+        own = f"/proc/self/fd/{handle}"
+        try:
+            os.chmod(own, 0o700)
+        except PermissionError:
+            pass  # not ours (a non-root drainer): it may still be readable
+        return os.open(own, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    finally:
+        os.close(handle)
+
+
+def _empty(top: int, deadline: float) -> None:
+    """Delete everything in the directory ``top``: files and symlinks are unlinked; each directory
+    is opened, its files unlinked, its own subdirectories moved up into ``top`` under fresh names,
+    and then removed. The loop ends when ``top`` is empty: one pass over ``top``'s entries per
+    level of depth, with no recursion and two descriptors open at most."""
+    hoist = f".fleetless-rm-{secrets.token_hex(4)}-"
+    hoisted = 0
+    while True:
+        with os.scandir(top) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        if not entries:
+            return
+        for name, is_dir in entries:
+            if time.monotonic() > deadline:
+                raise _OutOfTime()
+            if not is_dir:
+                _unlink(name, top)
+                continue
+            try:
+                sub = _open_dir(top, name)
+            except FileNotFoundError:
+                continue
+            try:
+                with os.scandir(sub) as it:
+                    inner = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+                for child, child_is_dir in inner:
+                    if not child_is_dir:
+                        _unlink(child, sub)
+                        continue
+                    for _ in range(100):  # a name the job made can be in the way: take the next
+                        hoisted += 1
+                        try:
+                            os.rename(child, f"{hoist}{hoisted}", src_dir_fd=sub, dst_dir_fd=top)
+                            break
+                        except (FileExistsError, IsADirectoryError, NotADirectoryError):
+                            continue
+                        except OSError as exc:
+                            if exc.errno != errno.ENOTEMPTY:
+                                raise
+                    if time.monotonic() > deadline:
+                        raise _OutOfTime()
+            finally:
+                os.close(sub)
+            try:
+                os.rmdir(name, dir_fd=top)
+            except FileNotFoundError:
                 pass
-    shutil.rmtree(path, ignore_errors=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOTEMPTY:  # written meanwhile: the next pass sees it
+                    raise
+
+
+def _unlink(name: str, folder: int) -> None:
+    try:
+        os.unlink(name, dir_fd=folder)
+    except FileNotFoundError:
+        pass
+
+
+def quarantine_dir() -> Path:
+    """Where workspaces that could not be removed are moved (inside :func:`root`)."""
+    return root() / QUARANTINE
+
+
+def _quarantine(path: Path, why: BaseException) -> None:
+    """Move ``path`` into :func:`quarantine_dir` and say so once (it is never swept again)."""
+    try:
+        target = path.parent / QUARANTINE
+        target.mkdir(mode=0o700, exist_ok=True)
+        os.rename(path, target / path.name)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        log.warning("cannot remove %s (%s) nor move it aside (%s)", path, why, exc)
+        return
+    log.warning("cannot remove %s (%s); moved it to %s, for an operator to delete", path, why,
+                target / path.name)
 
 
 def pid_alive(pid: int) -> bool:
@@ -61,14 +196,14 @@ def pid_alive(pid: int) -> bool:
 
 
 def sweep() -> int:
-    """Remove workspaces left by drainers that no longer run; returns how many."""
+    """Remove workspaces left by drainers that no longer run; returns how many. One that cannot be
+    removed is moved into :func:`quarantine_dir` (and reported once), so it never stops a drain."""
     removed = 0
     for entry in root().iterdir():
         parts = entry.name.split("-")
         if len(parts) < 3 or parts[0] not in _SWEPT or not parts[1].isdigit():
             continue
-        if not pid_alive(int(parts[1])):
-            remove(entry)
+        if not pid_alive(int(parts[1])) and remove(entry):
             removed += 1
     return removed
 
