@@ -48,7 +48,7 @@ def queue(dsn: str) -> Iterator[Queue]:
     q = Queue(dsn)
     q.init()
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs RESTART IDENTITY")
+        c.execute("TRUNCATE fleetless.jobs RESTART IDENTITY CASCADE")
     yield q
     q.close()
 

@@ -301,10 +301,12 @@ def jobs(ctx: click.Context, status_: str | None, kind: str | None, queue_name: 
 @json_option
 @click.pass_context
 def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
-    """Every column of one job."""
-    row = _queue(ctx).get(job_id)
+    """Every column of one job, then its attempt history."""
+    q = _queue(ctx)
+    row = q.get(job_id)
+    attempts = q.attempts(job_id)
     if as_json:
-        _echo_json(row)
+        _echo_json({**row, "attempts": attempts})
         return
     for key, value in row.items():
         if key in ("last_error", "result") and value:
@@ -314,6 +316,14 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
             click.echo(f"{key}: {_printable(json.dumps(value))}")
         else:
             click.echo(f"{key}: {'' if value is None else _printable(str(value))}")
+    click.echo(f"attempts ({len(attempts)}):")
+    if attempts:
+        for a in attempts:
+            a["ended"] = a["exit_code"] if a["signal"] is None else a["signal"]
+            a["seconds"] = None if a["duration_seconds"] is None else f"{a['duration_seconds']:.1f}"
+            a["drainer"] = None if a["host"] is None else f"{a['host']}:{a['pid']}"
+        _table(attempts, ["attempt", "outcome", "drainer", "tier", "started_at", "seconds", "ended",
+                          "kill_reason", "error_head"])
 
 
 @cli.command()

@@ -24,7 +24,7 @@ from typing import Literal, TypeVar
 import psycopg
 
 from . import handlers, maintenance
-from .job import Job, Status
+from .job import Job, Run, Status
 from .queue import Queue
 from .retry import MAX_ERROR_CHARS, RetryPolicy
 from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, get_backend
@@ -104,16 +104,20 @@ class _Outcome:
     error: str = ""
 
 
+def _signal_name(exit_code: int) -> str:
+    """SIGSEGV for an exit status of -11."""
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
+
+
 def describe_failure(r: ExecResult) -> str:
     """last_error for a failed run: what happened in one line, then the tail of stderr."""
     if r.killed:
         head = r.killed
     elif r.exit_code < 0:
-        try:
-            name = signal.Signals(-r.exit_code).name
-        except ValueError:
-            name = f"signal {-r.exit_code}"
-        head = f"killed by {name}"
+        head = f"killed by {_signal_name(r.exit_code)}"
     else:
         head = f"exit code {r.exit_code}"
     tail = r.stderr.rstrip()
@@ -121,6 +125,17 @@ def describe_failure(r: ExecResult) -> str:
         return head
     room = MAX_ERROR_CHARS - len(head) - 1
     return f"{head}\n{tail[-room:]}"
+
+
+def describe_run(tier: str, r: ExecResult | None, kill_reason: str | None = None) -> Run:
+    """The attempt-history view of a run: exit status, or the signal and the kill reason."""
+    if r is None:
+        return Run(tier=tier, kill_reason=kill_reason)
+    if r.killed:
+        kill_reason = r.killed.removeprefix("killed: ")
+    if r.exit_code < 0:
+        return Run(tier=tier, signal=_signal_name(r.exit_code), kill_reason=kill_reason)
+    return Run(tier=tier, exit_code=r.exit_code, kill_reason=kill_reason)
 
 
 def parse_pass_env(items: tuple[str, ...], environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -314,10 +329,12 @@ class Drainer:
 
     def _finish(self, job: Job, outcome: _Outcome) -> None:
         s = self.summary
+        tier = self.config.sandbox
         ended_on_its_own = outcome.what == "ran" and outcome.result is not None and outcome.result.killed is None
         if job.id in self._aborted and not ended_on_its_own:  # one that ended keeps its outcome
             reason = "released: the drainer stopped before the job finished"
-            if self._db(lambda: self.queue.release(job, reason)):
+            run = describe_run(tier, outcome.result, "drainer stopped")
+            if self._db(lambda: self.queue.release(job, reason, run=run)):
                 s.released += 1
             else:
                 s.fenced_out += 1
@@ -325,12 +342,13 @@ class Drainer:
         if outcome.what == "sandbox_error":
             log.error("job %d: %s", job.id, outcome.error)
             self._fatal = outcome.error
-            if self._db(lambda: self.queue.release(job, outcome.error)):
+            if self._db(lambda: self.queue.release(job, outcome.error, run=describe_run(tier, None, "sandbox error"))):
                 s.released += 1
             return
         result = outcome.result
+        run = describe_run(tier, result)
         if result is not None and result.ok:
-            ok = self._db(lambda: self.queue.complete(job, result.stdout))
+            ok = self._db(lambda: self.queue.complete(job, result.stdout, run=run))
             if ok:
                 s.done += 1
             else:
@@ -342,7 +360,8 @@ class Drainer:
         else:
             error, permanent, stdout = outcome.error, True, None
         delay = self.config.retry.delay(job.attempts)
-        status = self._db(lambda: self.queue.fail(job, error, delay=delay, permanent=permanent, result=stdout))
+        status = self._db(lambda: self.queue.fail(job, error, delay=delay, permanent=permanent, result=stdout,
+                                                  run=run))
         if status is None:
             s.fenced_out += 1
         elif status is Status.DEAD:

@@ -13,6 +13,7 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "Job",
     "Outcome",
+    "Run",
     "Status",
     "encode_payload",
     "validate_kind",
@@ -54,6 +55,18 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Run:
+    """How one attempt ran, for its row in the attempt history: the sandbox tier, and how the
+    handler ended (an exit status, or the signal that killed it, and the reason if the sandbox or
+    the drainer did the killing). All None: it never ran (no handler)."""
+
+    tier: str | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    kill_reason: str | None = None
+
+
+@dataclass(frozen=True)
 class Outcome:
     """How one run of a claimed job ended, as the completer writes it.
 
@@ -68,6 +81,7 @@ class Outcome:
     result_json: str | None = None
     permanent: bool = False
     delay: float = 0.0
+    run: Run | None = None  # for the attempt history; None: nothing known of how it ran
 
 
 def validate_kind(kind: object) -> str:

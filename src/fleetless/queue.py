@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import os
+import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -18,6 +20,7 @@ from .job import (
     MAX_PAYLOAD_BYTES,
     Job,
     Outcome,
+    Run,
     Status,
     encode_payload,
     validate_kind,
@@ -289,32 +292,39 @@ class Queue:
         jobs.sort(key=lambda j: (-j.priority, j.id))
         return jobs
 
-    def complete(self, job: Job, result: str | None = None) -> bool:
-        """Mark done. False if this claim no longer holds the job (fenced out)."""
-        rows = self._run(
-            "complete",
-            {"id": job.id, "token": job.claim_token, "result": clean_text(result, MAX_RESULT_CHARS)},
-        )
+    @staticmethod
+    def _run_params(job: Job, run: Run | None) -> dict[str, Any]:
+        """The fence and the attempt-history columns every finish statement writes."""
+        run = run or Run()
+        return {"id": job.id, "token": job.claim_token, "host": socket.gethostname(), "pid": os.getpid(),
+                "tier": run.tier, "exit_code": run.exit_code, "signal": run.signal,
+                "kill_reason": clean_text(run.kill_reason, 500)}
+
+    def complete(self, job: Job, result: str | None = None, *, run: Run | None = None) -> bool:
+        """Mark done, and record the attempt (``run``: how it ran). False if this claim no longer
+        holds the job (fenced out): then nothing is written."""
+        rows = self._run("complete", {**self._run_params(job, run), "result": clean_text(result, MAX_RESULT_CHARS)})
         return bool(rows)
 
     def fail(
-        self, job: Job, error: str, *, delay: float, permanent: bool = False, result: str | None = None
+        self, job: Job, error: str, *, delay: float, permanent: bool = False, result: str | None = None,
+        run: Run | None = None,
     ) -> Status | None:
         """Record a failed attempt: back to pending after ``delay`` seconds if attempts are left
         (and not ``permanent``), else dead. Returns the new status, or None if fenced out."""
         rows = self._run(
             "fail",
-            {"id": job.id, "token": job.claim_token, "delay": delay, "permanent": permanent,
+            {**self._run_params(job, run), "delay": delay, "permanent": permanent,
              "error": clean_text(error, MAX_ERROR_CHARS, keep="tail"),
              "result": clean_text(result, MAX_RESULT_CHARS)},
         )
         return Status(rows[0]["status"]) if rows else None
 
-    def release(self, job: Job, reason: str) -> bool:
+    def release(self, job: Job, reason: str, *, run: Run | None = None) -> bool:
         """Give the claim back without charging an attempt (shutdown, broken sandbox)."""
         rows = self._run(
             "release",
-            {"id": job.id, "token": job.claim_token, "error": clean_text(reason, MAX_ERROR_CHARS, keep="tail")},
+            {**self._run_params(job, run), "error": clean_text(reason, MAX_ERROR_CHARS, keep="tail")},
         )
         return bool(rows)
 
@@ -339,17 +349,24 @@ class Queue:
         of every job written; a job missing from it was fenced out (its claim was taken over)."""
         if not outcomes:
             return {}
-        cols: dict[str, list[Any]] = {k: [] for k in (
-            "ids", "tokens", "actions", "permanent", "delays", "errors", "results", "results_json")}
+        cols: dict[str, Any] = {k: [] for k in (
+            "ids", "tokens", "actions", "permanent", "delays", "errors", "results", "results_json",
+            "tiers", "exit_codes", "signals", "kill_reasons")}
         for job, o in outcomes:
+            run = o.run or Run()
             cols["ids"].append(job.id)
             cols["tokens"].append(job.claim_token)
             cols["actions"].append(o.action)
             cols["permanent"].append(o.permanent)
-            cols["delays"].append(o.delay)
+            cols["delays"].append(float(o.delay))
             cols["errors"].append(clean_text(o.error, MAX_ERROR_CHARS, keep="tail"))
             cols["results"].append(clean_text(o.result, MAX_RESULT_CHARS))
             cols["results_json"].append(o.result_json)
+            cols["tiers"].append(run.tier)
+            cols["exit_codes"].append(run.exit_code)
+            cols["signals"].append(run.signal)
+            cols["kill_reasons"].append(clean_text(run.kill_reason, 500))
+        cols["host"], cols["pid"] = socket.gethostname(), os.getpid()
         return {r["id"]: Status(r["status"]) for r in self._run("finish_many", cols)}
 
     def extend_leases(
@@ -399,6 +416,15 @@ class Queue:
         if not rows:
             raise JobNotFound(f"no job with id {job_id}")
         return rows[0]
+
+    def attempts(self, job_id: int) -> list[dict[str, Any]]:
+        """The job's attempt history, oldest first: attempt, outcome (done, retry, dead, released,
+        expired, cancelled), host, pid, tier, started_at, finished_at, exit_code, signal,
+        kill_reason, duration_seconds, error_head. JobNotFound if there is no such job."""
+        rows = self._run("attempts", {"id": _job_id(job_id)})
+        if not rows:
+            self._status_of(job_id)
+        return rows
 
     def list(
         self, *, status: str | None = None, kind: str | None = None, queue: str | None = None, limit: int = 50

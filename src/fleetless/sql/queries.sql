@@ -64,38 +64,73 @@ RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.claim_token, j.
 -- name: complete
 -- Fenced: matches only while this claim still holds the job. A drainer whose lease was reaped
 -- (and the job claimed again by another) updates nothing here and learns it lost the job.
-UPDATE {schema}.jobs
-SET status = 'done', result = %(result)s, last_error = NULL, finished_at = now(),
-    locked_at = NULL, lease_expires_at = NULL
-WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
-RETURNING status;
+-- The attempt's history row is written by the same statement (a data-modifying CTE), so it
+-- exists exactly when the outcome does; a fenced-out finish writes neither.
+WITH finished AS (
+  UPDATE {schema}.jobs
+  SET status = 'done', result = %(result)s, last_error = NULL, finished_at = now(),
+      locked_at = NULL, lease_expires_at = NULL
+  WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
+  RETURNING id, attempts, started_at, status
+), history AS (
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
+                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+  SELECT id, attempts, 'done', %(host)s, %(pid)s, %(tier)s, started_at, %(exit_code)s, %(signal)s,
+         %(kill_reason)s, extract(epoch FROM now() - started_at), NULL
+  FROM finished
+)
+SELECT status FROM finished;
 
 -- name: fail
 -- Fenced like complete. Failure with attempts left goes back to pending after a backoff delay
 -- computed by the retry policy; exhausted (or permanent) failure is dead and stays for inspection.
-UPDATE {schema}.jobs
-SET status = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN 'pending' ELSE 'dead' END,
-    run_after = CASE WHEN attempts < max_attempts AND NOT %(permanent)s
-                     THEN now() + make_interval(secs => %(delay)s) ELSE run_after END,
-    finished_at = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN NULL ELSE now() END,
-    last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL
-WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
-RETURNING status;
+-- The attempt's history row is written by the same statement, as in complete.
+WITH finished AS (
+  UPDATE {schema}.jobs
+  SET status = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN 'pending' ELSE 'dead' END,
+      run_after = CASE WHEN attempts < max_attempts AND NOT %(permanent)s
+                       THEN now() + make_interval(secs => %(delay)s) ELSE run_after END,
+      finished_at = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN NULL ELSE now() END,
+      last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL
+  WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
+  RETURNING id, attempts, started_at, status
+), history AS (
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
+                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+  SELECT id, attempts, CASE status WHEN 'pending' THEN 'retry' ELSE 'dead' END, %(host)s, %(pid)s,
+         %(tier)s, started_at, %(exit_code)s, %(signal)s, %(kill_reason)s,
+         extract(epoch FROM now() - started_at), left(%(error)s, 500)
+  FROM finished
+)
+SELECT status FROM finished;
 
 -- name: release
 -- Give a claim back without charging the job an attempt: the drainer is shutting down or its
--- sandbox broke, which is not the job's fault. Fenced like complete.
-UPDATE {schema}.jobs
-SET status = 'pending', attempts = GREATEST(attempts - 1, 0), last_error = %(error)s,
-    locked_at = NULL, lease_expires_at = NULL, claim_token = NULL, started_at = NULL
-WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
-RETURNING status;
+-- sandbox broke, which is not the job's fault. Fenced like complete. The history row keeps the
+-- attempt's number and start as they were before the give-back (read from "was").
+WITH finished AS (
+  UPDATE {schema}.jobs AS j
+  SET status = 'pending', attempts = GREATEST(j.attempts - 1, 0), last_error = %(error)s,
+      locked_at = NULL, lease_expires_at = NULL, claim_token = NULL, started_at = NULL
+  FROM (SELECT id, attempts, started_at FROM {schema}.jobs WHERE id = %(id)s) AS was
+  WHERE j.id = was.id AND j.claim_token = %(token)s AND j.status = 'running'
+  RETURNING j.id, was.attempts, was.started_at, j.status
+), history AS (
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
+                                     kill_reason, duration_seconds, error_head)
+  SELECT id, attempts, 'released', %(host)s, %(pid)s, %(tier)s, started_at, %(kill_reason)s,
+         extract(epoch FROM now() - started_at), left(%(error)s, 500)
+  FROM finished
+)
+SELECT status FROM finished;
 
 -- name: reap
 -- The reaper: claims whose drainer died sit in running forever unless returned. A lease that
 -- expired (or, with older_than, a claim older than that, as in the seed) goes back to pending, or
 -- to dead when no attempt is left. Clearing claim_token fences out the old drainer if it was only
 -- slow, not dead. SKIP LOCKED: never wait on a row a live drainer is finishing right now.
+-- Each reaped attempt gets its history row (outcome expired) in the same statement.
+WITH reaped AS (
 UPDATE {schema}.jobs AS j
 SET status = CASE WHEN j.attempts < j.max_attempts THEN 'pending' ELSE 'dead' END,
     finished_at = CASE WHEN j.attempts < j.max_attempts THEN NULL ELSE now() END,
@@ -110,7 +145,15 @@ WHERE j.id IN (
              ELSE locked_at < now() - make_interval(secs => %(older_than)s::float8) END
   FOR UPDATE SKIP LOCKED
 )
-RETURNING j.id, j.status;
+RETURNING j.id, j.status, j.attempts, j.started_at, j.last_error
+), history AS (
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, started_at, kill_reason,
+                                     duration_seconds, error_head)
+  SELECT id, attempts, 'expired', started_at, 'claim expired', extract(epoch FROM now() - started_at),
+         left(last_error, 500)
+  FROM reaped
+)
+SELECT id, status FROM reaped;
 
 -- name: retry
 -- Operator retry of a dead or cancelled job: due now, and at least one more attempt (as Oban).
@@ -131,6 +174,12 @@ RETURNING id;
 UPDATE {schema}.jobs SET status = 'cancelled', finished_at = now()
 WHERE id = %(id)s AND status = 'pending'
 RETURNING id;
+
+-- name: attempts
+-- One job's attempt history, oldest first.
+SELECT attempt, outcome, host, pid, tier, started_at, finished_at, exit_code, signal, kill_reason,
+       duration_seconds, error_head
+FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id;
 
 -- name: status_of
 SELECT status FROM {schema}.jobs WHERE id = %(id)s;
@@ -190,6 +239,9 @@ RETURNING id;
 -- reaped and taken over matches nothing and learns it from the rows not returned.
 -- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
 -- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault).
+-- Each written row's attempt gets its history row in the same statement (a data-modifying CTE);
+-- "was" is the row before this update, for the number and start of an attempt given back.
+WITH finished AS (
 UPDATE {schema}.jobs AS j
 SET status = CASE
       WHEN o.action = 'done' THEN 'done'
@@ -210,10 +262,24 @@ SET status = CASE
     started_at = CASE WHEN o.action = 'release' THEN NULL ELSE j.started_at END,
     locked_at = NULL, lease_expires_at = NULL
 FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(actions)s::text[], %(permanent)s::bool[],
-            %(delays)s::float8[], %(errors)s::text[], %(results)s::text[], %(results_json)s::text[])
-     AS o(id, token, action, permanent, delay, error, result, result_json)
+            %(delays)s::float8[], %(errors)s::text[], %(results)s::text[], %(results_json)s::text[],
+            %(tiers)s::text[], %(exit_codes)s::int[], %(signals)s::text[], %(kill_reasons)s::text[])
+     AS o(id, token, action, permanent, delay, error, result, result_json, tier, exit_code, signal,
+          kill_reason)
+     JOIN {schema}.jobs AS was ON was.id = o.id
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
-RETURNING j.id, j.status;
+RETURNING j.id, j.status, o.action, was.attempts, was.started_at, o.tier, o.exit_code, o.signal,
+          o.kill_reason, o.error
+), history AS (
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
+                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+  SELECT id, attempts,
+         CASE WHEN action = 'release' THEN 'released' WHEN status = 'pending' THEN 'retry' ELSE status END,
+         %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
+         extract(epoch FROM now() - started_at), left(error, 500)
+  FROM finished
+)
+SELECT id, status FROM finished;
 
 -- name: extend_leases
 -- Batch mode: jobs wait behind each other in one sandbox, so the leases set at claim (own timeout

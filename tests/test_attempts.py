@@ -1,0 +1,142 @@
+"""Attempt history: one row per ended attempt, written by the job's own finish statement, shown by
+``fleetless show`` and ``Queue.attempts``, pruned with its job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from fleetless import JobNotFound, Queue
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.job import Run
+from fleetless.retry import RetryPolicy
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def drain(queue: Queue, handlers_dir: Path, **options: object) -> None:
+    options.setdefault("concurrency", 2)
+    options.setdefault("retry", RetryPolicy(base_seconds=0, max_jitter_seconds=0))
+    Drainer(queue, DrainConfig(handlers_dir=handlers_dir, **options)).run()  # type: ignore[arg-type]
+
+
+def test_every_attempt_of_a_drained_job_is_recorded_with_how_it_ended(queue: Queue, handlers) -> None:
+    h = handlers(**{"third-time.py": """
+        import os, sys
+        attempt = int(os.environ["FLEETLESS_ATTEMPT"])
+        if attempt == 1:
+            sys.exit("first failure")
+        if attempt == 2:
+            os.kill(os.getpid(), 11)
+        print("ok")
+    """})
+    job_id = queue.enqueue("third-time", {})
+    for _ in range(3):
+        drain(queue, h)
+    rows = queue.attempts(job_id)
+    assert [(a["attempt"], a["outcome"], a["exit_code"], a["signal"]) for a in rows] == [
+        (1, "retry", 1, None), (2, "retry", None, "SIGSEGV"), (3, "done", 0, None)]
+    assert {(a["host"], a["pid"], a["tier"]) for a in rows} == {(socket.gethostname(), os.getpid(), "process")}
+    assert rows[0]["error_head"].startswith("exit code 1")
+    assert rows[2]["error_head"] is None
+    for a in rows:
+        assert a["started_at"] <= a["finished_at"]
+        assert a["duration_seconds"] == pytest.approx((a["finished_at"] - a["started_at"]).total_seconds(),
+                                                      abs=0.01)
+
+
+def test_a_killed_attempt_records_the_kill_reason_and_the_dead_outcome(queue: Queue, handlers) -> None:
+    h = handlers(**{"slow.py": "import time; time.sleep(60)"})
+    job_id = queue.enqueue("slow", {}, max_attempts=1, timeout=1)
+    drain(queue, h)
+    (a,) = queue.attempts(job_id)
+    assert (a["outcome"], a["kill_reason"]) == ("dead", "timeout after 1 s")
+
+
+def test_a_job_with_no_handler_records_an_attempt_that_never_ran(queue: Queue, handlers) -> None:
+    job_id = queue.enqueue("nobody", {})
+    drain(queue, handlers())
+    (a,) = queue.attempts(job_id)
+    assert (a["outcome"], a["exit_code"], a["signal"]) == ("dead", None, None)
+    assert a["error_head"].startswith("no handler for kind 'nobody'")
+
+
+def test_a_fenced_out_finish_writes_no_history(queue: Queue, sql) -> None:
+    queue.enqueue("a", {})
+    (old,) = queue.claim(1)
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 second'")
+    queue.reap()
+    (new,) = queue.claim(1)
+    assert not queue.complete(old, "stale", run=Run(tier="process", exit_code=0))
+    assert queue.complete(new, "fresh", run=Run(tier="bwrap", exit_code=0))
+    assert [(a["attempt"], a["outcome"], a["tier"], a["host"], a["kill_reason"])
+            for a in queue.attempts(new.id)] == [
+        (1, "expired", None, None, "claim expired"), (2, "done", "bwrap", socket.gethostname(), None)]
+
+
+def test_a_released_attempt_is_recorded_under_the_number_the_next_claim_uses_again(queue: Queue) -> None:
+    queue.enqueue("a", {})
+    (job,) = queue.claim(1)
+    assert queue.release(job, "drainer stopping", run=Run(tier="process", kill_reason="drainer stopped"))
+    (again,) = queue.claim(1)
+    queue.fail(again, "boom", delay=0, run=Run(tier="process", exit_code=3))
+    assert [(a["attempt"], a["outcome"], a["kill_reason"], a["exit_code"]) for a in queue.attempts(job.id)] == [
+        (1, "released", "drainer stopped", None), (1, "retry", None, 3)]
+
+
+def test_history_is_pruned_with_its_job(queue: Queue, sql) -> None:
+    queue.enqueue("a", {})
+    (job,) = queue.claim(1)
+    queue.complete(job)
+    sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days'")
+    assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(1,)]
+    assert queue.prune(86400) == 1
+    assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(0,)]
+
+
+def test_attempts_of_an_unknown_job_is_job_not_found(queue: Queue) -> None:
+    queue.enqueue("a", {})
+    assert queue.attempts(1) == []
+    with pytest.raises(JobNotFound):
+        queue.attempts(99)
+
+
+def test_show_lists_the_attempts(dsn: str, queue: Queue, fleetless) -> None:
+    queue.enqueue("a", {})
+    (job,) = queue.claim(1)
+    queue.fail(job, "exit code 2\nTraceback ...", delay=0, run=Run(tier="bwrap", exit_code=2))
+    out = fleetless("show", str(job.id), dsn=dsn)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    at = lines.index("attempts (1):")
+    assert lines[at + 1].split()[:4] == ["attempt", "outcome", "drainer", "tier"]
+    assert lines[at + 2].split()[:4] == ["1", "retry", f"{socket.gethostname()}:{os.getpid()}", "bwrap"]
+    data = json.loads(fleetless("show", str(job.id), "--json", dsn=dsn).stdout)
+    assert [(a["attempt"], a["outcome"], a["exit_code"]) for a in data["attempts"]] == [(1, "retry", 2)]
+
+
+def test_a_batched_finish_writes_each_rows_history_in_the_same_statement(queue: Queue) -> None:
+    from fleetless.job import Outcome
+
+    queue.enqueue_many([("a", {})] * 3)
+    a, b, c = queue.claim(3)
+    sql_written = queue.finish_many([
+        (a, Outcome("done", result="ok", run=Run(tier="process", exit_code=0))),
+        (b, Outcome("fail", error="exit code 4", delay=0, run=Run(tier="process", exit_code=4))),
+        (c, Outcome("release", error="stopping", run=Run(tier="process", kill_reason="drainer stopped"))),
+    ])
+    assert len(sql_written) == 3
+    assert [(x["attempt"], x["outcome"], x["exit_code"], x["kill_reason"], x["started_at"] is not None)
+            for j in (a, b, c) for x in queue.attempts(j.id)] == [
+        (1, "done", 0, None, True), (1, "retry", 4, None, True), (1, "released", None, "drainer stopped", True)]
+    assert queue.finish_many([(a, Outcome("done"))]) == {}  # fenced out: no second row
+    assert len(queue.attempts(a.id)) == 1
