@@ -362,3 +362,26 @@ def test_enqueue_notifies_watchers_in_its_own_transaction(queue: Queue, dsn: str
     queue.enqueue("k", {}, queue="last")
     assert heard(2) == ["b,default", "last"]
     listener.close()
+
+
+def test_queue_reads_database_url_and_fleetless_schema_as_the_cli_does(
+        dsn: str, sql, fleetless, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An app with FLEETLESS_SCHEMA=t10 writes where `fleetless status` (same environment) reads."""
+    monkeypatch.setenv("DATABASE_URL", dsn)
+    monkeypatch.setenv("FLEETLESS_SCHEMA", "app_t10")
+    q = Queue()
+    assert q.schema == "app_t10"
+    q.init()
+    job_id = q.enqueue("greet", {})
+    q.close()
+    assert sql("SELECT id FROM app_t10.jobs") == [(job_id,)]
+    r = fleetless("status", "--json", dsn=dsn, env={"FLEETLESS_SCHEMA": "app_t10"})
+    assert r.returncode == 0, r.stderr
+    assert '"pending": 1' in r.stdout
+    # Explicit arguments still win over the environment.
+    explicit = Queue(dsn, schema="fleetless")
+    assert explicit.schema == "fleetless"
+    explicit.close()
+    monkeypatch.delenv("DATABASE_URL")
+    with pytest.raises(ValueError, match="DATABASE_URL"):
+        Queue()

@@ -70,15 +70,24 @@ class Queue:
     ``psycopg_pool.ConnectionPool``, or an open ``psycopg.Connection`` used as it is.
     Every method that writes also takes ``conn=``: the write then joins the caller's open
     transaction and exists only if the caller commits.
+
+    As the command line does, ``db`` defaults to ``$DATABASE_URL`` and ``schema`` to
+    ``$FLEETLESS_SCHEMA`` (else ``fleetless``); arguments given explicitly win.
     """
 
     def __init__(
         self,
-        db_: str | ConnectionPool | psycopg.Connection[Any],
+        db_: str | ConnectionPool | psycopg.Connection[Any] | None = None,
         *,
-        schema: str = db.DEFAULT_SCHEMA,
+        schema: str | None = None,
         max_payload_bytes: int = MAX_PAYLOAD_BYTES,
     ) -> None:
+        if db_ is None:
+            db_ = os.environ.get("DATABASE_URL") or None
+            if db_ is None:
+                raise ValueError("no database given: pass a DSN to Queue() or set DATABASE_URL")
+        if schema is None:
+            schema = os.environ.get("FLEETLESS_SCHEMA") or db.DEFAULT_SCHEMA
         self.schema = db.validate_schema_name(schema)
         self._q = db.queries(schema)
         self._dsn = db_ if isinstance(db_, str) else None
