@@ -177,6 +177,20 @@ def test_a_missing_handlers_directory_touches_no_job(queue: Queue, sql, tmp_path
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
 
 
+def test_a_drain_that_never_reached_the_database_says_it_cannot_connect(
+        handlers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not "lost the database connection": it never had one (a wrong DSN, a server that is down)."""
+    import fleetless.drainer
+
+    monkeypatch.setattr(fleetless.drainer, "DB_RETRY_SECONDS", 0.5)
+    h = handlers(**{"a.py": "print(1)"})
+    q = Queue("postgresql://postgres@127.0.0.1:1/nope?connect_timeout=2")
+    with pytest.raises(DrainError) as caught:
+        drain(q, h)
+    assert str(caught.value).startswith("cannot connect to the database: "), caught.value
+    assert "lost" not in str(caught.value) and str(caught.value).count("cannot connect") == 1
+
+
 def test_an_unusable_work_directory_is_reported_before_any_claim(queue: Queue, handlers, sql,
                                                                  tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:

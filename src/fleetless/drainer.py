@@ -174,6 +174,7 @@ class Drainer:
         self._env = base_env(parse_pass_env(config.pass_env))
         self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
         self._fatal: str | None = None
+        self._reached_db = False  # "cannot connect" until a call succeeded, "lost" after
         self._lock = threading.Lock()
         self._sandboxes: dict[int, Sandbox] = {}
         self._aborted: set[int] = set()
@@ -286,11 +287,15 @@ class Drainer:
         delay = 0.2
         while True:
             try:
-                return call()
+                out = call()
+                self._reached_db = True
+                return out
             except (psycopg.OperationalError, ConnectionError) as exc:
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                first = first.removeprefix("cannot connect to the database: ")
                 if time.monotonic() + delay > deadline:
-                    self._fatal = f"lost the database connection: {first}"
+                    what = "lost the database connection" if self._reached_db else "cannot connect to the database"
+                    self._fatal = f"{what}: {first}"
                     raise DrainError(self._fatal) from None
                 log.warning("database unavailable (%s); retrying", first)
                 time.sleep(delay)
