@@ -13,6 +13,7 @@ import pytest
 
 from fleetless import Queue, RetryPolicy
 from fleetless.drainer import DrainConfig, Drainer, DrainError
+from fleetless.queue import RESULT_CUT_MARKER
 
 from proctools import alive, wait_for
 
@@ -148,7 +149,26 @@ def test_huge_stdout_is_read_and_capped_without_harm(queue: Queue, handlers, sql
     """})
     queue.enqueue("loud", {})
     drain(queue, h)
-    assert sql("SELECT status, length(result) FROM fleetless.jobs") == [("done", 65536)]
+    assert sql("SELECT status, length(result) FROM fleetless.jobs") == [("done", 65536 + len(RESULT_CUT_MARKER))]
+
+
+def test_a_result_cut_at_64_kib_says_so_in_the_table_and_in_show(dsn: str, queue: Queue, handlers, sql,
+                                                                 fleetless) -> None:
+    """The stored result ends with a visible marker, `show` says it was cut; a result that fits
+    (exactly 64 KiB) carries no marker."""
+    h = handlers(**{"loud.py": "import sys; sys.stdout.write('y' * 70000)",
+                    "fits.py": "import sys; sys.stdout.write('z' * 65536)"})
+    loud = queue.enqueue("loud", {})
+    fits = queue.enqueue("fits", {})
+    drain(queue, h)
+    (result,) = sql("SELECT result FROM fleetless.jobs WHERE id = %s", loud)[0]
+    assert result == "y" * 65536 + RESULT_CUT_MARKER
+    assert sql("SELECT result FROM fleetless.jobs WHERE id = %s", fits) == [("z" * 65536,)]
+    shown = fleetless("show", str(loud), dsn=dsn)
+    assert shown.returncode == 0, shown.stderr
+    assert "result (cut: only the first 64 KiB of stdout were kept):" in shown.stdout
+    assert "output cut here" in shown.stdout
+    assert "cut" not in fleetless("show", str(fits), dsn=dsn).stdout
 
 
 def test_jobs_run_concurrently_up_to_the_limit(queue: Queue, handlers, sql) -> None:

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from fleetless import Queue
+from fleetless.queue import RESULT_CUT_MARKER
 
 Sql = Callable[..., list[tuple[object, ...]]]
 
@@ -415,9 +416,10 @@ def test_a_handler_writing_1_gib_to_stdout_is_done_with_64_kib_and_flat_drainer_
     print(f"\n1 GiB of stdout drained in {time.monotonic() - started:.1f} s; max RSS {max_rss_mib:.0f} MiB")
     assert max_rss_mib < 200
     ((status_, length, result),) = sql("SELECT status, length(result), left(result, 20) FROM fleetless.jobs")
-    assert (status_, length, result) == ("done", 65536, "fleetless\nfleetless\n")
+    assert (status_, length, result) == ("done", 65536 + len(RESULT_CUT_MARKER), "fleetless\nfleetless\n")
     with psycopg.connect(dsn) as c:
-        assert c.execute("SELECT octet_length(result) FROM fleetless.jobs").fetchone() == (65536,)
+        assert c.execute("SELECT octet_length(result) FROM fleetless.jobs").fetchone() == (
+            65536 + len(RESULT_CUT_MARKER.encode()),)
 
 
 def test_a_handler_writing_1_gib_to_stderr_fails_with_its_tail_and_flat_drainer_memory(

@@ -10,7 +10,7 @@ import psycopg
 import pytest
 
 from fleetless import Queue, Status
-from fleetless.queue import JobNotFound
+from fleetless.queue import RESULT_CUT_MARKER, JobNotFound
 
 
 def test_schema_has_the_seeds_columns_and_partial_claim_index(queue: Queue, sql) -> None:
@@ -205,7 +205,8 @@ def test_complete_stores_result_capped_and_clean(queue: Queue, sql) -> None:
     status, result, error, finished = sql(
         "SELECT status, result, last_error, finished_at IS NOT NULL FROM fleetless.jobs")[0]
     assert status == "done" and error is None and finished
-    assert isinstance(result, str) and len(result) == 64 * 1024 and result.startswith("x\ufffdy")
+    assert isinstance(result, str) and result.startswith("x\ufffdy")
+    assert result == ("x\ufffdy" + "z" * 100_000)[:64 * 1024] + RESULT_CUT_MARKER
 
 
 def test_fail_with_attempts_left_goes_back_to_pending_after_the_delay(queue: Queue, sql) -> None:

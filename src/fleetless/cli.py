@@ -17,7 +17,7 @@ from . import db, maintenance
 from ._units import parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json
-from .queue import JobNotFound, Queue
+from .queue import JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
 from .sandbox import Limits, SandboxUnavailable, available_backends
 
@@ -309,7 +309,10 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
         _echo_json({**row, "attempts": attempts})
         return
     for key, value in row.items():
-        if key in ("last_error", "result") and value:
+        if key == "result" and result_was_cut(value):
+            click.echo("result (cut: only the first 64 KiB of stdout were kept):")
+            click.echo("  " + _printable(str(value).rstrip()).replace("\n", "\n  "))
+        elif key in ("last_error", "result") and value:
             click.echo(f"{key}:")
             click.echo("  " + _printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key == "payload" or (key == "result_json" and value is not None):

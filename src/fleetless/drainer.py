@@ -353,7 +353,7 @@ class Drainer:
         result = outcome.result
         run = describe_run(tier, result)
         if result is not None and result.ok:
-            ok = self._db(lambda: self.queue.complete(job, result.stdout, run=run))
+            ok = self._db(lambda: self.queue.complete(job, result.stdout, run=run, result_cut=result.stdout_cut))
             if ok:
                 s.done += 1
             else:
@@ -365,8 +365,9 @@ class Drainer:
         else:
             error, permanent, stdout = outcome.error, True, None
         delay = self.config.retry.delay(job.attempts)
+        cut = result is not None and result.stdout_cut
         status = self._db(lambda: self.queue.fail(job, error, delay=delay, permanent=permanent, result=stdout,
-                                                  run=run))
+                                                  run=run, result_cut=cut))
         if status is None:
             s.fenced_out += 1
         elif status is Status.DEAD:

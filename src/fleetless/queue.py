@@ -34,6 +34,8 @@ __all__ = ["JobNotFound", "Queue"]
 MAX_RESULT_CHARS = 64 * 1024
 #: enqueue_many reads, checks and copies this many jobs at a time.
 ENQUEUE_CHUNK = 5000
+#: Ends a ``result`` of which only the head was kept, so no reader takes it for the whole output.
+RESULT_CUT_MARKER = "\n[fleetless: output cut here; only the first 64 KiB of stdout are kept]\n"
 _PG_INT = 2**31 - 1
 
 
@@ -49,6 +51,21 @@ def clean_text(text: str | None, limit: int, *, keep: str = "head") -> str | Non
     if len(text) > limit:
         text = text[:limit] if keep == "head" else text[-limit:]
     return text
+
+
+def result_text(text: str | None, *, cut: bool = False) -> str | None:
+    """The handler's stdout as ``result`` stores it: the first 64 KiB, followed by
+    :data:`RESULT_CUT_MARKER` when anything was dropped (``cut``, or the text is longer)."""
+    text = clean_text(text, MAX_RESULT_CHARS + 1)
+    if text is None:
+        return None
+    if cut or len(text) > MAX_RESULT_CHARS:
+        text = text[:MAX_RESULT_CHARS] + RESULT_CUT_MARKER
+    return text
+
+
+def result_was_cut(result: str | None) -> bool:
+    return bool(result) and str(result).endswith(RESULT_CUT_MARKER)
 
 
 def _as_float(value: float | dt.timedelta | None, what: str) -> float | None:
@@ -309,15 +326,17 @@ class Queue:
                 "tier": run.tier, "exit_code": run.exit_code, "signal": run.signal,
                 "kill_reason": clean_text(run.kill_reason, 500)}
 
-    def complete(self, job: Job, result: str | None = None, *, run: Run | None = None) -> bool:
+    def complete(self, job: Job, result: str | None = None, *, run: Run | None = None,
+                 result_cut: bool = False) -> bool:
         """Mark done, and record the attempt (``run``: how it ran). False if this claim no longer
-        holds the job (fenced out): then nothing is written."""
-        rows = self._run("complete", {**self._run_params(job, run), "result": clean_text(result, MAX_RESULT_CHARS)})
+        holds the job (fenced out): then nothing is written. ``result_cut``: the sandbox dropped
+        the rest of stdout (the stored result then says so)."""
+        rows = self._run("complete", {**self._run_params(job, run), "result": result_text(result, cut=result_cut)})
         return bool(rows)
 
     def fail(
         self, job: Job, error: str, *, delay: float, permanent: bool = False, result: str | None = None,
-        run: Run | None = None,
+        run: Run | None = None, result_cut: bool = False,
     ) -> Status | None:
         """Record a failed attempt: back to pending after ``delay`` seconds if attempts are left
         (and not ``permanent``), else dead. Returns the new status, or None if fenced out."""
@@ -325,7 +344,7 @@ class Queue:
             "fail",
             {**self._run_params(job, run), "delay": delay, "permanent": permanent,
              "error": clean_text(error, MAX_ERROR_CHARS, keep="tail"),
-             "result": clean_text(result, MAX_RESULT_CHARS)},
+             "result": result_text(result, cut=result_cut)},
         )
         return Status(rows[0]["status"]) if rows else None
 

@@ -74,6 +74,8 @@ class ExecResult:
     ``exit_code`` is the process's exit status, or ``-signal`` when it died by a signal.
     ``killed`` is set when the sandbox itself killed the job, in words for an operator:
     ``"timeout after 10 s"``, ``"ttl of 900 s expired"``, ``"memory limit 256 MiB exceeded"``.
+    ``stdout_cut`` is True when the job wrote more than ``limits.stdout_bytes`` to stdout (only
+    the head is in ``stdout``).
     """
 
     exit_code: int
@@ -81,6 +83,7 @@ class ExecResult:
     stderr: str
     duration: float
     killed: str | None = None
+    stdout_cut: bool = False
 
     @property
     def ok(self) -> bool:

@@ -19,11 +19,14 @@ class Captured:
         self._err = bytearray()
         self._out_cap = stdout_cap
         self._err_cap = stderr_cap
+        self.stdout_cut = False  # True once a byte of stdout was dropped
 
     def add_out(self, chunk: bytes) -> None:
         room = self._out_cap - len(self._out)
         if room > 0:
             self._out += chunk[:room]
+        if len(chunk) > room:
+            self.stdout_cut = True
 
     def add_err(self, chunk: bytes) -> None:
         self._err += chunk

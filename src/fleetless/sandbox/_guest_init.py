@@ -148,6 +148,7 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
             pass
     devnull = os.open("/dev/null", os.O_WRONLY | os.O_CLOEXEC)
     out = bytearray()
+    out_cut = False
     err = bytearray()
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
@@ -171,6 +172,7 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
                 # Past the cap: drop what the job writes without copying it through Python.
                 try:
                     if os.splice(key.fd, devnull, PIPE_BYTES, flags=os.SPLICE_F_NONBLOCK):
+                        out_cut = True
                         continue
                     chunk = b""
                 except BlockingIOError:
@@ -183,8 +185,10 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
                 sel.unregister(key.fileobj)
                 continue
             if key.data == "out":
-                if len(out) < stdout_cap:
-                    out += chunk[: stdout_cap - len(out)]
+                room = stdout_cap - len(out)
+                out_cut = out_cut or len(chunk) > room
+                if room > 0:
+                    out += chunk[:room]
             else:
                 err += chunk
                 if len(err) > stderr_cap:
@@ -199,7 +203,7 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
     oom = code == -signal.SIGKILL and not timed_out and oom_kills() > oom_before
     return {"id": job["id"], "exit_code": code, "stdout": base64.b64encode(bytes(out)).decode(),
             "stderr": base64.b64encode(bytes(err)).decode(), "duration": round(duration, 4),
-            "timed_out": timed_out, "oom": oom}
+            "timed_out": timed_out, "oom": oom, "stdout_cut": out_cut}
 
 
 def kill_all_jobs_but(proc: subprocess.Popen[bytes] | None) -> None:

@@ -549,7 +549,8 @@ class BwrapSandbox(Sandbox):
             proc.stderr.close()
         exit_code = _exit_code(proc.returncode)
         killed = self._kill_reason(exit_code, hit, reason, rlimits)
-        return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed)
+        return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
+                          stdout_cut=captured.stdout_cut)
 
     def _kill_reason(self, exit_code: int, hit: bool, reason: str, rlimits: dict[str, int]) -> str | None:
         limits = self._template.limits

@@ -119,6 +119,7 @@ class JobOutcome:
     duration: float
     timed_out: bool = False
     oom: bool = False
+    stdout_cut: bool = False
 
 
 @dataclass
@@ -369,7 +370,8 @@ def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int
                             results[int(body["id"])] = JobOutcome(
                                 int(body["exit_code"]), base64.b64decode(body["stdout"]),
                                 base64.b64decode(body["stderr"]), float(body["duration"]),
-                                bool(body["timed_out"]), bool(body["oom"]))
+                                bool(body["timed_out"]), bool(body["oom"]),
+                                bool(body.get("stdout_cut", False)))
                             job_deadline = now + BOOT_TIMEOUT  # until the next start/done
                         elif kind == "error":
                             outcome.failure = f"guest runner failed: {body.get('error')}"
@@ -571,7 +573,7 @@ class MicroVMSandbox(Sandbox):
                 killed = f"killed: memory limit {mem} MiB exceeded"
             else:  # SIGXCPU / SIGXFSZ from the guest's rlimits, named as the other tiers name them
                 killed = rlimit_kill_reason(res.exit_code, {f"RLIMIT_{k}": v for k, v in job.rlimits.items()})
-            return ExecResult(res.exit_code, stdout, stderr, wall, killed)
+            return ExecResult(res.exit_code, stdout, stderr, wall, killed, stdout_cut=res.stdout_cut)
         if out.failure == "ttl":
             killed = ttl_msg
         elif out.failure == "deadline":

@@ -166,7 +166,8 @@ class ProcessSandbox(Sandbox):
             killed = killed or "killed: sandbox destroyed"
         if killed is None:
             killed = rlimit_kill_reason(exit_code, rlimits)
-        return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed)
+        return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
+                          stdout_cut=captured.stdout_cut)
 
     def _stop_supervisor(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
