@@ -183,8 +183,8 @@ class Runner:
         if slot.aborted and r.killed is not None:  # one that ended on its own keeps its outcome
             return job, Outcome("release", error=RELEASED_STOPPING)
         if r.ok:
-            return job, Outcome("done", result=r.stdout)
-        return job, Outcome("fail", error=describe_failure(r), result=r.stdout)
+            return job, Outcome("done", result=r.stdout, result_cut=r.stdout_cut)
+        return job, Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut)
 
     def _batch(self, jobs: Sequence[Job], handler: handlers.Handler,
                slot: Slot) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
@@ -255,7 +255,8 @@ def _outcome(rec: dict[str, Any]) -> Outcome:
             return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)))
         return Outcome("fail", error=_text(rec["error"]))
     r = ExecResult(int(rec["exit"]), _text(rec["stdout"]), _text(rec["stderr"]), float(rec["duration"]),
-                   _text(rec["killed"]) if isinstance(rec["killed"], str) else None)
+                   _text(rec["killed"]) if isinstance(rec["killed"], str) else None,
+                   stdout_cut=rec.get("stdout_cut") is True)
     if r.ok:
-        return Outcome("done", result=r.stdout)
-    return Outcome("fail", error=describe_failure(r), result=r.stdout)
+        return Outcome("done", result=r.stdout, result_cut=r.stdout_cut)
+    return Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut)

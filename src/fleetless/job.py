@@ -78,6 +78,7 @@ class Outcome:
     action: Literal["done", "fail", "release"]
     error: str | None = None
     result: str | None = None
+    result_cut: bool = False  # the sandbox dropped stdout past its cap: the stored result says so
     result_json: str | None = None
     permanent: bool = False
     delay: float = 0.0

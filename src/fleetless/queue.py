@@ -388,7 +388,7 @@ class Queue:
             cols["permanent"].append(o.permanent)
             cols["delays"].append(float(o.delay))
             cols["errors"].append(clean_text(o.error, MAX_ERROR_CHARS, keep="tail"))
-            cols["results"].append(clean_text(o.result, MAX_RESULT_CHARS))
+            cols["results"].append(result_text(o.result, cut=o.result_cut))
             cols["results_json"].append(o.result_json)
             cols["tiers"].append(run.tier)
             cols["exit_codes"].append(run.exit_code)

@@ -206,6 +206,7 @@ def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
             if code is None:
                 code = proc.wait()
         out.send({"i": i, "exit": code, "stdout": _head(out_path, stdout_bytes),
+                  "stdout_cut": os.path.getsize(out_path) > stdout_bytes,
                   "stderr": _tail(err_path, stderr_bytes), "killed": killed, "duration": time.monotonic() - t0})
         for path in (out_path, err_path, payload_path):
             try:
