@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import click
 
@@ -103,13 +103,18 @@ def init(ctx: click.Context) -> None:
 @click.option("--queue", "queue_name", default="default", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--timeout", callback=_duration, help="Overrides the drainer's --timeout for this job.")
+@click.option("--key", help="At most one pending or running job has this key.")
+@click.option("--on-duplicate", type=click.Choice(["existing", "replace", "raise"]), default="existing",
+              show_default=True,
+              help="A job with --key is already pending or running: print its id, give a pending one "
+                   "this payload, or fail.")
 @click.option("--max-payload-bytes", "max_payload", callback=_size, default="1M", show_default=True,
               envvar="FLEETLESS_MAX_PAYLOAD_BYTES",
               help="Refuse a payload larger than this once encoded [env FLEETLESS_MAX_PAYLOAD_BYTES].")
 @click.pass_context
 def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int, delay: float | None,
             run_after: str | None, queue_name: str, priority: int, timeout: float | None,
-            max_payload: int) -> None:
+            key: str | None, on_duplicate: Literal["existing", "replace", "raise"], max_payload: int) -> None:
     """Add a job; PAYLOAD_JSON '-' reads standard input. Prints the new id."""
     text = sys.stdin.read() if payload_json == "-" else payload_json
     payload = parse_payload_json(text)
@@ -126,7 +131,8 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int,
     q = _queue(ctx, max_payload_bytes=max_payload)
     try:
         job_id = q.enqueue(kind, payload, max_attempts=max_attempts, run_after=when, delay=delay,
-                           queue=queue_name, priority=priority, timeout=timeout)
+                           queue=queue_name, priority=priority, timeout=timeout, key=key,
+                           on_duplicate=on_duplicate)
     except ValueError as exc:
         if "over the limit" in str(exc):
             _fail(f"{exc} (raise it with --max-payload-bytes or FLEETLESS_MAX_PAYLOAD_BYTES)")

@@ -9,7 +9,7 @@ import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import psycopg
 from psycopg.rows import dict_row
@@ -28,7 +28,7 @@ from .job import (
 )
 from .retry import MAX_ERROR_CHARS
 
-__all__ = ["JobNotFound", "Queue"]
+__all__ = ["DuplicateJob", "JobNotFound", "Queue"]
 
 #: ``result`` keeps at most this much of the handler's stdout.
 MAX_RESULT_CHARS = 64 * 1024
@@ -41,6 +41,19 @@ _PG_INT = 2**31 - 1
 
 class JobNotFound(LookupError):
     pass
+
+
+class DuplicateJob(ValueError):
+    """``on_duplicate="raise"``: a pending or running job already has this key."""
+
+    def __init__(self, key: str, existing_id: int) -> None:
+        super().__init__(f"job {existing_id} with key {key!r} is already pending or running")
+        self.key = key
+        self.existing_id = existing_id
+
+
+OnDuplicate = Literal["existing", "replace", "raise"]
+_ON_DUPLICATE = ("existing", "replace", "raise")
 
 
 def clean_text(text: str | None, limit: int, *, keep: str = "head") -> str | None:
@@ -178,8 +191,14 @@ class Queue:
         queue: str = "default",
         priority: int = 0,
         timeout: float | dt.timedelta | None = None,
+        key: str | None = None,
+        on_duplicate: OnDuplicate = "existing",
     ) -> dict[str, Any]:
         validate_kind(kind)
+        if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255 or "\x00" in key):
+            raise ValueError(f"key must be a string of 1 to 255 characters without NUL, not {key!r:.60}")
+        if on_duplicate not in _ON_DUPLICATE:
+            raise ValueError(f"on_duplicate must be one of {', '.join(_ON_DUPLICATE)}, not {on_duplicate!r}")
         validate_queue_name(queue)
         if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 1 <= max_attempts <= 1000:
             raise ValueError(f"max_attempts must be an integer from 1 to 1000, not {max_attempts!r}")
@@ -211,6 +230,9 @@ class Queue:
             "queue": queue,
             "priority": priority,
             "timeout": timeout_s,
+            "key": key,
+            "replace": on_duplicate == "replace",
+            "raise": on_duplicate == "raise",
         }
 
     def enqueue(
@@ -224,21 +246,41 @@ class Queue:
         queue: str = "default",
         priority: int = 0,
         timeout: float | dt.timedelta | None = None,
+        key: str | None = None,
+        on_duplicate: OnDuplicate = "existing",
         conn: psycopg.Connection[Any] | None = None,
     ) -> int:
-        """Add one job and return its id. Bad input raises ValueError and writes nothing."""
+        """Add one job and return its id. Bad input raises ValueError and writes nothing.
+
+        ``key``: at most one pending or running job has it. A duplicate enqueue returns the
+        existing job's id and writes nothing (``on_duplicate="existing"``, the default), gives a
+        still pending job the new payload and options and returns its id (``"replace"``), or raises
+        :class:`DuplicateJob` (``"raise"``); inside your transaction, none of these aborts it."""
         params = self._job_params(
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay,
-            queue=queue, priority=priority, timeout=timeout,
+            queue=queue, priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
         )
-        return int(self._run("enqueue", {**params, "channel": self.channel}, conn)[0]["id"])
+        if key is None:
+            return int(self._run("enqueue", {**params, "channel": self.channel}, conn)[0]["id"])
+        with self._connection(conn) as c:
+            return self._enqueue_keyed(c, params)
+
+    def _enqueue_keyed(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> int:
+        for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
+            rows = self._run("enqueue_keyed", {**params, "channel": self.channel}, conn)
+            if rows:
+                if params["raise"] and not rows[0]["inserted"]:
+                    raise DuplicateJob(params["key"], rows[0]["id"])
+                return int(rows[0]["id"])
+        raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
     def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any]) -> dict[str, Any]:
         try:
             if isinstance(item, Mapping):
                 options = dict(item)
                 unknown = set(options) - {
-                    "kind", "payload", "max_attempts", "run_after", "delay", "queue", "priority", "timeout"
+                    "kind", "payload", "max_attempts", "run_after", "delay", "queue", "priority", "timeout",
+                    "key", "on_duplicate",
                 }
                 if unknown:
                     raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
@@ -271,18 +313,25 @@ class Queue:
         with self._connection(conn) as c, db.atomic(c), c.cursor() as cur:
             pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
             while chunk := [self._item_params(i, item) for i, item in itertools.islice(pending, ENQUEUE_CHUNK)]:
-                cur.execute(self._q["reserve_ids"], {"table": f"{self.schema}.jobs", "n": len(chunk)})
+                plain = [r for r in chunk if r["key"] is None]
+                cur.execute(self._q["reserve_ids"], {"table": f"{self.schema}.jobs", "n": len(plain)})
                 found = cur.fetchone()
                 assert found is not None
-                now, chunk_ids = cast(dt.datetime, found[0]), cast(list[int], found[1])
+                now, plain_ids = cast(dt.datetime, found[0]), iter(cast(list[int] | None, found[1]) or [])
                 with cur.copy(self._q["copy_jobs"]) as copy:
-                    for job_id, r in zip(chunk_ids, chunk, strict=True):
+                    for r in chunk:
+                        if r["key"] is not None:
+                            continue
+                        r["id"] = next(plain_ids)
                         run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
                         copy.write_row(
-                            (job_id, r["kind"], r["payload"], r["max_attempts"], run_after,
+                            (r["id"], r["kind"], r["payload"], r["max_attempts"], run_after,
                              r["queue"], r["priority"], r["timeout"])
                         )
-                ids.extend(chunk_ids)
+                for r in chunk:  # keyed jobs one statement each, in this same transaction
+                    if r["key"] is not None:
+                        r["id"] = self._enqueue_keyed(c, r)
+                ids.extend(r["id"] for r in chunk)
                 queues.update(r["queue"] for r in chunk)
             cur.execute(self._q["notify"], {"channel": self.channel, "queues": ",".join(sorted(queues))})
         return ids
@@ -426,7 +475,11 @@ class Queue:
 
     def retry(self, job_id: int) -> None:
         """Make a dead or cancelled job pending and due now, with at least one attempt left."""
-        if not self._run("retry", {"id": _job_id(job_id)}):
+        try:
+            retried = self._run("retry", {"id": _job_id(job_id)})
+        except psycopg.errors.UniqueViolation:
+            raise ValueError(f"job {job_id} has a key that a pending or running job holds now") from None
+        if not retried:
             status = self._status_of(job_id)
             raise ValueError(f"job {job_id} is {status}; only dead or cancelled jobs can be retried")
 

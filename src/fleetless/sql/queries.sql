@@ -14,6 +14,35 @@ WITH job AS (
 )
 SELECT id, pg_notify(%(channel)s, queue) FROM job;
 
+-- name: enqueue_keyed
+-- One job with a key: at most one pending or running job per key (the partial unique index
+-- jobs_key_idx), decided by the index itself, so concurrent enqueues of a key on any number of
+-- connections make exactly one job. On a duplicate: with replace, a still pending job takes the new
+-- payload and options (a running one is left alone); otherwise nothing is written. Either way the
+-- existing job's id is returned with inserted = false. When the duplicate was committed by another
+-- transaction after this statement's snapshot, the fallback SELECT cannot see it and no row comes
+-- back: the caller runs the statement again (a new snapshot under READ COMMITTED).
+-- xmax = 0 tells a freshly inserted row from one updated by DO UPDATE.
+WITH job AS (
+  INSERT INTO {schema}.jobs AS j (kind, payload, max_attempts, run_after, queue, priority,
+                                  timeout_seconds, key)
+  VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
+          COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
+          %(queue)s, %(priority)s, %(timeout)s, %(key)s)
+  ON CONFLICT (key) WHERE key IS NOT NULL AND status IN ('pending', 'running')
+  DO UPDATE SET kind = EXCLUDED.kind, payload = EXCLUDED.payload, max_attempts = EXCLUDED.max_attempts,
+                run_after = EXCLUDED.run_after, queue = EXCLUDED.queue, priority = EXCLUDED.priority,
+                timeout_seconds = EXCLUDED.timeout_seconds
+    WHERE %(replace)s AND j.status = 'pending'
+  RETURNING j.id, j.queue, (j.xmax = 0) AS inserted
+), notified AS (
+  SELECT id, inserted, pg_notify(%(channel)s, queue) FROM job
+)
+SELECT id, inserted FROM notified
+UNION ALL
+SELECT id, false FROM {schema}.jobs
+WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 1 FROM job);
+
 -- name: notify
 -- enqueue_many's one NOTIFY, after its COPY, in its transaction (payload: the queues, comma-separated).
 SELECT pg_notify(%(channel)s, %(queues)s);
@@ -164,11 +193,16 @@ WHERE id = %(id)s AND status IN ('dead', 'cancelled')
 RETURNING id;
 
 -- name: retry_all_dead
-UPDATE {schema}.jobs
+-- A dead job with a key is retried only if no job holds that key now, and only the newest of
+-- several dead jobs sharing a key (the unique index allows one pending job per key).
+UPDATE {schema}.jobs AS j
 SET status = 'pending', run_after = now(), finished_at = NULL,
-    max_attempts = GREATEST(max_attempts, attempts + 1)
-WHERE status = 'dead'
-RETURNING id;
+    max_attempts = GREATEST(j.max_attempts, j.attempts + 1)
+WHERE j.status = 'dead'
+  AND (j.key IS NULL OR (
+    NOT EXISTS (SELECT 1 FROM {schema}.jobs o WHERE o.key = j.key AND o.status IN ('pending', 'running'))
+    AND j.id = (SELECT max(d.id) FROM {schema}.jobs d WHERE d.key = j.key AND d.status = 'dead')))
+RETURNING j.id;
 
 -- name: cancel
 UPDATE {schema}.jobs SET status = 'cancelled', finished_at = now()

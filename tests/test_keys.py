@@ -1,0 +1,153 @@
+"""Job keys: at most one pending or running job per key, decided by a unique partial index, under
+concurrent enqueues, inside callers' transactions and in enqueue_many."""
+
+from __future__ import annotations
+
+import threading
+
+import psycopg
+import pytest
+
+from fleetless import Queue
+from fleetless.queue import DuplicateJob
+
+from proctools import wait_for
+
+
+def test_a_duplicate_key_returns_the_existing_job_and_writes_nothing(queue: Queue, sql) -> None:
+    first = queue.enqueue("invoice", {"n": 1}, key="invoice-42")
+    assert queue.enqueue("invoice", {"n": 2}, key="invoice-42") == first
+    assert sql("SELECT id, payload, key FROM fleetless.jobs") == [(first, {"n": 1}, "invoice-42")]
+    assert queue.enqueue("invoice", {}, key="invoice-43") != first
+
+
+def test_a_key_is_free_again_once_its_job_has_finished(queue: Queue, sql) -> None:
+    first = queue.enqueue("invoice", {}, key="k")
+    (job,) = queue.claim(1)
+    assert queue.enqueue("invoice", {}, key="k") == first  # running still holds it
+    queue.complete(job)
+    second = queue.enqueue("invoice", {}, key="k")
+    assert second != first
+    assert sql("SELECT id, status FROM fleetless.jobs ORDER BY id") == [(first, "done"), (second, "pending")]
+
+
+def test_replace_gives_a_pending_job_the_new_payload_but_leaves_a_running_one(queue: Queue, sql) -> None:
+    job_id = queue.enqueue("invoice", {"v": 1}, key="k")
+    assert queue.enqueue("invoice", {"v": 2}, key="k", on_duplicate="replace", priority=5) == job_id
+    assert sql("SELECT payload, priority FROM fleetless.jobs") == [({"v": 2}, 5)]
+    queue.claim(1)
+    assert queue.enqueue("invoice", {"v": 3}, key="k", on_duplicate="replace") == job_id
+    assert sql("SELECT payload, status FROM fleetless.jobs") == [({"v": 2}, "running")]
+
+
+def test_raise_names_the_existing_job_and_leaves_the_callers_transaction_usable(dsn: str, queue: Queue,
+                                                                               sql) -> None:
+    existing = queue.enqueue("invoice", {}, key="k")
+    with psycopg.connect(dsn) as conn:
+        with pytest.raises(DuplicateJob) as err:
+            queue.enqueue("invoice", {}, key="k", on_duplicate="raise", conn=conn)
+        assert err.value.existing_id == existing
+        other = queue.enqueue("invoice", {}, key="other", conn=conn)  # the transaction goes on
+    assert sql("SELECT id FROM fleetless.jobs ORDER BY id") == [(existing,), (other,)]
+
+
+def test_bad_keys_are_one_line_errors(queue: Queue) -> None:
+    for bad in ("", "x" * 256, "a\x00b", 42):
+        with pytest.raises(ValueError, match="key must be a string of 1 to 255"):
+            queue.enqueue("a", {}, key=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_duplicate must be one of"):
+        queue.enqueue("a", {}, key="k", on_duplicate="merge")  # type: ignore[arg-type]
+
+
+def test_concurrent_enqueues_of_one_key_make_exactly_one_job(dsn: str, queue: Queue, sql) -> None:
+    n = 8
+    barrier = threading.Barrier(n)
+    got: list[int] = []
+
+    def enqueue() -> None:
+        q = Queue(dsn)
+        try:
+            barrier.wait()
+            for i in range(20):
+                got.append(q.enqueue("invoice", {}, key=f"k{i}"))
+        finally:
+            q.close()
+
+    threads = [threading.Thread(target=enqueue) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == n * 20
+    assert sql("SELECT count(*), count(DISTINCT key) FROM fleetless.jobs") == [(20, 20)]
+    assert set(got) == {r[0] for r in sql("SELECT id FROM fleetless.jobs")}
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_an_enqueue_waits_for_an_uncommitted_duplicate_and_follows_its_fate(dsn: str, queue: Queue, sql,
+                                                                            commit: bool) -> None:
+    with psycopg.connect(dsn) as conn:
+        held = queue.enqueue("invoice", {"from": "txn"}, key="k", conn=conn)
+        result: list[int] = []
+        t = threading.Thread(target=lambda: result.append(Queue(dsn).enqueue("invoice", {"from": "b"}, key="k")))
+        t.start()
+        wait_for(lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                             " AND datname = current_database()") == [(1,)], what="the second enqueue to wait")
+        if commit:
+            conn.commit()
+        else:
+            conn.rollback()
+    t.join(timeout=30)
+    rows = sql("SELECT id, payload FROM fleetless.jobs WHERE status = 'pending'")
+    if commit:
+        assert result == [held] and rows == [(held, {"from": "txn"})]
+    else:
+        assert len(rows) == 1 and rows[0][1] == {"from": "b"} and result == [rows[0][0]]
+
+
+def test_enqueue_many_with_keys_returns_ids_in_order_one_job_per_key(queue: Queue, sql) -> None:
+    existing = queue.enqueue("a", {"v": 0}, key="k1")
+    ids = queue.enqueue_many([
+        ("a", {"v": 1}),
+        {"kind": "a", "payload": {"v": 2}, "key": "k1"},
+        {"kind": "a", "payload": {"v": 3}, "key": "k2"},
+        {"kind": "a", "payload": {"v": 4}, "key": "k2"},
+        ("a", {"v": 5}),
+    ])
+    assert ids[1] == existing and ids[2] == ids[3] and len(set(ids)) == 4
+    assert sql("SELECT id, payload->>'v', key FROM fleetless.jobs ORDER BY id") == sorted([
+        (existing, "0", "k1"), (ids[0], "1", None), (ids[2], "3", "k2"), (ids[4], "5", None)])
+    with pytest.raises(DuplicateJob):
+        queue.enqueue_many([("a", {"v": 6}), {"kind": "a", "payload": {}, "key": "k1", "on_duplicate": "raise"}])
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(4,)]  # all or none
+
+
+def test_enqueue_many_with_keys_in_a_rolled_back_transaction_leaves_nothing(dsn: str, queue: Queue,
+                                                                           sql) -> None:
+    with psycopg.connect(dsn) as conn:
+        queue.enqueue_many([{"kind": "a", "payload": {}, "key": "k"}, ("a", {})], conn=conn)
+        conn.rollback()
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(0,)]
+    assert queue.enqueue("a", {}, key="k") > 0
+
+
+def test_retrying_a_dead_job_whose_key_is_taken_is_refused(queue: Queue, sql) -> None:
+    queue.enqueue("a", {}, key="k", max_attempts=1)
+    (job,) = queue.claim(1)
+    queue.fail(job, "boom", delay=0)
+    newer = queue.enqueue("a", {}, key="k")
+    with pytest.raises(ValueError, match="has a key that a pending or running job holds"):
+        queue.retry(job.id)
+    assert queue.retry_all_dead() == []
+    queue.cancel(newer)
+    assert queue.retry_all_dead() == [job.id]
+
+
+def test_cli_enqueue_key_prints_the_existing_id(dsn: str, queue: Queue, fleetless) -> None:
+    first = fleetless("enqueue", "a", "{}", "--key", "nightly", dsn=dsn)
+    again = fleetless("enqueue", "a", "{}", "--key", "nightly", dsn=dsn)
+    assert first.returncode == again.returncode == 0 and first.stdout == again.stdout
+    dup = fleetless("enqueue", "a", "{}", "--key", "nightly", "--on-duplicate", "raise", dsn=dsn)
+    assert dup.returncode == 1
+    assert dup.stderr.strip() == f"fleetless: error: job {first.stdout.strip()} with key 'nightly' is already" \
+        " pending or running"
