@@ -21,6 +21,10 @@ import pytest
 from fleetless import Queue
 
 ADMIN_DSN = os.environ.get("FLEETLESS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+# The CLI's default tier is auto (bwrap where it works). Tests that drive `fleetless drain` without
+# --sandbox were written for the process tier: pin it for them (and every drainer they spawn);
+# the tests of the default itself clear it with env={"FLEETLESS_SANDBOX": ""}.
+os.environ.setdefault("FLEETLESS_SANDBOX", "process")
 
 
 def _dsn_for(dbname: str) -> str:
@@ -92,6 +96,7 @@ def _fleetless(*args: str, dsn: str | None = None, input: str | None = None,
     if dsn:
         full_env["DATABASE_URL"] = dsn
     full_env.update(env or {})
+    full_env = {k: v for k, v in full_env.items() if v != "" or k != "FLEETLESS_SANDBOX"}
     return subprocess.run(
         [sys.executable, "-m", "fleetless.cli", *args], input=input, capture_output=True, text=True,
         env=full_env, timeout=timeout,

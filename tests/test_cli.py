@@ -121,6 +121,48 @@ def test_drain_prints_a_one_line_summary(dsn: str, queue: Queue, fleetless, hand
     assert r.stdout.strip().startswith("drained: claimed 2, done 1, retried 0, dead 1 in ")
 
 
+def test_drain_defaults_to_auto_and_says_which_tier_it_chose_and_why(dsn: str, queue: Queue, fleetless,
+                                                                       handlers) -> None:
+    """No --sandbox: the strongest tier that works here without set-up, named in one line on stderr;
+    --help shows the same default."""
+    from fleetless.sandbox import choose_tier
+
+    h = handlers(**{"ok.py": "print('fine')"})
+    queue.enqueue("ok", {})
+    r = fleetless("drain", "--handlers", str(h), dsn=dsn, env={"FLEETLESS_SANDBOX": ""})
+    assert r.returncode == 0, r.stderr
+    tier, note = choose_tier("auto")
+    assert tier == ("bwrap" if _bwrap_works() else "process")
+    assert r.stderr.splitlines()[0] == f"fleetless: {note}"
+    assert r.stdout.strip().startswith("drained: claimed 1, done 1,")
+    explicit = fleetless("drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    assert explicit.returncode == 0 and "auto" not in explicit.stderr, explicit.stderr
+    helptext = " ".join(fleetless("drain", "--help", env={"FLEETLESS_SANDBOX": ""}).stdout.split())
+    assert "[auto|bwrap|microvm|process]" in helptext and "[default: auto]" in helptext
+    assert "bwrap where it works on this host, else process" in helptext
+
+
+def _bwrap_works() -> bool:
+    from fleetless.sandbox import SandboxUnavailable, get_backend
+
+    try:
+        get_backend("bwrap").check()
+    except SandboxUnavailable:
+        return False
+    return True
+
+
+def test_auto_falls_back_to_process_and_says_why_bwrap_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless.sandbox import bwrap, choose_tier
+
+    monkeypatch.setattr(bwrap, "_probe_result", (None, "bwrap cannot create namespaces here: EPERM"))
+    tier, note = choose_tier("auto")
+    assert tier == "process"
+    assert note.startswith("sandbox: process (auto: bwrap cannot run here: bwrap cannot create namespaces "
+                           "here: EPERM);"), note
+    assert choose_tier("microvm") == ("microvm", "")
+
+
 def test_show_prints_a_handle_result_as_json(dsn: str, queue: Queue, fleetless) -> None:
     from fleetless.completer import Completer
     from fleetless.job import Outcome

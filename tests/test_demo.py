@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 
 def test_demo_runs_on_the_embedded_server_as_the_readme_says(fleetless, tmp_path: Path) -> None:
     """`fleetless demo` with no database and no options: embedded PostgreSQL, the bwrap tier where
     it works (else process)."""
-    from fleetless.demo import pick_sandbox
+    from fleetless.sandbox import choose_tier
 
-    r = fleetless("demo", env={"XDG_DATA_HOME": str(tmp_path / "data")}, timeout=300)
+    r = fleetless("demo", env={"XDG_DATA_HOME": str(tmp_path / "data"), "FLEETLESS_SANDBOX": ""}, timeout=300)
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "starting an embedded PostgreSQL" in out
-    assert f"draining with the '{pick_sandbox(None)}' sandbox" in out
+    tier, note = choose_tier("auto")
+    assert f"{note}\n" in out and note.startswith(f"sandbox: {tier} (auto: ")
+    assert f"draining with the '{tier}' sandbox" in out
     assert "drained: claimed" in out
     assert "killed: timeout after 2 s" in out
     assert "upstream API answered 503" in out
@@ -33,3 +37,20 @@ def test_demo_on_a_given_database_leaves_its_outcome_in_the_table(dsn: str, flee
     assert sql("SELECT count(*) FROM fleetless_demo.jobs WHERE status = 'done'") == [(9,)]
     again = fleetless("demo", "--sandbox", "process", dsn=dsn, timeout=300)  # repeatable
     assert again.returncode == 0, again.stderr
+
+
+def test_demo_rows_are_whole_and_its_handlers_stay_for_the_user_to_read(dsn: str, fleetless) -> None:
+    """The "no handler" row names the whole directory (not cut mid-path), and the demo says where
+    the handlers it ran are; they are still there afterwards."""
+    r = fleetless("demo", "--sandbox", "process", dsn=dsn, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"The handlers that ran are in (\S+) \(([^)]*)\)", r.stdout)
+    assert m, r.stdout
+    folder = Path(m.group(1))
+    try:
+        assert (folder / "greet.py").read_text().strip() and "greet.py" in m.group(2)
+        assert f"fleetless drain --handlers {folder}" in r.stdout
+        (row,) = [line for line in r.stdout.splitlines() if " resize-image " in line]
+        assert row.rstrip().endswith(f"resize-image in {folder}"), row
+    finally:
+        shutil.rmtree(folder.parent)

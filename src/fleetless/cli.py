@@ -19,7 +19,7 @@ from .drainer import DrainConfig, Drainer, DrainError
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json
 from .queue import JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
-from .sandbox import Limits, SandboxUnavailable, available_backends
+from .sandbox import AUTO, Limits, SandboxUnavailable, available_backends
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -159,8 +159,10 @@ def drain_options(f: F) -> F:
         click.option("--backoff-base", callback=_duration, default="60", show_default=True,
                      help="Retry delay = 2^attempts x this + jitter."),
         click.option("--max-jitter", callback=_duration, default="30", show_default=True),
-        click.option("--sandbox", type=click.Choice(available_backends()), default="process",
-                     show_default=True),
+        click.option("--sandbox", type=click.Choice([AUTO, *available_backends()]), default=AUTO,
+                     show_default=True, envvar="FLEETLESS_SANDBOX",
+                     help="Isolation tier. auto: bwrap where it works on this host, else process "
+                          "(says which, and why, on stderr) [env FLEETLESS_SANDBOX]."),
         click.option("--memory", callback=_size, default="512M", show_default=True,
                      help="Memory cap per job."),
         click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota per job."),
@@ -219,6 +221,8 @@ def drain(ctx: click.Context, /, **kw: Any) -> None:
     """Reap, claim and run due jobs, one sandbox each; exit when nothing is claimable."""
     config = _drain_config(kw)
     drainer = Drainer(_queue(ctx), config)
+    if drainer.tier_note:
+        click.echo(f"fleetless: {drainer.tier_note}", err=True)
     drainer.install_signal_handlers()
     summary = drainer.run()
     click.echo(summary.line())
@@ -388,11 +392,12 @@ def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bo
 
 
 @cli.command()
-@click.option("--sandbox", type=click.Choice(available_backends()), default=None,
-              help="Default: bwrap where it works, else process.")
+@click.option("--sandbox", type=click.Choice([AUTO, *available_backends()]), default=AUTO, show_default=True,
+              envvar="FLEETLESS_SANDBOX",
+              help="Isolation tier. auto: bwrap where it works on this host, else process [env FLEETLESS_SANDBOX].")
 @click.option("--jobs", "n_jobs", type=int, default=12, show_default=True, help="Size of the burst.")
 @click.pass_context
-def demo(ctx: click.Context, sandbox: str | None, n_jobs: int) -> None:
+def demo(ctx: click.Context, sandbox: str, n_jobs: int) -> None:
     """Enqueue a burst of example jobs (one fails, one times out), drain them, show the outcome."""
     from . import demo as demo_mod
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import stat
 import tempfile
 import time
@@ -19,7 +18,7 @@ import psycopg
 from .drainer import DrainConfig, Drainer
 from .queue import Queue
 from .retry import RetryPolicy
-from .sandbox import SandboxUnavailable, get_backend
+from .sandbox import AUTO
 
 DEMO_SCHEMA = "fleetless_demo"
 
@@ -61,17 +60,19 @@ def handlers_copy(into: Path) -> Path:
     return target
 
 
-def pick_sandbox(requested: str | None) -> str:
-    if requested:
-        return requested
-    try:
-        get_backend("bwrap").check()
-        return "bwrap"
-    except (SandboxUnavailable, ImportError, OSError):
-        return "process"
+def outcome_line(status: str, text: str | None, width: int = 100) -> str:
+    """The table's outcome cell: the first line whole (never cut mid-word or mid-path); for a
+    failure, the last line of stderr after it while the two fit in ``width``."""
+    lines = (text or "").strip().splitlines()
+    if not lines:
+        return ""
+    outcome = lines[0]
+    if status != "done" and len(lines) > 1 and len(outcome) + 3 + len(lines[-1]) <= width:
+        outcome += f"  | {lines[-1]}"
+    return outcome
 
 
-def run(dsn: str | None, *, sandbox: str | None = None, n_jobs: int = 12) -> None:
+def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12) -> None:
     with ExitStack() as stack:
         embedded = not dsn
         logging.getLogger("fleetless.drainer").setLevel(logging.ERROR)  # the table says it all
@@ -85,21 +86,23 @@ def run(dsn: str | None, *, sandbox: str | None = None, n_jobs: int = 12) -> Non
         queue = Queue(dsn, schema=DEMO_SCHEMA)
         stack.callback(queue.close)
         queue.init()
-        tmp = Path(tempfile.mkdtemp(prefix="fleetless-demo-"))
-        stack.callback(shutil.rmtree, tmp, True)
-        handlers = handlers_copy(tmp)
+        # Kept afterwards (not removed): the user reads the handlers that just ran, and can drain
+        # with them.
+        handlers = handlers_copy(Path(tempfile.mkdtemp(prefix="fleetless-demo-")))
         ids = queue.enqueue_many(burst(n_jobs))
-        backend = pick_sandbox(sandbox)
-        click.echo(f"Enqueued {len(ids)} jobs into {DEMO_SCHEMA}.jobs; draining with the "
-                   f"'{backend}' sandbox (one sandbox per job) ...")
         config = DrainConfig(
-            handlers_dir=handlers, sandbox=backend, timeout=30, ttl=60, lease_grace=10,
+            handlers_dir=handlers, sandbox=sandbox, timeout=30, ttl=60, lease_grace=10,
             concurrency=max(os.cpu_count() or 1, 2),
             # Retries due at once so the demo shows a job walking to dead in one drain.
             retry=RetryPolicy(base_seconds=0, max_jitter_seconds=0),
         )
+        drainer = Drainer(queue, config)
+        if drainer.tier_note:
+            click.echo(drainer.tier_note)
+        click.echo(f"Enqueued {len(ids)} jobs into {DEMO_SCHEMA}.jobs; draining with the "
+                   f"'{drainer.config.sandbox}' sandbox (one sandbox per job) ...")
         started = time.monotonic()
-        summary = Drainer(queue, config).run()
+        summary = drainer.run()
         click.echo(summary.line())
         rows = sorted(queue.list(limit=len(ids)), key=lambda r: r["id"])
         click.echo("")
@@ -107,14 +110,14 @@ def run(dsn: str | None, *, sandbox: str | None = None, n_jobs: int = 12) -> Non
         for r in rows:
             job = queue.get(r["id"])
             text = job["result"] if job["status"] == "done" else job["last_error"]
-            first = (text or "").strip().splitlines()
-            outcome = first[0] if first else ""
-            if job["status"] != "done" and len(first) > 1:
-                outcome += f"  | {first[-1]}"
+            outcome = outcome_line(job["status"], text)
             click.echo(f"{job['id']:>4}  {job['kind']:<13} {job['status']:<9} "
-                       f"{job['attempts']}/{job['max_attempts']:<4} {outcome[:100]}")
+                       f"{job['attempts']}/{job['max_attempts']:<4} {outcome}")
         click.echo("")
         click.echo(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s.")
+        kinds = ", ".join(sorted(p.name for p in handlers.iterdir()))
+        click.echo(f"The handlers that ran are in {handlers} ({kinds}): read them, or run them on "
+                   f"your own jobs with: fleetless drain --handlers {handlers}")
         if embedded:
             click.echo("The embedded server stops now. Against your own database: DATABASE_URL=... fleetless demo,"
                        " then fleetless --schema fleetless_demo show ID")

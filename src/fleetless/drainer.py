@@ -27,7 +27,7 @@ from . import handlers, maintenance
 from .job import Job, Run, Status
 from .queue import Queue
 from .retry import MAX_ERROR_CHARS, RetryPolicy
-from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, get_backend
+from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, choose_tier, get_backend
 
 __all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "base_env", "describe_failure", "job_env"]
 
@@ -168,7 +168,8 @@ def job_env(job: Job, base: dict[str, str]) -> dict[str, str]:
 class Drainer:
     def __init__(self, queue: Queue, config: DrainConfig) -> None:
         self.queue = queue
-        self.config = config
+        tier, self.tier_note = choose_tier(config.sandbox)  # "auto": one line says which, and why
+        self.config = config = replace(config, sandbox=tier)
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
         self._env = base_env(parse_pass_env(config.pass_env))

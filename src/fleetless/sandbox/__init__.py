@@ -25,12 +25,14 @@ from types import TracebackType
 from typing import ClassVar
 
 __all__ = [
+    "AUTO",
     "ExecResult",
     "Limits",
     "Sandbox",
     "SandboxUnavailable",
     "Template",
     "available_backends",
+    "choose_tier",
     "get_backend",
 ]
 
@@ -164,8 +166,27 @@ _BACKENDS: dict[str, str] = {
 }
 
 
+#: The tier name that picks one: the strongest that works on this host without extra set-up.
+AUTO = "auto"
+
+
 def available_backends() -> list[str]:
     return sorted(_BACKENDS)
+
+
+def choose_tier(name: str) -> tuple[str, str]:
+    """The tier a drain runs with for ``name``, and one line saying which and why when ``name``
+    is ``auto`` (else ""). ``auto`` is bwrap where it can create its namespaces here, else
+    process; never microvm, which needs its guest image built first."""
+    if name != AUTO:
+        get_backend(name)  # an unknown name: one line
+        return name, ""
+    try:
+        get_backend("bwrap").check()
+    except SandboxUnavailable as exc:
+        return "process", (f"sandbox: process (auto: bwrap cannot run here: {exc}); jobs share the "
+                           "drainer's filesystem and network: see docs/isolation.md")
+    return "bwrap", "sandbox: bwrap (auto: it can create namespaces here; --sandbox chooses another)"
 
 
 def get_backend(name: str) -> type[Sandbox]:
