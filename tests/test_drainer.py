@@ -81,7 +81,8 @@ def test_a_job_whose_handler_exits_1_three_times_ends_dead_with_the_stderr_tail(
     status, attempts, error = sql("SELECT status, attempts, last_error FROM fleetless.jobs")[0]
     assert (status, attempts) == ("dead", 3)
     assert isinstance(error, str) and len(error) == 2000
-    assert error.startswith("exit code 1\n") and error.endswith("ConnectionError: upstream said 503")
+    assert error.startswith("exit code 1: ConnectionError: upstream said 503\n")  # what happened, then the tail
+    assert error.endswith("ConnectionError: upstream said 503")
 
 
 def test_backoff_settings_are_the_drainers(queue: Queue, handlers, sql) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +15,8 @@ import click
 from . import db, maintenance
 from ._units import parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
+from .events import NullReporter, Reporter
+from .insights import Insights, age, printable
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json
 from .queue import JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
@@ -37,6 +38,10 @@ def _queue(ctx: click.Context, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Qu
     if not obj["dsn"]:
         _fail("no database given: set DATABASE_URL or pass --database-url")
     return Queue(obj["dsn"], schema=obj["schema"], max_payload_bytes=max_payload_bytes)
+
+
+def _insights(ctx: click.Context) -> Insights:
+    return Insights(_queue(ctx))
 
 
 def _echo_json(data: Any) -> None:
@@ -70,27 +75,35 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON."
               help="PostgreSQL URL or conninfo [env DATABASE_URL].")
 @click.option("--schema", envvar="FLEETLESS_SCHEMA", default=db.DEFAULT_SCHEMA, show_default=True,
               help="PostgreSQL schema holding the jobs table [env FLEETLESS_SCHEMA].")
-@click.option("-v", "--verbose", is_flag=True, help="Log each job.")
+@click.option("-v", "--verbose", is_flag=True,
+              help="Log each finished job (id, kind, attempt, outcome, duration, error) off a terminal.")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True,
+              envvar="FLEETLESS_LOG_FORMAT", help="Log lines, or one JSON object per event [env FLEETLESS_LOG_FORMAT].")
 @click.version_option(package_name="fleetless")
 @click.pass_context
-def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool) -> None:
+def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool, log_format: str) -> None:
     """fleetless: a PostgreSQL job queue with no worker fleet."""
+    from .terminal import configure_logging
+
     try:
         db.validate_schema_name(schema)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--schema") from None
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="fleetless: %(message)s", stream=sys.stderr)
-    ctx.obj = {"dsn": database_url, "schema": schema}
+    configure_logging(verbose=verbose, log_format=log_format)
+    ctx.obj = {"dsn": database_url, "schema": schema, "verbose": verbose, "log_format": log_format}
     _current_schema[0] = schema
 
 
 @cli.command()
+@json_option
 @click.pass_context
-def init(ctx: click.Context) -> None:
+def init(ctx: click.Context, as_json: bool) -> None:
     """Create or upgrade the schema (idempotent)."""
     q = _queue(ctx)
     applied = q.init()
+    if as_json:
+        _echo_json({"schema": q.schema, "applied": applied})
+        return
     click.echo(f"schema {q.schema}: " + (f"applied migrations {applied}" if applied else "up to date"))
 
 
@@ -111,10 +124,12 @@ def init(ctx: click.Context) -> None:
 @click.option("--max-payload-bytes", "max_payload", callback=_size, default="1M", show_default=True,
               envvar="FLEETLESS_MAX_PAYLOAD_BYTES",
               help="Refuse a payload larger than this once encoded [env FLEETLESS_MAX_PAYLOAD_BYTES].")
+@json_option
 @click.pass_context
 def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int, delay: float | None,
             run_after: str | None, queue_name: str, priority: int, timeout: float | None,
-            key: str | None, on_duplicate: Literal["existing", "replace", "raise"], max_payload: int) -> None:
+            key: str | None, on_duplicate: Literal["existing", "replace", "raise"], max_payload: int,
+            as_json: bool) -> None:
     """Add a job; PAYLOAD_JSON '-' reads standard input. Prints the new id."""
     text = sys.stdin.read() if payload_json == "-" else payload_json
     payload = parse_payload_json(text)
@@ -137,7 +152,10 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int,
         if "over the limit" in str(exc):
             _fail(f"{exc} (raise it with --max-payload-bytes or FLEETLESS_MAX_PAYLOAD_BYTES)")
         raise
-    click.echo(job_id)
+    if as_json:
+        _echo_json({"id": job_id})
+    else:
+        click.echo(job_id)
 
 
 def drain_options(f: F) -> F:
@@ -214,40 +232,50 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
     )
 
 
+def _reporter(ctx: click.Context, tier: str) -> Reporter:
+    """Live progress on a terminal; one log record per finished job with -v; nothing otherwise."""
+    from .terminal import LiveReporter, LogReporter
+
+    if ctx.obj["log_format"] == "text" and sys.stderr.isatty():
+        return LiveReporter(tier=tier)
+    return LogReporter() if ctx.obj["verbose"] else NullReporter()
+
+
 @cli.command()
 @drain_options
+@json_option
 @click.pass_context
-def drain(ctx: click.Context, /, **kw: Any) -> None:
+def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
     """Reap, claim and run due jobs, one sandbox each; exit when nothing is claimable."""
+    import dataclasses
+
     config = _drain_config(kw)
     drainer = Drainer(_queue(ctx), config)
-    if drainer.tier_note:
-        click.echo(f"fleetless: {drainer.tier_note}", err=True)
+    if drainer.tier_note:  # a log record, so --log-format json keeps stderr all JSON
+        logging.getLogger("fleetless.cli").warning("%s", drainer.tier_note)
     drainer.install_signal_handlers()
+    drainer.reporter = _reporter(ctx, drainer.config.sandbox)
     summary = drainer.run()
-    click.echo(summary.line())
+    if as_json:
+        _echo_json(dataclasses.asdict(summary))
+    else:
+        click.echo(summary.line())
 
 
 @cli.command()
 @click.option("--older-than", callback=_duration,
               help="Also return claims locked longer ago than this (e.g. 30m), lease or not.")
+@json_option
 @click.pass_context
-def reap(ctx: click.Context, older_than: float | None) -> None:
+def reap(ctx: click.Context, older_than: float | None, as_json: bool) -> None:
     """Return expired claims to pending (or dead when no attempt is left)."""
     result = maintenance.reaper.run_once(_queue(ctx), maintenance.reaper.Settings(older_than))
+    if as_json:
+        _echo_json({"reaped": {str(k): v for k, v in sorted(result.reaped.items())}})
+        return
     for job_id, status in sorted(result.reaped.items()):
         click.echo(f"job {job_id}: {status}")
     click.echo(f"reaped {len(result.reaped)}")
-
-
-def _age(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(seconds, 0)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.1f}s"
 
 
 @cli.command()
@@ -255,13 +283,13 @@ def _age(seconds: float | None) -> str:
 @click.pass_context
 def status(ctx: click.Context, as_json: bool) -> None:
     """Counts by status and kind, oldest due job's wait, next due."""
-    s = _queue(ctx).stats()
+    s = _insights(ctx).stats()
     if as_json:
         _echo_json(s)
         return
     click.echo("  ".join(f"{k} {v}" for k, v in s["by_status"].items()) + f"  (total {s['total']})")
-    click.echo(f"oldest due job waiting: {_age(s['oldest_due_age_seconds'])}   "
-               f"next due in: {_age(s['next_due_in_seconds'])}")
+    click.echo(f"oldest due job waiting: {age(s['oldest_due_age_seconds'])}   "
+               f"next due in: {age(s['next_due_in_seconds'])}")
     if s["by_kind"]:
         statuses = list(s["by_status"])
         width = max(len(k) for k in s["by_kind"]) + 2
@@ -270,18 +298,8 @@ def status(ctx: click.Context, as_json: bool) -> None:
             click.echo(kind.ljust(width) + "".join(str(counts.get(st, 0)).rjust(10) for st in statuses))
 
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def _printable(text: str) -> str:
-    """A job's own output (result, last_error) made safe for the operator's terminal: control
-    characters other than tab and newline are shown as \\xNN, so escape sequences cannot retitle,
-    clear or recolour it, write its clipboard, or hide text behind a carriage return."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
-
-
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
-    cells = [[_printable(("" if r[c] is None else str(r[c])).replace("\n", " ").replace("\t", " "))[:60]
+    cells = [[printable(("" if r[c] is None else str(r[c])).replace("\n", " ").replace("\t", " "))[:60]
               for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     click.echo("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
@@ -294,16 +312,17 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 @click.option("--kind")
 @click.option("--queue", "queue_name")
 @click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--before", type=int, help="Only jobs with a smaller id (the next page: the last id shown).")
 @json_option
 @click.pass_context
 def jobs(ctx: click.Context, status_: str | None, kind: str | None, queue_name: str | None, limit: int,
-         as_json: bool) -> None:
-    """List jobs, newest first."""
-    rows = _queue(ctx).list(status=status_, kind=kind, queue=queue_name, limit=limit)
+         before: int | None, as_json: bool) -> None:
+    """List jobs, newest first, with the first line of each error."""
+    rows = _insights(ctx).jobs(status=status_, kind=kind, queue=queue_name, limit=limit, before=before)
     if as_json:
         _echo_json(rows)
     else:
-        _table(rows, ["id", "kind", "queue", "status", "attempts", "max_attempts", "run_after", "last_error"])
+        _table(rows, ["id", "kind", "queue", "status", "attempts", "max_attempts", "run_after", "error_head"])
 
 
 @cli.command()
@@ -312,23 +331,24 @@ def jobs(ctx: click.Context, status_: str | None, kind: str | None, queue_name: 
 @click.pass_context
 def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
     """Every column of one job, then its attempt history."""
-    q = _queue(ctx)
-    row = q.get(job_id)
-    attempts = q.attempts(job_id)
+    insights = _insights(ctx)
+    row = insights.job(job_id)
+    attempts = insights.attempts(job_id)
     if as_json:
         _echo_json({**row, "attempts": attempts})
         return
+    row.pop("error_head", None)
     for key, value in row.items():
         if key == "result" and result_was_cut(value):
             click.echo("result (cut: only the first 64 KiB of stdout were kept):")
-            click.echo("  " + _printable(str(value).rstrip()).replace("\n", "\n  "))
+            click.echo("  " + printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key in ("last_error", "result") and value:
             click.echo(f"{key}:")
-            click.echo("  " + _printable(str(value).rstrip()).replace("\n", "\n  "))
+            click.echo("  " + printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key == "payload" or (key == "result_json" and value is not None):
-            click.echo(f"{key}: {_printable(json.dumps(value))}")
+            click.echo(f"{key}: {printable(json.dumps(value))}")
         else:
-            click.echo(f"{key}: {'' if value is None else _printable(str(value))}")
+            click.echo(f"{key}: {'' if value is None else printable(str(value))}")
     click.echo(f"attempts ({len(attempts)}):")
     if attempts:
         for a in attempts:
@@ -381,14 +401,50 @@ def cancel(ctx: click.Context, job_id: int, as_json: bool) -> None:
 @click.option("--include-dead", is_flag=True, help="Delete dead jobs too (same as adding dead to --status).")
 @click.option("--batch-size", type=int, default=1000, show_default=True,
               help="Rows per DELETE statement; batches run until nothing is due.")
+@json_option
 @click.pass_context
-def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bool, batch_size: int) -> None:
+def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bool, batch_size: int,
+          as_json: bool) -> None:
     """Delete finished jobs (and their attempt history) finished longer ago than --older-than."""
     chosen = {s.strip() for s in statuses.split(",") if s.strip()} | ({"dead"} if include_dead else set())
     settings = maintenance.pruner.Settings(ages=tuple((s, older_than) for s in sorted(chosen)),
                                            batch_size=batch_size)
     result = maintenance.pruner.run_once(_queue(ctx), settings)
-    click.echo(f"pruned {result.deleted} job(s)")
+    if as_json:
+        _echo_json({"pruned": result.deleted})
+    else:
+        click.echo(f"pruned {result.deleted} job(s)")
+
+
+@cli.command()
+@click.pass_context
+def metrics(ctx: click.Context) -> None:
+    """Print the Prometheus metrics once (for a node-exporter textfile collector)."""
+    from .metrics import render
+
+    click.echo(render(_insights(ctx)).decode(), nl=False)
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=int, default=8484, show_default=True)
+@click.option("--root-path", default="", help="URL prefix when served under a reverse proxy's sub-path.")
+@click.pass_context
+def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
+    """The web dashboard and /metrics. Actions need FLEETLESS_DASHBOARD_TOKEN; read-only without."""
+    import os
+
+    try:
+        import uvicorn
+
+        from .web import create_app
+    except ImportError as exc:
+        _fail(f"the dashboard needs the web extra: pip install 'fleetless[web]' ({exc.name} is missing)")
+    app = create_app(_queue(ctx), token=os.environ.get("FLEETLESS_DASHBOARD_TOKEN") or None)
+    click.echo(f"fleetless dashboard on http://{host}:{port}{root_path}/ "
+               f"({'actions need the token' if os.environ.get('FLEETLESS_DASHBOARD_TOKEN') else 'read-only'})",
+               err=True)
+    uvicorn.run(app, host=host, port=port, root_path=root_path, log_level="warning", proxy_headers=True)
 
 
 @cli.command()
@@ -405,12 +461,16 @@ def demo(ctx: click.Context, sandbox: str, n_jobs: int) -> None:
 
 
 @cli.command()
+@json_option
 @click.pass_context
-def doctor(ctx: click.Context) -> None:
+def doctor(ctx: click.Context, as_json: bool) -> None:
     """Which sandbox tiers work on this host, why not where they do not, and their start-up."""
     from . import doctor as doctor_mod
 
-    doctor_mod.run()
+    if as_json:
+        _echo_json(doctor_mod.check())
+    else:
+        doctor_mod.run()
 
 
 @cli.group()

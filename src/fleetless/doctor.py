@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -49,9 +50,11 @@ def _probe(name: str, handlers: Path) -> tuple[bool, str]:
     return True, detail
 
 
-def run() -> None:
+def check() -> dict[str, Any]:
+    """``{"python", "python_startup_ms", "tiers": [{"name", "ok", "detail"}, ...]}``."""
     python = default_python()
-    click.echo(f"bare {python} start-up: {_bare_python_ms(python):.0f} ms (median of {RUNS})")
+    startup = _bare_python_ms(python)
+    tiers = []
     with tempfile.TemporaryDirectory(prefix="fleetless-doctor-") as tmp:
         handlers = Path(tmp)
         handlers.chmod(0o755)
@@ -59,4 +62,12 @@ def run() -> None:
         (handlers / "ping.py").chmod(0o644)
         for name in available_backends():
             ok, detail = _probe(name, handlers)
-            click.echo(f"{name:<8} {'ok' if ok else 'unavailable':<12} {detail}")
+            tiers.append({"name": name, "ok": ok, "detail": detail})
+    return {"python": python, "python_startup_ms": round(startup, 1), "tiers": tiers}
+
+
+def run() -> None:
+    report = check()
+    click.echo(f"bare {report['python']} start-up: {report['python_startup_ms']:.0f} ms (median of {RUNS})")
+    for tier in report["tiers"]:
+        click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}")

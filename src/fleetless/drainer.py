@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +25,8 @@ from typing import Literal, TypeVar
 import psycopg
 
 from . import handlers, maintenance
+from .events import FinishedAs, JobFinished, NullReporter, Reporter
+from .insights import error_head, summarize_failure
 from .job import Job, Run, Status
 from .queue import Queue
 from .retry import MAX_ERROR_CHARS, RetryPolicy
@@ -119,7 +122,7 @@ def describe_failure(r: ExecResult) -> str:
     elif r.exit_code < 0:
         head = f"killed by {_signal_name(r.exit_code)}"
     else:
-        head = f"exit code {r.exit_code}"
+        head = summarize_failure(f"exit code {r.exit_code}", r.stderr)
     tail = r.stderr.rstrip()
     if not tail:
         return head
@@ -166,10 +169,13 @@ def job_env(job: Job, base: dict[str, str]) -> dict[str, str]:
 
 
 class Drainer:
-    def __init__(self, queue: Queue, config: DrainConfig) -> None:
+    def __init__(self, queue: Queue, config: DrainConfig, reporter: Reporter | None = None) -> None:
         self.queue = queue
         tier, self.tier_note = choose_tier(config.sandbox)  # "auto": one line says which, and why
         self.config = config = replace(config, sandbox=tier)
+        self.reporter: Reporter = reporter or NullReporter()
+        self._claimed_at: dict[int, float] = {}  # job id -> monotonic time of its claim
+        self._claimed_by = f"{socket.gethostname()}:{os.getpid()}"
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
         self._env = base_env(parse_pass_env(config.pass_env))
@@ -214,6 +220,12 @@ class Drainer:
     # -- the run -----------------------------------------------------------------------------
 
     def run(self) -> Summary:
+        try:
+            return self._run()
+        finally:
+            self.reporter.close()
+
+    def _run(self) -> Summary:
         started = time.monotonic()
         try:
             self._handlers_dir = handlers.check_dir(self.config.handlers_dir)
@@ -240,6 +252,8 @@ class Drainer:
                             jobs = self._claim(want)
                             self.summary.claimed += len(jobs)
                             for job in jobs:
+                                self._claimed_at[job.id] = time.monotonic()
+                                self.reporter.claimed(job)
                                 running[pool.submit(self._execute, job)] = job
                             if len(jobs) < want:
                                 break
@@ -262,7 +276,8 @@ class Drainer:
         c = self.config
         grace = c.lease_grace + self._backend.overhead_seconds
         return self._db(lambda: self.queue.claim(
-            n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=grace))
+            n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=grace,
+            claimed_by=self._claimed_by, tier=c.sandbox))
 
     def _maintenance(self) -> None:
         """The housekeeping units: at the start of the drain, then every maintenance interval."""
@@ -323,6 +338,7 @@ class Drainer:
                     raise SandboxUnavailable("drainer is stopping")
                 self._sandboxes[job.id] = sbx
             sbx.write("payload.json", json.dumps(job.payload))
+            self.reporter.started(job)
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
             return _Outcome("ran", result=sbx.exec(argv, timeout))
         except Exception as exc:  # the sandbox broke: not the job's fault
@@ -334,6 +350,15 @@ class Drainer:
                 self._sandboxes.pop(job.id, None)
 
     def _finish(self, job: Job, outcome: _Outcome) -> None:
+        what, error = self._record(job, outcome)
+        started = self._claimed_at.pop(job.id, None)
+        self.reporter.finished(JobFinished(
+            id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
+            duration=time.monotonic() - started if started is not None else 0.0,
+            tier=self.config.sandbox, error_head=error_head(error)))
+
+    def _record(self, job: Job, outcome: _Outcome) -> tuple[FinishedAs, str | None]:
+        """Write the outcome (fenced) and count it; return what became of the claim and the error."""
         s = self.summary
         tier = self.config.sandbox
         ended_on_its_own = outcome.what == "ran" and outcome.result is not None and outcome.result.killed is None
@@ -342,25 +367,26 @@ class Drainer:
             run = describe_run(tier, outcome.result, "drainer stopped")
             if self._db(lambda: self.queue.release(job, reason, run=run)):
                 s.released += 1
-            else:
-                s.fenced_out += 1
-            return
+                return "released", reason
+            s.fenced_out += 1
+            return "fenced_out", None
         if outcome.what == "sandbox_error":
             log.error("job %d: %s", job.id, outcome.error)
             self._fatal = outcome.error
             if self._db(lambda: self.queue.release(job, outcome.error, run=describe_run(tier, None, "sandbox error"))):
                 s.released += 1
-            return
+                return "released", outcome.error
+            return "fenced_out", outcome.error
         result = outcome.result
         run = describe_run(tier, result)
         if result is not None and result.ok:
             ok = self._db(lambda: self.queue.complete(job, result.stdout, run=run, result_cut=result.stdout_cut))
             if ok:
                 s.done += 1
-            else:
-                s.fenced_out += 1
-                log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
-            return
+                return "done", None
+            s.fenced_out += 1
+            log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
+            return "fenced_out", None
         if result is not None:
             error, permanent, stdout = describe_failure(result), False, result.stdout
         else:
@@ -371,9 +397,9 @@ class Drainer:
                                                   run=run, result_cut=cut))
         if status is None:
             s.fenced_out += 1
-        elif status is Status.DEAD:
+            return "fenced_out", error
+        if status is Status.DEAD:
             s.dead += 1
-            log.warning("job %d (%s) is dead after %d attempt(s): %s", job.id, job.kind, job.attempts,
-                        error.splitlines()[0])
-        else:
-            s.retried += 1
+            return "dead", error
+        s.retried += 1
+        return "retried", error

@@ -160,6 +160,10 @@ class Queue:
             cur.execute(self._q[name], params)
             return cur.fetchall() if cur.description else []
 
+    def query(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run one named read query of ``sql/queries.sql``: the read service's (``insights``) way in."""
+        return self._run(name, params or {})
+
     def close(self) -> None:
         with self._lock:
             if self._owns_conn and self._conn is not None:
@@ -347,16 +351,21 @@ class Queue:
         ttl: float = 900,
         lease_grace: float = 60,
         one_kind: bool = False,
+        claimed_by: str | None = None,
+        tier: str | None = None,
     ) -> list[Job]:
         """Claim up to ``n`` due jobs (priority first, then due time) and mark them running.
 
-        ``one_kind``: all of the kind of the first due job (batch mode: one sandbox per batch)."""
+        ``one_kind``: all of the kind of the first due job (batch mode: one sandbox per batch).
+        ``claimed_by`` (the drainer's ``host:pid``) and ``tier`` are recorded on the rows so an
+        operator can see where each running job is."""
         if n <= 0:
             return []
         rows = self._run(
             "claim_kind" if one_kind else "claim",
             {"n": n, "queues": list(queues) if queues else None,
-             "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace},
+             "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
+             "claimed_by": claimed_by, "tier": tier},
         )
         jobs = [
             Job(id=r["id"], kind=r["kind"], payload=r["payload"], attempts=r["attempts"],
@@ -491,6 +500,12 @@ class Queue:
         if not self._run("cancel", {"id": _job_id(job_id)}):
             status = self._status_of(job_id)
             raise ValueError(f"job {job_id} is {status}; only pending jobs can be cancelled")
+
+    def run_now(self, job_id: int) -> None:
+        """Make a pending job due now (it keeps its attempts)."""
+        if not self._run("run_now", {"id": _job_id(job_id)}):
+            status = self._status_of(job_id)
+            raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
 
     def get(self, job_id: int) -> dict[str, Any]:
         rows = self._run("get", {"id": _job_id(job_id)})

@@ -54,7 +54,7 @@ def test_memory_bomb(tier: str, poison: Poison) -> None:
     row = o["memory_bomb"]
     assert row.status == "dead" and row.result in (None, ""), row
     if tier == "process" or (tier == "bwrap" and not _bwrap_has("memory")):
-        assert row.last_error is not None and row.last_error.startswith("exit code 1\n"), row
+        assert row.last_error is not None and row.last_error.startswith("exit code 1: MemoryError\n"), row
         assert row.last_error.endswith("MemoryError"), row
     else:
         assert row.last_error == "killed: memory limit 256 MiB exceeded", row

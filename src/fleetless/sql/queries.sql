@@ -77,6 +77,8 @@ SET status = 'running',
     locked_at = now(),
     started_at = now(),
     finished_at = NULL,
+    claimed_by = %(claimed_by)s,
+    tier = %(tier)s,
     lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
 WHERE j.id IN (
@@ -221,7 +223,7 @@ SELECT status FROM {schema}.jobs WHERE id = %(id)s;
 -- name: get
 SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
        locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
-       last_error, result, result_json
+       claimed_by, tier, last_error, result, result_json
 FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: list
@@ -347,6 +349,8 @@ SET status = 'running',
     locked_at = now(),
     started_at = now(),
     finished_at = NULL,
+    claimed_by = %(claimed_by)s,
+    tier = %(tier)s,
     lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
 WHERE j.id IN (
@@ -377,3 +381,77 @@ SELECT pg_try_advisory_lock(hashtext(%(key)s)) AS got;
 SELECT extract(epoch FROM min(run_after) - now())::float8 AS seconds
 FROM {schema}.jobs
 WHERE status = 'pending' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]));
+
+-- The read service (fleetless.insights): what the CLI's reports, the dashboard and /metrics show.
+
+-- name: insight_jobs
+-- A page of jobs, newest first: keyset paging on id (before), so page 1,000 costs what page 1
+-- does. The whole last_error (at most 2,000 characters) comes back so its first line can be shown.
+SELECT id, kind, queue, status, priority, attempts, max_attempts, run_after, created_at,
+       finished_at, last_error
+FROM {schema}.jobs
+WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
+  AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: insight_counts
+-- Jobs by queue, kind and status: the overview's tables and the jobs gauge of /metrics.
+SELECT queue, kind, status, count(*) AS n
+FROM {schema}.jobs GROUP BY queue, kind, status ORDER BY queue, kind, status;
+
+-- name: insight_oldest_due_by_queue
+-- How long the oldest due job of each queue has waited (a drainer is not keeping up, or not
+-- running). Reads only pending rows, through the claim's partial index.
+SELECT queue, extract(epoch FROM now() - min(run_after))::float8 AS age_seconds
+FROM {schema}.jobs WHERE status = 'pending' AND run_after <= now()
+GROUP BY queue ORDER BY queue;
+
+-- name: insight_running
+-- What runs now, longest first, with the drainer holding it (claimed_by, tier). Running rows are
+-- few and the lease index covers them.
+SELECT id, kind, queue, attempts, max_attempts, started_at, lease_expires_at, claimed_by, tier,
+       extract(epoch FROM now() - started_at)::float8 AS elapsed_seconds
+FROM {schema}.jobs WHERE status = 'running'
+ORDER BY started_at NULLS LAST, id
+LIMIT %(limit)s;
+
+-- name: insight_per_minute
+-- Done and dead per minute over the last %(minutes)s minutes, every minute present (zeros too).
+-- Reads only the window through jobs_finished_idx (partial on finished statuses), whatever the
+-- table's size.
+WITH f AS (
+  SELECT date_trunc('minute', finished_at) AS minute,
+         count(*) FILTER (WHERE status = 'done') AS done,
+         count(*) FILTER (WHERE status = 'dead') AS failed
+  FROM {schema}.jobs
+  WHERE finished_at >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s - 1)
+    AND status IN ('done', 'dead')
+  GROUP BY 1
+)
+SELECT m.minute, COALESCE(f.done, 0) AS done, COALESCE(f.failed, 0) AS failed
+FROM generate_series(date_trunc('minute', now()) - make_interval(mins => %(minutes)s - 1),
+                     date_trunc('minute', now()), interval '1 minute') AS m(minute)
+LEFT JOIN f USING (minute)
+ORDER BY m.minute;
+
+-- name: insight_durations
+-- The job-duration histogram of /metrics, from finished rows (started_at to finished_at), so it is
+-- right whichever drainer ran the jobs. width_bucket gives each row the number of bounds at or
+-- below its duration; the caller adds them up into Prometheus's cumulative buckets.
+SELECT kind,
+       width_bucket(extract(epoch FROM finished_at - started_at)::float8, %(bounds)s::float8[]) AS bucket,
+       count(*) AS n,
+       sum(extract(epoch FROM finished_at - started_at))::float8 AS sum_seconds
+FROM {schema}.jobs
+WHERE status IN ('done', 'dead') AND started_at IS NOT NULL AND finished_at IS NOT NULL
+GROUP BY kind, bucket
+ORDER BY kind, bucket;
+
+-- name: run_now
+-- Operator "run now" of a pending job that is scheduled later (or backing off): due now.
+UPDATE {schema}.jobs SET run_after = now()
+WHERE id = %(id)s AND status = 'pending'
+RETURNING id;

@@ -1,0 +1,271 @@
+"""The one read service under every front end: the CLI's ``status``/``jobs``/``show``, the web
+dashboard and ``/metrics`` all read the queue through :class:`Insights`, never with SQL of their own.
+
+Everything here reads the table, not a drainer's memory: drainers are short-lived and many, so
+the table is the only place that knows what happened. The presentation helpers live here once:
+making a job's own output safe for a terminal (:func:`printable`) or a page (:func:`html_text`),
+ages (:func:`age`), sizes (:func:`size`) and the one-line summary of an error (:func:`error_head`).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .job import Status, validate_kind, validate_queue_name
+from .queue import JobNotFound, Queue
+
+__all__ = [
+    "DURATION_BUCKETS",
+    "Insights",
+    "MetricsSnapshot",
+    "Overview",
+    "age",
+    "error_head",
+    "exception_line",
+    "html_text",
+    "printable",
+    "size",
+    "summarize_failure",
+]
+
+# -- presentation --------------------------------------------------------------------------------
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+#: Longest error head shown in a list (the full error is on the job's own page / `show`).
+HEAD_CHARS = 200
+
+
+def printable(text: str) -> str:
+    """A job's own output (result, last_error) made safe for the operator's terminal: control
+    characters other than tab and newline are shown as \\xNN, so escape sequences cannot retitle,
+    clear or recolour it, write its clipboard, or hide text behind a carriage return."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def html_text(text: object) -> str:
+    """Any value made safe to put between tags or in a quoted attribute: control characters shown
+    as in :func:`printable`, then ``& < > " '`` escaped, so job output cannot inject markup."""
+    return html.escape(printable("" if text is None else str(text)), quote=True)
+
+
+def age(seconds: float | None) -> str:
+    """``42.0s``, ``3.5m``, ``2.0h``, ``1.5d``; ``-`` for none."""
+    if seconds is None:
+        return "-"
+    seconds = max(seconds, 0)
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f}{unit}"
+    return f"{seconds:.1f}s"
+
+
+def size(n: int | None) -> str:
+    """``512 B``, ``1.5 KiB``, ``64.0 MiB``; ``-`` for none."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def exception_line(stderr: str) -> str | None:
+    """What a failed program said last about why: for a Python traceback the exception's own line
+    (``ValueError: invoice 42 has no lines``), else the last non-empty line of stderr."""
+    lines = stderr.rstrip().splitlines()
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].strip() == _TRACEBACK:
+            start = i
+            break
+    if start is not None:
+        for line in lines[start + 1:]:
+            if line and not line[0].isspace():
+                return line.strip()[:HEAD_CHARS]
+    for line in reversed(lines):
+        if line.strip():
+            return line.strip()[:HEAD_CHARS]
+    return None
+
+
+def summarize_failure(head: str, stderr: str) -> str:
+    """The first line of a failed attempt's error: what happened (``exit code 1``, a kill reason),
+    with what the program said about why when it exited by itself."""
+    said = exception_line(stderr)
+    return f"{head}: {said}" if said else head
+
+
+_BARE_EXIT = re.compile(r"exit code -?\d+")
+
+
+def error_head(last_error: str | None) -> str | None:
+    """One line naming what happened, from a whole ``last_error``: its first line (errors are
+    written that way), or, for rows written before that was so (``exit code 1`` then a
+    traceback), the exit code with the exception's line."""
+    if not last_error:
+        return None
+    first, _, rest = last_error.partition("\n")
+    if _BARE_EXIT.fullmatch(first.strip()) and rest.strip():
+        first = summarize_failure(first.strip(), rest)
+    return first.strip()[:HEAD_CHARS]
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+#: Upper bounds (seconds) of the job-duration histogram, from a sub-second job to a long one.
+DURATION_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+
+
+@dataclass(frozen=True)
+class Overview:
+    """What the dashboard's first page shows."""
+
+    total: int
+    by_status: dict[str, int]
+    by_kind: dict[str, dict[str, int]]
+    by_queue: dict[str, dict[str, int]]
+    oldest_due_age_seconds: float | None
+    next_due_in_seconds: float | None
+    running: list[dict[str, Any]]
+    per_minute: list[dict[str, Any]]  # {"minute": datetime, "done": n, "failed": n}
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """Everything ``/metrics`` exposes, read in a few aggregate queries."""
+
+    jobs: list[tuple[str, str, str, int]]  # (queue, kind, status, n)
+    oldest_due_age: dict[str, float]  # queue -> seconds
+    finished: list[tuple[str, str, int]]  # (kind, outcome, n) for done / dead / cancelled rows
+    durations: dict[str, tuple[list[int], float, int]] = field(default_factory=dict)
+    # kind -> (cumulative count per DURATION_BUCKETS bound, sum of seconds, count)
+
+
+class Insights:
+    """Reads for operators. Bad filters raise ValueError; a missing job raises JobNotFound."""
+
+    def __init__(self, queue: Queue) -> None:
+        self.queue = queue
+
+    # -- the CLI's reports -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counts by status and kind, the oldest due job's wait, next due (``fleetless status``)."""
+        return self.queue.stats()
+
+    def jobs(
+        self,
+        *,
+        status: str | None = None,
+        kind: str | None = None,
+        queue: str | None = None,
+        limit: int = 50,
+        before: int | None = None,
+    ) -> list[dict[str, Any]]:
+        """Jobs newest first, ``limit`` at a time; ``before`` (an id) pages on. Each row has
+        ``error_head``, the first line of its ``last_error``."""
+        if status is not None and status not in {s.value for s in Status}:
+            raise ValueError(f"unknown status {status!r} (one of {', '.join(s.value for s in Status)})")
+        if kind is not None:
+            validate_kind(kind)
+        if queue is not None:
+            validate_queue_name(queue)
+        if not 1 <= limit <= 100_000:
+            raise ValueError("limit must be from 1 to 100000")
+        rows = self.queue.query(
+            "insight_jobs",
+            {"status": status, "kind": kind, "queue": queue, "limit": limit, "before": before},
+        )
+        for row in rows:
+            row["error_head"] = error_head(row.pop("last_error"))
+        return rows
+
+    def job(self, job_id: int) -> dict[str, Any]:
+        """Every column of one job, plus ``error_head``."""
+        row = self.queue.get(job_id)
+        row["error_head"] = error_head(row.get("last_error"))
+        return row
+
+    def attempts(self, job_id: int) -> list[dict[str, Any]]:
+        """One job's attempt history, oldest first, each ``error_head`` cut to its first line."""
+        rows = self.queue.attempts(job_id)
+        for row in rows:
+            row["error_head"] = error_head(row.get("error_head"))
+        return rows
+
+    # -- the dashboard ---------------------------------------------------------------------
+
+    def running(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Running jobs, longest-running first, with ``elapsed_seconds``."""
+        return self.queue.query("insight_running", {"limit": limit})
+
+    def per_minute(self, hours: float = 3) -> list[dict[str, Any]]:
+        """Jobs finished (``done``) and failed for good (``dead``) per minute, oldest first,
+        every minute of the window present."""
+        return self.queue.query("insight_per_minute", {"minutes": max(1, round(hours * 60))})
+
+    def overview(self, hours: float = 3) -> Overview:
+        counts = self.queue.query("insight_counts", {})
+        by_status = {s.value: 0 for s in Status}
+        by_kind: dict[str, dict[str, int]] = {}
+        by_queue: dict[str, dict[str, int]] = {}
+        for r in counts:
+            by_status[r["status"]] += r["n"]
+            kind = by_kind.setdefault(r["kind"], {})
+            kind[r["status"]] = kind.get(r["status"], 0) + r["n"]
+            q = by_queue.setdefault(r["queue"], {})
+            q[r["status"]] = q.get(r["status"], 0) + r["n"]
+        stats = self.queue.query("pending_times", {})[0]
+        return Overview(
+            total=sum(by_status.values()),
+            by_status=by_status,
+            by_kind=by_kind,
+            by_queue=by_queue,
+            oldest_due_age_seconds=stats["oldest_due_age_seconds"],
+            next_due_in_seconds=stats["next_due_in_seconds"],
+            running=self.running(),
+            per_minute=self.per_minute(hours),
+        )
+
+    # -- metrics ---------------------------------------------------------------------------
+
+    def metrics(self) -> MetricsSnapshot:
+        counts = self.queue.query("insight_counts", {})
+        oldest = self.queue.query("insight_oldest_due_by_queue", {})
+        durations: dict[str, tuple[list[int], float, int]] = {}
+        per_bucket: dict[str, list[int]] = {}
+        sums: dict[str, float] = {}
+        for r in self.queue.query("insight_durations", {"bounds": [float(b) for b in DURATION_BUCKETS]}):
+            counts_of = per_bucket.setdefault(r["kind"], [0] * (len(DURATION_BUCKETS) + 1))
+            counts_of[int(r["bucket"])] += int(r["n"])
+            sums[r["kind"]] = sums.get(r["kind"], 0.0) + float(r["sum_seconds"] or 0.0)
+        for kind, counts_of in per_bucket.items():
+            cumulative, running_total = [], 0
+            for n in counts_of[:-1]:  # bucket i holds durations below bound i (and at or above i-1)
+                running_total += n
+                cumulative.append(running_total)
+            durations[kind] = (cumulative, sums[kind], sum(counts_of))
+        finished = [
+            (r["kind"], r["status"], int(r["n"]))
+            for r in counts if r["status"] in (Status.DONE, Status.DEAD, Status.CANCELLED)
+        ]
+        merged: dict[tuple[str, str], int] = {}
+        for kind, outcome, n in finished:
+            merged[(kind, outcome)] = merged.get((kind, outcome), 0) + n
+        return MetricsSnapshot(
+            jobs=[(r["queue"], r["kind"], r["status"], int(r["n"])) for r in counts],
+            oldest_due_age={r["queue"]: float(r["age_seconds"]) for r in oldest},
+            finished=[(k, o, n) for (k, o), n in sorted(merged.items())],
+            durations=durations,
+        )
+
+
+__all__ += ["HEAD_CHARS", "JobNotFound"]

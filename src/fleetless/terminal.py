@@ -1,0 +1,140 @@
+"""How a command shows what it does: log lines (text or JSON) and a drain's live view.
+
+Reporters for :class:`fleetless.events.Reporter`: :class:`LogReporter` writes one log record per
+finished job (a line, or a JSON object with ``--log-format json``); :class:`LiveReporter` draws a
+live table with ``rich`` when the drain is attached to a terminal. Job output reaching the terminal
+goes through :func:`fleetless.insights.printable` first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import time
+from typing import IO, Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from .events import JobFinished
+from .insights import age, printable
+from .job import Job
+
+__all__ = ["JsonFormatter", "LiveReporter", "LogReporter", "configure_logging", "job_line"]
+
+log = logging.getLogger("fleetless.jobs")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, and the event's own fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            data.update(fields)
+        if record.exc_info:
+            data["exception"] = self.formatException(record.exc_info)
+        return json.dumps(data, default=str)
+
+
+def configure_logging(*, verbose: bool, log_format: str, stream: IO[str] | None = None) -> None:
+    """Logging for every command: INFO with ``-v`` else WARNING; text or JSON lines on stderr."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("fleetless: %(message)s"))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+
+
+def job_line(e: JobFinished) -> str:
+    """``job 12 (render-invoice) attempt 1: dead in 0.8 s on bwrap: exit code 1: ValueError: …``"""
+    line = f"job {e.id} ({e.kind}) attempt {e.attempt}: {e.outcome.replace('_', ' ')} in {e.duration:.1f} s on {e.tier}"
+    if e.error_head:
+        line += f": {e.error_head}"
+    return printable(line)
+
+
+class LogReporter:
+    """One INFO record per finished job (shown with ``-v``), with the event's fields for JSON."""
+
+    def claimed(self, job: Job) -> None:
+        pass
+
+    def started(self, job: Job) -> None:
+        pass
+
+    def finished(self, event: JobFinished) -> None:
+        log.info("%s", job_line(event), extra={"fields": {"event": "job_finished", **event.as_dict()}})
+
+    def close(self) -> None:
+        pass
+
+
+class LiveReporter:
+    """A live view of a drain on a terminal: counts, the rate, and each running job with its kind
+    and elapsed time. Failed and dead jobs are also printed above it as they finish."""
+
+    def __init__(self, console: Console | None = None, *, tier: str = "") -> None:
+        self.console = console or Console(stderr=True)
+        self.tier = tier
+        self._lock = threading.Lock()
+        self._started = time.monotonic()
+        self._running: dict[int, tuple[str, float]] = {}  # id -> (kind, monotonic start)
+        self._counts = {"claimed": 0, "done": 0, "retried": 0, "dead": 0, "released": 0, "fenced_out": 0}
+        self._live = Live(self, console=self.console, refresh_per_second=4, transient=True)
+        self._live.start()
+
+    def claimed(self, job: Job) -> None:
+        with self._lock:
+            self._counts["claimed"] += 1
+            self._running[job.id] = (job.kind, time.monotonic())
+
+    def started(self, job: Job) -> None:
+        pass
+
+    def finished(self, event: JobFinished) -> None:
+        with self._lock:
+            self._running.pop(event.id, None)
+            self._counts[event.outcome] += 1
+        if event.outcome != "done":
+            self._live.console.print(Text(job_line(event)), highlight=False)
+
+    def close(self) -> None:
+        self._live.stop()
+
+    def __rich__(self) -> RenderableType:
+        with self._lock:
+            counts = dict(self._counts)
+            running = sorted(self._running.items(), key=lambda item: item[1][1])
+        now = time.monotonic()
+        elapsed = max(now - self._started, 1e-9)
+        finished = counts["done"] + counts["retried"] + counts["dead"]
+        head = Text(
+            f"claimed {counts['claimed']}  running {len(running)}  done {counts['done']}  "
+            f"retried {counts['retried']}  dead {counts['dead']}  "
+            f"{finished / elapsed * 60:.1f} jobs/min  ({age(elapsed)}{' on ' + self.tier if self.tier else ''})"
+        )
+        table = Table(box=None, show_header=bool(running), pad_edge=False)
+        table.add_column("id", justify="right")
+        table.add_column("kind")
+        table.add_column("elapsed", justify="right")
+        for job_id, (kind, since) in running[:20]:
+            table.add_row(str(job_id), kind, age(now - since))
+        if len(running) > 20:
+            table.add_row("", f"… and {len(running) - 20} more", "")
+        return Group(head, table)

@@ -1,0 +1,218 @@
+"""The dashboard's HTML, rendered on the server. Every value from the table goes through
+:func:`fleetless.insights.html_text`; nothing a job wrote can become markup."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlencode
+
+from ..insights import Overview, age, html_text
+
+__all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page"]
+
+e = html_text
+
+STYLE = """
+body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#263238;color:#fff;padding:.6em 1.2em;display:flex;gap:1.5em;align-items:center}
+header a{color:#cfd8dc;text-decoration:none}header a:hover{color:#fff}header .who{margin-left:auto}
+main{padding:1em 1.2em;max-width:1200px}
+h1{font-size:1.3em;margin:.2em 0 .6em}h2{font-size:1.1em;margin:1.2em 0 .4em}
+table{border-collapse:collapse;background:#fff;margin-bottom:.8em}
+th,td{padding:.25em .7em;border-bottom:1px solid #e0e0e0;text-align:left;vertical-align:top}
+th{background:#eceff1;font-weight:600}td.n{text-align:right;font-variant-numeric:tabular-nums}
+.cards{display:flex;gap:.8em;flex-wrap:wrap}
+.card{background:#fff;border:1px solid #e0e0e0;padding:.5em 1em;min-width:7em}
+.card b{display:block;font-size:1.6em}.dead b{color:#c62828}.running b{color:#1565c0}.pending b{color:#ef6c00}
+.done b{color:#2e7d32}
+pre{background:#fff;border:1px solid #e0e0e0;padding:.6em;overflow:auto;max-height:30em;white-space:pre-wrap}
+.err{color:#c62828}.muted{color:#777}form.inline{display:inline}button{margin-right:.4em}
+.flash{background:#e8f5e9;border:1px solid #a5d6a7;padding:.4em .8em;margin-bottom:.8em}
+.flash.bad{background:#ffebee;border-color:#ef9a9a}
+"""
+
+
+def layout(title: str, body: str, *, root: str, signed_in: bool, writable: bool) -> str:
+    who = ""
+    if writable:
+        who = (f'<form class="inline who" method="post" action="{root}/logout"><button>sign out</button></form>'
+               if signed_in else f'<a class="who" href="{root}/login">sign in for actions</a>')
+    else:
+        who = '<span class="who muted">read-only</span>'
+    return (
+        "<!doctype html><html lang=en><head><meta charset=utf-8>"
+        f"<meta name=viewport content='width=device-width'><title>{e(title)} · fleetless</title>"
+        f"<style>{STYLE}</style></head><body><header><b>fleetless</b>"
+        f'<a href="{root}/">overview</a><a href="{root}/jobs">jobs</a>'
+        f'<a href="{root}/jobs?status=dead">dead</a><a href="{root}/jobs?status=running">running</a>'
+        f'<a href="{root}/metrics">metrics</a>{who}</header><main>{body}</main></body></html>'
+    )
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Sequence[int] = (),
+           table_id: str = "") -> str:
+    head = "".join(f"<th>{e(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>" + "".join(f'<td class="n">{c}</td>' if i in numeric else f"<td>{c}</td>"
+                         for i, c in enumerate(row)) + "</tr>"
+        for row in rows
+    )
+    ident = f' id="{table_id}"' if table_id else ""
+    return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _chart(per_minute: Sequence[Mapping[str, Any]]) -> str:
+    """Finished (green) and failed (red) per minute as stacked bars in inline SVG."""
+    if not per_minute:
+        return ""
+    width, height, bar = 720, 120, 720 / len(per_minute)
+    top = max([m["done"] + m["failed"] for m in per_minute] + [1])
+    bars = []
+    for i, m in enumerate(per_minute):
+        x = i * bar
+        done_h = m["done"] / top * (height - 14)
+        failed_h = m["failed"] / top * (height - 14)
+        label = f"{m['minute']:%H:%M} UTC: {m['done']} done, {m['failed']} failed"
+        bars.append(
+            f'<g><title>{e(label)}</title>'
+            f'<rect x="{x:.1f}" y="{height - done_h:.1f}" width="{max(bar - 0.5, 0.5):.1f}" '
+            f'height="{done_h:.1f}" fill="#43a047"/>'
+            f'<rect x="{x:.1f}" y="{height - done_h - failed_h:.1f}" width="{max(bar - 0.5, 0.5):.1f}" '
+            f'height="{failed_h:.1f}" fill="#e53935"/></g>'
+        )
+    first, last = per_minute[0]["minute"], per_minute[-1]["minute"]
+    return (
+        f'<svg id="per-minute" width="{width}" height="{height + 16}" role="img" '
+        f'aria-label="jobs finished and failed per minute">'
+        f'<rect width="{width}" height="{height}" fill="#fff" stroke="#e0e0e0"/>{"".join(bars)}'
+        f'<text x="0" y="{height + 13}" font-size="11" fill="#777">{first:%H:%M} UTC</text>'
+        f'<text x="{width}" y="{height + 13}" font-size="11" fill="#777" text-anchor="end">{last:%H:%M} UTC</text>'
+        f'<text x="4" y="12" font-size="11" fill="#777">max {top}/min</text></svg>'
+    )
+
+
+def _by(title: str, counts: Mapping[str, Mapping[str, int]], statuses: Sequence[str], root: str,
+        param: str, table_id: str) -> str:
+    rows = []
+    for name, c in sorted(counts.items()):
+        link = f'<a href="{root}/jobs?{urlencode({param: name})}">{e(name)}</a>'
+        rows.append([link] + [str(c.get(s, 0)) for s in statuses])
+    return f"<h2>{e(title)}</h2>" + _table([param, *statuses], rows, range(1, len(statuses) + 1), table_id)
+
+
+def overview_page(o: Overview, *, root: str, hours: float) -> str:
+    statuses = list(o.by_status)
+    cards = "".join(
+        f'<a href="{root}/jobs?status={s}" style="text-decoration:none;color:inherit">'
+        f'<div class="card {s}" id="count-{s}"><b>{n}</b>{s}</div></a>'
+        for s, n in o.by_status.items()
+    )
+    running_rows = [
+        [f'<a href="{root}/jobs/{r["id"]}">{r["id"]}</a>', e(r["kind"]), e(r["queue"]), e(r["claimed_by"] or "-"),
+         e(r["tier"] or "-"), str(r["attempts"]), age(r["elapsed_seconds"])]
+        for r in o.running
+    ]
+    running = (_table(["id", "kind", "queue", "drainer", "tier", "attempt", "elapsed"], running_rows, (0, 5, 6),
+                      "running") if running_rows else '<p class="muted">nothing is running</p>')
+    if len(o.running) >= 100:
+        running += f'<p><a href="{root}/jobs?status=running">all running jobs</a></p>'
+    finished = sum(m["done"] for m in o.per_minute)
+    failed = sum(m["failed"] for m in o.per_minute)
+    return (
+        f"<h1>Overview</h1><div class=cards>{cards}</div>"
+        f"<p>total <b id=total>{o.total}</b> · oldest due job waiting "
+        f"<b id=oldest-due>{age(o.oldest_due_age_seconds)}</b> · next due in {age(o.next_due_in_seconds)}</p>"
+        f"<h2>Finished per minute, last {hours:g} h ({finished} done, {failed} dead)</h2>{_chart(o.per_minute)}"
+        f"<h2>Running now</h2>{running}"
+        + _by("By kind", o.by_kind, statuses, root, "kind", "by-kind")
+        + _by("By queue", o.by_queue, statuses, root, "queue", "by-queue")
+    )
+
+
+def jobs_page(rows: Sequence[Mapping[str, Any]], *, root: str, filters: Mapping[str, str | None],
+              limit: int) -> str:
+    active = {k: v for k, v in filters.items() if v}
+    title = "Jobs" + "".join(f" · {k} {v}" for k, v in active.items())
+    table_rows = [
+        [f'<a href="{root}/jobs/{r["id"]}">{r["id"]}</a>', e(r["kind"]), e(r["queue"]), e(r["status"]),
+         f'{r["attempts"]}/{r["max_attempts"]}', _when(r["run_after"]), _when(r["finished_at"]),
+         f'<span class="err">{e(r["error_head"] or "")}</span>']
+        for r in rows
+    ]
+    body = f"<h1>{e(title)}</h1>"
+    body += _table(["id", "kind", "queue", "status", "attempts", "run after", "finished", "error"], table_rows,
+                   (0, 4), "jobs") if rows else '<p class="muted">no jobs</p>'
+    if len(rows) == limit:
+        nxt = urlencode({**active, "before": rows[-1]["id"], "limit": limit})
+        body += f'<p><a id="next-page" href="{root}/jobs?{nxt}">older jobs →</a></p>'
+    return body
+
+
+def _when(value: dt.datetime | None) -> str:
+    if value is None:
+        return '<span class="muted">-</span>'
+    return e(value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
+
+
+_ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending",), "run-now": ("pending",)}
+
+
+def job_page(job: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]], *, root: str, csrf: str | None,
+             writable: bool, flash: str | None, flash_bad: bool) -> str:
+    buttons = []
+    for action, statuses in _ACTIONS.items():
+        if job["status"] not in statuses:
+            continue
+        if csrf is not None:
+            buttons.append(
+                f'<form class="inline" method="post" action="{root}/jobs/{job["id"]}/{action}">'
+                f'<input type="hidden" name="csrf" value="{e(csrf)}"><button id="{action}">{action}</button></form>')
+        else:
+            hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
+            buttons.append(f'<form class="inline" method="post" action="{root}/jobs/{job["id"]}/{action}">'
+                           f'<button id="{action}" title="{e(hint)}">{action}</button></form>')
+    fields = ["status", "kind", "queue", "priority", "attempts", "max_attempts", "run_after", "created_at",
+              "started_at", "finished_at", "lease_expires_at", "timeout_seconds", "claimed_by", "tier"]
+    rows = [[e(f), _when(job.get(f)) if isinstance(job.get(f), dt.datetime) else
+             f'<span id="field-{f}">{e(job.get(f) if job.get(f) is not None else "-")}</span>']
+            for f in fields if f in job]
+    body = f"<h1>Job {job['id']} <span class=muted>{e(job['kind'])}</span></h1>"
+    if flash:
+        body += f'<div class="flash{" bad" if flash_bad else ""}" id="flash">{e(flash)}</div>'
+    body += "".join(buttons)
+    body += _table(["field", "value"], rows, (), "fields")
+    body += f"<h2>Payload</h2><pre id=payload>{e(json.dumps(job.get('payload'), indent=2, ensure_ascii=False))}</pre>"
+    if job.get("error_head"):
+        body += f'<h2>Error</h2><p class="err" id="error-head">{e(job["error_head"])}</p>'
+        body += f"<pre id=last-error>{e(job.get('last_error') or '')}</pre>"
+    if job.get("result") is not None:
+        body += f"<h2>Result</h2><pre id=result>{e(job['result'])}</pre>"
+    rows = [
+        [str(a["attempt"]), e(a["outcome"]), e(f'{a["host"]}:{a["pid"]}' if a.get("host") else "-"),
+         e(a["tier"] or "-"),
+         _when(a["started_at"]), "-" if a["duration_seconds"] is None else f'{a["duration_seconds"]:.1f} s',
+         e(a["signal"] or (a["exit_code"] if a["exit_code"] is not None else "-")), e(a["kill_reason"] or ""),
+         f'<span class="err">{e(a["error_head"] or "")}</span>']
+        for a in attempts
+    ]
+    body += "<h2>Attempts</h2>" + (
+        _table(["#", "outcome", "drainer", "tier", "started", "took", "ended", "kill reason", "error"], rows, (0, 5),
+               "attempts") if rows else '<p class="muted">no attempt has ended yet</p>')
+    return body
+
+
+def login_page(*, root: str, error: str | None) -> str:
+    err = f'<p class="err" id="login-error">{e(error)}</p>' if error else ""
+    return (
+        f"<h1>Sign in</h1>{err}<form method=post action='{root}/login'>"
+        "<label>dashboard token <input type=password name=token id=token autocomplete=current-password></label> "
+        "<button id=sign-in>sign in</button></form>"
+        "<p class=muted>The token is FLEETLESS_DASHBOARD_TOKEN as the server was started with.</p>"
+    )
+
+
+def message_page(title: str, text: str) -> str:
+    return f"<h1>{e(title)}</h1><p class=err id=message>{e(text)}</p>"

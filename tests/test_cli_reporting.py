@@ -1,0 +1,100 @@
+"""What commands print: -v lines per finished job, JSON logs, --json reports, error heads, the live view."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+from rich.console import Console
+
+from fleetless import Queue
+from fleetless.events import JobFinished
+from fleetless.job import Job
+from fleetless.terminal import LiveReporter
+
+HANDLERS = {
+    "ok.py": "print('fine')",
+    "bad.py": "def main():\n    raise ValueError('invoice 42 has no lines')\nmain()",
+}
+HEAD = "exit code 1: ValueError: invoice 42 has no lines"
+
+
+def test_verbose_drain_logs_one_line_per_finished_job(dsn: str, queue: Queue, fleetless: Any, handlers: Any) -> None:
+    h = handlers(**HANDLERS)
+    ok, bad = queue.enqueue("ok", {}), queue.enqueue("bad", {}, max_attempts=1)
+    quiet = fleetless("drain", "--handlers", str(h), dsn=dsn)
+    assert quiet.returncode == 0 and "job " not in quiet.stderr, quiet.stderr  # quiet without -v
+    ok2, bad2 = queue.enqueue("ok", {}), queue.enqueue("bad", {}, max_attempts=1)
+    r = fleetless("-v", "drain", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("fleetless: job ")]
+    assert len(lines) == 2, r.stderr
+    done = next(ln for ln in lines if f"job {ok2} " in ln)
+    dead = next(ln for ln in lines if f"job {bad2} " in ln)
+    assert done.startswith(f"fleetless: job {ok2} (ok) attempt 1: done in ") and done.endswith(" s on process")
+    assert dead.startswith(f"fleetless: job {bad2} (bad) attempt 1: dead in ") and dead.endswith(f"on process: {HEAD}")
+    assert ok and bad
+
+
+def test_json_logs_are_one_object_per_event(dsn: str, queue: Queue, fleetless: Any, handlers: Any) -> None:
+    h = handlers(**HANDLERS)
+    bad = queue.enqueue("bad", {}, max_attempts=2)
+    r = fleetless("-v", "--log-format", "json", "drain", "--handlers", str(h), "--json", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    events = [json.loads(ln) for ln in r.stderr.splitlines()]
+    finished = [e for e in events if e.get("event") == "job_finished"]
+    assert len(finished) == 1, events
+    e = finished[0]
+    assert (e["id"], e["kind"], e["attempt"], e["outcome"], e["tier"], e["error_head"], e["queue"]) == \
+        (bad, "bad", 1, "retried", "process", HEAD, "default")
+    assert e["duration"] > 0 and e["level"] == "info"
+    summary = json.loads(r.stdout)
+    assert (summary["claimed"], summary["retried"], summary["done"], summary["dead"]) == (1, 1, 0, 0)
+    assert set(summary) >= {"released", "fenced_out", "reaped", "seconds"}
+
+
+def test_jobs_shows_the_first_line_of_each_error(dsn: str, queue: Queue, fleetless: Any, handlers: Any,
+                                                 sql: Any) -> None:
+    h = handlers(**HANDLERS)
+    queue.enqueue("bad", {}, max_attempts=1)
+    assert fleetless("drain", "--handlers", str(h), dsn=dsn).returncode == 0
+    text = fleetless("jobs", dsn=dsn).stdout
+    assert "error_head" in text and HEAD in text and "Traceback" not in text
+    (row,) = json.loads(fleetless("jobs", "--json", dsn=dsn).stdout)
+    assert row["error_head"] == HEAD
+    shown = fleetless("show", str(row["id"]), dsn=dsn).stdout
+    assert f"last_error:\n  {HEAD}\n  Traceback (most recent call last):" in shown
+
+
+def test_reporting_commands_answer_json_with_the_apis_field_names(dsn: str, queue: Queue, fleetless: Any,
+                                                                   sql: Any) -> None:
+    init = json.loads(fleetless("init", "--json", dsn=dsn).stdout)
+    assert init == {"schema": "fleetless", "applied": []}
+    job_id = json.loads(fleetless("enqueue", "report", "{}", "--json", dsn=dsn).stdout)["id"]
+    assert sql("SELECT kind FROM fleetless.jobs WHERE id = %s", job_id) == [("report",)]
+    queue.claim(1)
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 second'")
+    assert json.loads(fleetless("reap", "--json", dsn=dsn).stdout) == {"reaped": {str(job_id): "pending"}}
+    queue.cancel(job_id)
+    sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days'")
+    assert json.loads(fleetless("prune", "--json", dsn=dsn).stdout) == {"pruned": 1}
+
+
+def test_the_live_view_shows_counts_and_each_running_jobs_kind() -> None:
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    live = LiveReporter(console, tier="bwrap")
+    job = Job(id=7, kind="render-invoice", payload={}, attempts=1, max_attempts=3, claim_token=None)  # type: ignore[arg-type]
+    live.claimed(job)
+    live.claimed(Job(id=8, kind="thumbnail", payload={}, attempts=1, max_attempts=3, claim_token=None))  # type: ignore[arg-type]
+    live.finished(JobFinished(id=8, kind="thumbnail", queue="default", attempt=1, outcome="dead",
+                              duration=0.5, tier="bwrap", error_head="exit code 1: \x1b[2Jboom"))
+    snapshot = io.StringIO()
+    Console(file=snapshot, width=100, color_system=None).print(live)
+    live.close()
+    text = snapshot.getvalue()
+    assert "claimed 2" in text and "running 1" in text and "dead 1" in text and "on bwrap" in text
+    assert "render-invoice" in text and "thumbnail" not in text.split("\n", 1)[1]
+    assert "job 8 (thumbnail) attempt 1: dead in 0.5 s on bwrap: exit code 1: \\x1b[2Jboom" in out.getvalue()
+    assert "\x1b[2J" not in out.getvalue()

@@ -1,0 +1,148 @@
+"""The read service every front end uses, and its presentation helpers, against a real table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.events import JobFinished, NullReporter
+from fleetless.insights import (
+    DURATION_BUCKETS,
+    Insights,
+    age,
+    error_head,
+    exception_line,
+    html_text,
+    printable,
+    size,
+)
+from fleetless.job import Job
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/tmp/fleetless-ws-1/handlers/invoice.py", line 9, in <module>
+    main()
+  File "/tmp/fleetless-ws-1/handlers/invoice.py", line 7, in main
+    raise ValueError(f"invoice {n} has no lines")
+ValueError: invoice 42 has no lines
+"""
+
+
+def test_a_python_tracebacks_own_line_names_the_error() -> None:
+    assert exception_line(TRACEBACK) == "ValueError: invoice 42 has no lines"
+    chained = TRACEBACK + "\nDuring handling of the above exception, another exception occurred:\n\n" + \
+        TRACEBACK.replace("ValueError: invoice 42 has no lines", "KeyError: 'lines'")
+    assert exception_line(chained) == "KeyError: 'lines'"
+    assert exception_line("warming up\nconnect failed: 503\n\n") == "connect failed: 503"
+    assert exception_line("  \n") is None
+
+
+def test_error_head_is_the_first_line_and_reads_old_rows_too() -> None:
+    assert error_head("exit code 1: ValueError: invoice 42 has no lines\n" + TRACEBACK) == \
+        "exit code 1: ValueError: invoice 42 has no lines"
+    assert error_head("exit code 1\n" + TRACEBACK) == "exit code 1: ValueError: invoice 42 has no lines"
+    assert error_head("killed: timeout after 2 s") == "killed: timeout after 2 s"
+    assert error_head(None) is None and error_head("") is None
+    assert len(error_head("x" * 5000) or "") == 200
+
+
+def test_job_output_is_escaped_for_terminals_and_pages() -> None:
+    evil = "a\x1b]52;c;cHduZWQ=\x07b\r<script>alert('x')</script>&"
+    assert printable(evil) == "a\\x1b]52;c;cHduZWQ=\\x07b\\x0d<script>alert('x')</script>&"
+    shown = html_text(evil)
+    assert "<" not in shown and ">" not in shown and "'" not in shown and "\x1b" not in shown
+    assert shown.endswith("&lt;/script&gt;&amp;")
+    assert html_text(None) == ""
+
+
+def test_ages_and_sizes_read_as_an_operator_expects() -> None:
+    assert [age(s) for s in (None, -3, 4.2, 90, 7200, 129600)] == ["-", "0.0s", "4.2s", "1.5m", "2.0h", "1.5d"]
+    assert [size(n) for n in (None, 0, 512, 1536, 64 * 1024 * 1024, 3 * 1024**4)] == \
+        ["-", "0 B", "512 B", "1.5 KiB", "64.0 MiB", "3072.0 GiB"]
+
+
+def test_jobs_pages_newest_first_with_error_heads(queue: Queue, sql: Any) -> None:
+    ids = queue.enqueue_many([("a", {})] * 5 + [("b", {})] * 2)
+    sql("UPDATE fleetless.jobs SET status = 'dead', last_error = %s WHERE id = %s",
+        "exit code 1\n" + TRACEBACK, ids[0])
+    insights = Insights(queue)
+    first = insights.jobs(limit=3)
+    assert [r["id"] for r in first] == ids[:-4:-1]
+    second = insights.jobs(limit=3, before=first[-1]["id"])
+    assert [r["id"] for r in second] == ids[3:0:-1]
+    (dead,) = insights.jobs(status="dead")
+    assert dead["error_head"] == "exit code 1: ValueError: invoice 42 has no lines"
+    assert "last_error" not in dead
+    assert [r["kind"] for r in insights.jobs(kind="b")] == ["b", "b"]
+
+
+def test_overview_counts_running_and_per_minute_from_the_table(queue: Queue, sql: Any) -> None:
+    queue.enqueue_many([("a", {})] * 3 + [{"kind": "b", "payload": {}, "queue": "mail"}] * 2)
+    (job,) = queue.claim(1, claimed_by="host-1:42", tier="bwrap")
+    queue.complete(queue.claim(1)[0])
+    failed = queue.claim(1)[0]
+    queue.fail(failed, "exit code 1: boom", delay=0, permanent=True)
+    sql("UPDATE fleetless.jobs SET started_at = now() - interval '90 seconds' WHERE id = %s", job.id)
+    o = Insights(queue).overview(hours=1)
+    assert o.total == 5
+    assert o.by_status == {"pending": 2, "running": 1, "done": 1, "dead": 1, "cancelled": 0}
+    assert o.by_queue["mail"] == {"pending": 2} and sum(o.by_queue["default"].values()) == 3
+    assert o.by_kind["b"] == {"pending": 2}
+    (running,) = o.running
+    assert (running["id"], running["claimed_by"], running["tier"]) == (job.id, "host-1:42", "bwrap")
+    assert 89 <= running["elapsed_seconds"] < 600
+    assert len(o.per_minute) == 60
+    assert sum(m["done"] for m in o.per_minute) == 1 and sum(m["failed"] for m in o.per_minute) == 1
+    assert o.oldest_due_age_seconds is not None and o.oldest_due_age_seconds >= 0
+
+
+def test_metrics_histogram_counts_every_finished_job_by_kind(queue: Queue, sql: Any) -> None:
+    queue.enqueue_many([("a", {})] * 4 + [("b", {})])
+    sql("UPDATE fleetless.jobs SET status = 'done', started_at = now() - make_interval(secs => id * 20),"
+        " finished_at = now() WHERE kind = 'a'")
+    sql("UPDATE fleetless.jobs SET status = 'dead', started_at = now() - interval '3 seconds',"
+        " finished_at = now() WHERE kind = 'b'")
+    m = Insights(queue).metrics()
+    cumulative, total_seconds, n = m.durations["a"]
+    assert n == 4 and 199 <= total_seconds <= 201  # 20 + 40 + 60 + 80
+    by_bound = dict(zip(DURATION_BUCKETS, cumulative, strict=True))
+    assert (by_bound[10], by_bound[30], by_bound[60], by_bound[120]) == (0, 1, 2, 4)
+    assert m.durations["b"][2] == 1
+    assert ("a", "done", 4) in m.finished and ("b", "dead", 1) in m.finished
+    assert m.oldest_due_age == {}
+    assert sorted(m.jobs) == [("default", "a", "done", 4), ("default", "b", "dead", 1)]
+
+
+class Recorder(NullReporter):
+    def __init__(self) -> None:
+        self.events: list[JobFinished] = []
+        self.claimed_ids: list[int] = []
+
+    def claimed(self, job: Job) -> None:
+        self.claimed_ids.append(job.id)
+
+    def finished(self, event: JobFinished) -> None:
+        self.events.append(event)
+
+
+def test_the_drainer_reports_each_claim_and_outcome(queue: Queue, handlers: Any, sql: Any) -> None:
+    h = handlers(**{
+        "ok.py": "print('fine')",
+        "bad.py": "raise ValueError('invoice 42 has no lines')",
+    })
+    ok = queue.enqueue("ok", {})
+    bad = queue.enqueue("bad", {}, max_attempts=1)
+    retried = queue.enqueue("bad", {}, max_attempts=2)
+    recorder = Recorder()
+    Drainer(queue, DrainConfig(handlers_dir=Path(h), concurrency=2), reporter=recorder).run()
+    assert sorted(recorder.claimed_ids) == [ok, bad, retried]
+    got = {e.id: (e.outcome, e.attempt, e.tier, e.error_head) for e in recorder.events}
+    head = "exit code 1: ValueError: invoice 42 has no lines"
+    assert got == {ok: ("done", 1, "process", None), bad: ("dead", 1, "process", head),
+                   retried: ("retried", 1, "process", head)}
+    assert all(e.duration > 0 for e in recorder.events)
+    assert json.loads(json.dumps(recorder.events[0].as_dict()))["kind"] in ("ok", "bad")
+    stored = sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", bad)[0][0]
+    assert str(stored).startswith(head + "\nTraceback (most recent call last):")

@@ -1,0 +1,142 @@
+"""The dashboard over HTTP (Starlette's test client) and /metrics, against a real table."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.testclient import TestClient
+
+from fleetless import Queue
+from fleetless.web import create_app
+from fleetless.web.app import COOKIE
+
+TOKEN = "s3cret-token"
+
+
+def _dead_job(queue: Queue, error: str = "exit code 1: ValueError: invoice 42 has no lines\nTraceback …") -> int:
+    job_id = queue.enqueue("render-invoice", {"invoice": 42}, max_attempts=1)
+    (job,) = queue.claim(1)
+    queue.fail(job, error, delay=0)
+    return job_id
+
+
+def _status(sql: Any, job_id: int) -> str:
+    return str(sql("SELECT status FROM fleetless.jobs WHERE id = %s", job_id)[0][0])
+
+
+def test_overview_jobs_and_job_pages_show_the_table(queue: Queue) -> None:
+    dead = _dead_job(queue)
+    queue.enqueue_many([("thumbnail", {})] * 3)
+    client = TestClient(create_app(queue))
+    page = client.get("/")
+    assert page.status_code == 200
+    assert re.search(r'id="count-pending"><b>3</b>', page.text) and re.search(r'id="count-dead"><b>1</b>', page.text)
+    assert '<svg id="per-minute"' in page.text
+    listed = client.get("/jobs?status=dead")
+    assert "exit code 1: ValueError: invoice 42 has no lines" in listed.text and "Traceback" not in listed.text
+    shown = client.get(f"/jobs/{dead}")
+    assert "invoice" in shown.text and "Traceback" in shown.text and 'id="retry"' in shown.text
+    assert client.get("/jobs/999999").status_code == 404
+    assert client.get("/jobs?status=bogus").status_code == 400
+
+
+def test_job_output_cannot_inject_markup(queue: Queue) -> None:
+    job_id = _dead_job(queue, "exit code 1: <script>alert(1)</script>\n<img src=x onerror=alert(2)>")
+    text = TestClient(create_app(queue)).get(f"/jobs/{job_id}").text
+    assert "<script>alert" not in text and "<img src=x" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+
+
+def test_jobs_are_paged(queue: Queue) -> None:
+    ids = queue.enqueue_many([("a", {})] * 7)
+    client = TestClient(create_app(queue))
+    first = client.get("/jobs?limit=5").text
+    assert all(f"/jobs/{i}\"" in first for i in ids[2:]) and f"/jobs/{ids[1]}\"" not in first
+    nxt = re.search(r'id="next-page" href="([^"]+)"', first)
+    assert nxt is not None
+    second = client.get(nxt.group(1).replace("&amp;", "&")).text
+    assert f"/jobs/{ids[0]}\"" in second and f"/jobs/{ids[1]}\"" in second and f"/jobs/{ids[2]}\"" not in second
+
+
+def test_without_a_token_actions_are_refused_and_change_nothing(queue: Queue, sql: Any) -> None:
+    dead = _dead_job(queue)
+    client = TestClient(create_app(queue, token=None))
+    for path in (f"/jobs/{dead}/retry", f"/jobs/{dead}/cancel", f"/jobs/{dead}/run-now"):
+        assert client.post(path).status_code == 403
+        assert client.post(path, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 403
+    assert client.post("/login", data={"token": TOKEN}).status_code == 403
+    assert _status(sql, dead) == "dead"
+
+
+def test_with_a_token_actions_need_credentials(queue: Queue, sql: Any) -> None:
+    dead = _dead_job(queue)
+    client = TestClient(create_app(queue, token=TOKEN))
+    assert client.post(f"/jobs/{dead}/retry").status_code == 401
+    assert client.post(f"/jobs/{dead}/retry", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert _status(sql, dead) == "dead"
+    r = client.post(f"/jobs/{dead}/retry", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json() == {"id": dead, "action": "retry", "status": "pending"}
+    assert _status(sql, dead) == "pending"
+    conflict = client.post(f"/jobs/{dead}/retry", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert conflict.status_code == 409 and "only dead or cancelled" in conflict.json()["error"]
+    later = queue.enqueue("a", {}, delay=3600)
+    assert client.post(f"/jobs/{later}/run-now", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert sql("SELECT run_after <= now() FROM fleetless.jobs WHERE id = %s", later) == [(True,)]
+    assert client.post(f"/jobs/{later}/cancel", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+    assert _status(sql, later) == "cancelled"
+
+
+def test_the_sign_in_form_sets_a_cookie_and_forms_need_its_csrf_token(queue: Queue, sql: Any) -> None:
+    dead = _dead_job(queue)
+    client = TestClient(create_app(queue, token=TOKEN))
+    assert client.post("/login", data={"token": "wrong"}).status_code == 401
+    signed_in = client.post("/login", data={"token": TOKEN}, follow_redirects=False)
+    assert signed_in.status_code == 303
+    cookie = signed_in.headers["set-cookie"]
+    assert cookie.startswith(f"{COOKIE}=") and "httponly" in cookie.lower() and "samesite=strict" in cookie.lower()
+    # A cross-site form carries the cookie (in old browsers) but cannot know the CSRF token.
+    assert client.post(f"/jobs/{dead}/retry", data={"csrf": "guess"}).status_code == 403
+    assert client.post(f"/jobs/{dead}/retry").status_code == 403
+    assert _status(sql, dead) == "dead"
+    page = client.get(f"/jobs/{dead}").text
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert csrf is not None
+    done = client.post(f"/jobs/{dead}/retry", data={"csrf": csrf.group(1)}, follow_redirects=False)
+    assert done.status_code == 303 and _status(sql, dead) == "pending"
+    client.cookies.set(COOKIE, "0" * 32 + "." + "0" * 64)  # forged session
+    assert client.post(f"/jobs/{dead}/cancel", data={"csrf": csrf.group(1)}).status_code == 401
+
+
+def test_metrics_are_read_from_the_table(queue: Queue, sql: Any, fleetless: Any, dsn: str) -> None:
+    _dead_job(queue)
+    queue.enqueue_many([("thumbnail", {})] * 2 + [{"kind": "mail", "payload": {}, "queue": "urgent"}])
+    done = queue.enqueue("thumbnail", {})
+    sql("UPDATE fleetless.jobs SET run_after = now() - interval '5 minutes' WHERE kind = 'mail'")
+    (job,) = queue.claim(1, queues=["default"])
+    sql("UPDATE fleetless.jobs SET started_at = now() - interval '3 seconds' WHERE id = %s", job.id)
+    queue.complete(job)
+    running = queue.claim(1, queues=["default"])
+    text = TestClient(create_app(queue)).get("/metrics")
+    assert text.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(text.text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("fleetless_jobs", (("kind", "mail"), ("queue", "urgent"), ("status", "pending")))] == 1
+    assert samples[("fleetless_running_jobs", (("kind", "thumbnail"),))] == len(running) == 1
+    assert samples[("fleetless_oldest_due_job_age_seconds", (("queue", "urgent"),))] >= 299
+    assert samples[("fleetless_jobs_finished_total", (("kind", "render-invoice"), ("outcome", "dead")))] == 1
+    assert samples[("fleetless_job_duration_seconds_bucket", (("kind", "thumbnail"), ("le", "2.5")))] == 0
+    assert samples[("fleetless_job_duration_seconds_bucket", (("kind", "thumbnail"), ("le", "5.0")))] == 1
+    assert samples[("fleetless_job_duration_seconds_count", (("kind", "thumbnail"),))] == 1
+    printed = fleetless("metrics", dsn=dsn)
+    assert printed.returncode == 0 and "fleetless_jobs{" in printed.stdout
+    assert done
+
+
+@pytest.mark.parametrize("path", ["/", "/metrics"])
+def test_an_unreachable_database_is_one_line_503(path: str) -> None:
+    queue = Queue("postgresql://postgres@127.0.0.1:1/nope?connect_timeout=2")
+    r = TestClient(create_app(queue), raise_server_exceptions=False).get(path)
+    assert r.status_code == 503 and "cannot connect to the database" in r.text
