@@ -182,6 +182,19 @@ def test_a_cut_off_hosts_jobs_are_rerun_elsewhere_after_the_lease_and_its_late_o
         host, attempt = str(result).split()
         assert status == "done" and host in elsewhere, (job_id, status, result)
         assert (attempts, int(attempt)) == ((2, 2) if job_id in cut_off else (1, 1)), (job_id, attempts, result)
+    # The attempt history explains each: h1's first attempts expired (reaped: its drainer unknown),
+    # their second ran in a tick elsewhere; every other job ran once, on h2 or h3.
+    history: dict[int, list[tuple[object, ...]]] = {}
+    for job_id, *rest in cluster.sql("SELECT job_id, attempt, outcome, pid FROM fleetless.job_attempts ORDER BY id"):
+        history.setdefault(int(job_id), []).append(tuple(rest))  # type: ignore[call-overload]
+    tick_pids = {t.proc.pid for t in ticks}
+    for job_id in ids:
+        if job_id in cut_off:
+            (first, second) = history[job_id]
+            assert first[:2] == (1, "expired") and second[:2] == (2, "done") and second[2] in tick_pids, history
+        else:
+            assert [h[:2] for h in history[job_id]] == [(1, "done")], history
+            assert history[job_id][0][2] in {d.proc.pid for d in others}, history
 
 
 def test_a_host_whose_link_comes_back_before_its_lease_ends_finishes_normally(site: Site, cluster: Cluster) -> None:
@@ -201,3 +214,4 @@ def test_a_host_whose_link_comes_back_before_its_lease_ends_finishes_normally(si
     assert "claimed 2, done 2, retried 0, dead 0" in out and "fenced out" not in out, out
     assert cluster.sql("SELECT status, attempts, result FROM fleetless.jobs") == [
         ("done", 1, f"{site.host_id('h1')} 1\n")] * 2
+    assert cluster.sql("SELECT attempt, outcome, pid FROM fleetless.job_attempts") == [(1, "done", h1.proc.pid)] * 2
