@@ -147,7 +147,7 @@ def test_the_service_stops_the_drainer_within_its_stop_timeout() -> None:
     grace = options["shutdown_grace"] if options["shutdown_grace"] is not None else SHUTDOWN_GRACE
     stop_timeout = seconds(re.search(r"^TimeoutStopSec=(\S+)$", unit, re.M).group(1))  # type: ignore[union-attr]
     assert stop_timeout > grace
-    assert re.search(r"^KillSignal=SIGTERM$", unit, re.M)
+    assert re.search(r"^KillSignal=SIGTERM$", unit, re.M) and re.search(r"^KillMode=mixed$", unit, re.M)
 
 
 def test_the_cron_entries_run_valid_commands() -> None:
