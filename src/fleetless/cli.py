@@ -386,12 +386,32 @@ def retry(ctx: click.Context, job_id: int | None, all_dead: bool, as_json: bool)
 @json_option
 @click.pass_context
 def cancel(ctx: click.Context, job_id: int, as_json: bool) -> None:
-    """Cancel a pending job."""
-    _queue(ctx).cancel(job_id)
+    """Cancel a pending job, or ask the drainer running it to kill it (it ends cancelled)."""
+    status = _queue(ctx).cancel(job_id)
     if as_json:
-        _echo_json({"cancelled": job_id})
+        _echo_json({"cancel_requested" if status == "running" else "cancelled": job_id})
+    elif status == "running":
+        click.echo(f"job {job_id} is running: cancel requested; its drainer kills it within seconds")
     else:
         click.echo(f"cancelled job {job_id}")
+
+
+@cli.command("run-now")
+@click.argument("job_id", type=int)
+@click.pass_context
+def run_now(ctx: click.Context, job_id: int) -> None:
+    """Make a pending job due now (skip its delay or retry backoff)."""
+    _queue(ctx).run_now(job_id)
+    click.echo(f"job {job_id} is due now")
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@click.pass_context
+def delete(ctx: click.Context, job_id: int) -> None:
+    """Delete a finished job (done, dead or cancelled) and its attempt history."""
+    _queue(ctx).delete(job_id)
+    click.echo(f"deleted job {job_id}")
 
 
 @cli.command()

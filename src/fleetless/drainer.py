@@ -37,6 +37,8 @@ __all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "base_env", "descr
 log = logging.getLogger("fleetless.drainer")
 T = TypeVar("T")
 
+#: How often a drain holding jobs asks the table which of them an operator cancelled.
+CANCEL_POLL_SECONDS = 1.0
 #: How long the drainer keeps trying to reach a database that went away before giving up.
 DB_RETRY_SECONDS = 30.0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -82,6 +84,7 @@ class Summary:
     retried: int = 0
     dead: int = 0
     released: int = 0  # claims given back without charging an attempt
+    cancelled: int = 0  # running jobs an operator cancelled (fleetless cancel)
     fenced_out: int = 0  # outcomes discarded: the claim had been reaped and taken over
     reaped: int = 0
     pruned: int = 0  # finished jobs deleted by retention
@@ -90,8 +93,8 @@ class Summary:
     def line(self) -> str:
         extra = "".join(
             f", {n} {what}"
-            for n, what in ((self.released, "released"), (self.fenced_out, "fenced out"), (self.reaped, "reaped"),
-                              (self.pruned, "pruned"))
+            for n, what in ((self.released, "released"), (self.cancelled, "cancelled"),
+                            (self.fenced_out, "fenced out"), (self.reaped, "reaped"), (self.pruned, "pruned"))
             if n
         )
         return (
@@ -102,7 +105,7 @@ class Summary:
 
 @dataclass(frozen=True)
 class _Outcome:
-    what: Literal["ran", "no_handler", "sandbox_error"]
+    what: Literal["ran", "no_handler", "sandbox_error", "cancelled"]
     result: ExecResult | None = None
     error: str = ""
 
@@ -185,6 +188,8 @@ class Drainer:
         self._lock = threading.Lock()
         self._sandboxes: dict[int, Sandbox] = {}
         self._aborted: set[int] = set()
+        self._cancelled: set[int] = set()  # jobs an operator cancelled while this drain held them
+        self._next_cancel_poll = 0.0
         self._handlers_dir = config.handlers_dir
         self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
                                   python=config.python)
@@ -262,6 +267,7 @@ class Drainer:
                     if self._stop_at is not None and time.monotonic() >= self._stop_at:
                         self._abort(running.values())
                     finished, _ = wait(running, timeout=0.25, return_when=FIRST_COMPLETED)
+                    self._poll_cancels(running.values())
                     for fut in finished:
                         self._finish(running.pop(fut), fut.result())
             except BaseException:
@@ -288,6 +294,22 @@ class Drainer:
         if report is not None:
             self.summary.reaped += len(report.reaped.reaped)
             self.summary.pruned += report.pruned.deleted
+
+    def _poll_cancels(self, jobs: Iterable[Job]) -> None:
+        """About once a second while jobs run: kill the sandboxes of jobs an operator cancelled."""
+        now = time.monotonic()
+        if now < self._next_cancel_poll:
+            return
+        self._next_cancel_poll = now + CANCEL_POLL_SECONDS
+        held = [j.id for j in jobs if j.id not in self._cancelled]
+        cancelled = self._db(lambda: self.queue.cancel_requested(held)) if held else set()
+        with self._lock:
+            for job_id in cancelled:
+                log.warning("job %d: cancelled by request; killing its sandbox", job_id)
+                self._cancelled.add(job_id)
+                sbx = self._sandboxes.get(job_id)
+                if sbx is not None:
+                    sbx.kill()
 
     def _abort(self, jobs: Iterable[Job]) -> None:
         with self._lock:
@@ -334,6 +356,8 @@ class Drainer:
         try:
             sbx = self._backend.create(template, self.config.ttl)
             with self._lock:
+                if job.id in self._cancelled:
+                    return _Outcome("cancelled")
                 if job.id in self._aborted:
                     raise SandboxUnavailable("drainer is stopping")
                 self._sandboxes[job.id] = sbx
@@ -362,6 +386,16 @@ class Drainer:
         s = self.summary
         tier = self.config.sandbox
         ended_on_its_own = outcome.what == "ran" and outcome.result is not None and outcome.result.killed is None
+        if job.id in self._cancelled and not (outcome.result is not None and outcome.result.ok):
+            # The cancel mark turns this failed attempt into cancelled, with no further attempt.
+            run = replace(describe_run(tier, outcome.result), kill_reason="cancelled")
+            status = self._db(lambda: self.queue.fail(
+                job, "cancelled: an operator cancelled the job while it ran", delay=0, permanent=True, run=run))
+            if status is None:
+                s.fenced_out += 1
+            else:
+                s.cancelled += 1
+            return
         if job.id in self._aborted and not ended_on_its_own:  # one that ended keeps its outcome
             reason = "released: the drainer stopped before the job finished"
             run = describe_run(tier, outcome.result, "drainer stopped")

@@ -495,11 +495,34 @@ class Queue:
     def retry_all_dead(self) -> list[int]:
         return [r["id"] for r in self._run("retry_all_dead", {})]
 
-    def cancel(self, job_id: int) -> None:
-        """Cancel a pending job."""
-        if not self._run("cancel", {"id": _job_id(job_id)}):
+    def cancel(self, job_id: int) -> Status:
+        """Cancel a job. A pending one is cancelled at once (returns CANCELLED). A running one is
+        marked (returns RUNNING): the drainer holding it kills its sandbox within about a second
+        and the job ends cancelled, with no further attempt; if it finishes first, it is done."""
+        rows = self._run("cancel", {"id": _job_id(job_id)})
+        if not rows:
             status = self._status_of(job_id)
-            raise ValueError(f"job {job_id} is {status}; only pending jobs can be cancelled")
+            raise ValueError(f"job {job_id} is {status}; only pending jobs (and running ones, which their"
+                             " drainer then kills) can be cancelled")
+        return Status(rows[0]["status"])
+
+    def cancel_requested(self, job_ids: Iterable[int]) -> set[int]:
+        """Which of these running jobs an operator asked to cancel (the drainer's poll)."""
+        ids = list(job_ids)
+        return {r["id"] for r in self._run("cancel_requested", {"ids": ids})} if ids else set()
+
+    def run_now(self, job_id: int) -> None:
+        """Make a pending job due now (skip its delay or retry backoff)."""
+        if not self._run("run_now", {"id": _job_id(job_id)}):
+            status = self._status_of(job_id)
+            raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
+
+    def delete(self, job_id: int) -> None:
+        """Delete a finished (done, dead or cancelled) job and its attempt history."""
+        if not self._run("delete", {"id": _job_id(job_id)}):
+            status = self._status_of(job_id)
+            raise ValueError(f"job {job_id} is {status}; only done, dead or cancelled jobs can be deleted"
+                             " (cancel it first)")
 
     def run_now(self, job_id: int) -> None:
         """Make a pending job due now (it keeps its attempts)."""

@@ -116,19 +116,23 @@ SELECT status FROM finished;
 -- Fenced like complete. Failure with attempts left goes back to pending after a backoff delay
 -- computed by the retry policy; exhausted (or permanent) failure is dead and stays for inspection.
 -- The attempt's history row is written by the same statement, as in complete.
+-- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
 WITH finished AS (
   UPDATE {schema}.jobs
-  SET status = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN 'pending' ELSE 'dead' END,
-      run_after = CASE WHEN attempts < max_attempts AND NOT %(permanent)s
+  SET status = CASE WHEN cancel_requested_at IS NULL AND attempts < max_attempts AND NOT %(permanent)s
+                     THEN 'pending' WHEN cancel_requested_at IS NOT NULL THEN 'cancelled' ELSE 'dead' END,
+      run_after = CASE WHEN cancel_requested_at IS NULL AND attempts < max_attempts AND NOT %(permanent)s
                        THEN now() + make_interval(secs => %(delay)s) ELSE run_after END,
-      finished_at = CASE WHEN attempts < max_attempts AND NOT %(permanent)s THEN NULL ELSE now() END,
+      finished_at = CASE WHEN cancel_requested_at IS NULL AND attempts < max_attempts AND NOT %(permanent)s
+                         THEN NULL ELSE now() END,
       last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL
   WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
   RETURNING id, attempts, started_at, status
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
-  SELECT id, attempts, CASE status WHEN 'pending' THEN 'retry' ELSE 'dead' END, %(host)s, %(pid)s,
+  SELECT id, attempts, CASE status WHEN 'pending' THEN 'retry' ELSE status END, %(host)s, %(pid)s,
          %(tier)s, started_at, %(exit_code)s, %(signal)s, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
@@ -139,9 +143,14 @@ SELECT status FROM finished;
 -- Give a claim back without charging the job an attempt: the drainer is shutting down or its
 -- sandbox broke, which is not the job's fault. Fenced like complete. The history row keeps the
 -- attempt's number and start as they were before the give-back (read from "was").
+-- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
 WITH finished AS (
   UPDATE {schema}.jobs AS j
-  SET status = 'pending', attempts = GREATEST(j.attempts - 1, 0), last_error = %(error)s,
+  SET status = CASE WHEN j.cancel_requested_at IS NULL THEN 'pending' ELSE 'cancelled' END,
+      attempts = CASE WHEN j.cancel_requested_at IS NULL THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
+      finished_at = CASE WHEN j.cancel_requested_at IS NULL THEN NULL ELSE now() END,
+      last_error = %(error)s,
       locked_at = NULL, lease_expires_at = NULL, claim_token = NULL, started_at = NULL
   FROM (SELECT id, attempts, started_at FROM {schema}.jobs WHERE id = %(id)s) AS was
   WHERE j.id = was.id AND j.claim_token = %(token)s AND j.status = 'running'
@@ -149,7 +158,7 @@ WITH finished AS (
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      kill_reason, duration_seconds, error_head)
-  SELECT id, attempts, 'released', %(host)s, %(pid)s, %(tier)s, started_at, %(kill_reason)s,
+  SELECT id, attempts, CASE status WHEN 'cancelled' THEN 'cancelled' ELSE 'released' END, %(host)s, %(pid)s, %(tier)s, started_at, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
 )
@@ -161,10 +170,14 @@ SELECT status FROM finished;
 -- to dead when no attempt is left. Clearing claim_token fences out the old drainer if it was only
 -- slow, not dead. SKIP LOCKED: never wait on a row a live drainer is finishing right now.
 -- Each reaped attempt gets its history row (outcome expired) in the same statement.
+-- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
 WITH reaped AS (
 UPDATE {schema}.jobs AS j
-SET status = CASE WHEN j.attempts < j.max_attempts THEN 'pending' ELSE 'dead' END,
-    finished_at = CASE WHEN j.attempts < j.max_attempts THEN NULL ELSE now() END,
+SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                  WHEN j.attempts < j.max_attempts THEN 'pending' ELSE 'dead' END,
+    finished_at = CASE WHEN j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts
+                       THEN NULL ELSE now() END,
     last_error = 'claim expired: the drainer did not finish attempt ' || j.attempts
                  || ' (claimed at ' || to_char(j.locked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
                  || ' UTC); presumed dead',
@@ -189,7 +202,7 @@ SELECT id, status FROM reaped;
 -- name: retry
 -- Operator retry of a dead or cancelled job: due now, and at least one more attempt (as Oban).
 UPDATE {schema}.jobs
-SET status = 'pending', run_after = now(), finished_at = NULL,
+SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(max_attempts, attempts + 1)
 WHERE id = %(id)s AND status IN ('dead', 'cancelled')
 RETURNING id;
@@ -198,7 +211,7 @@ RETURNING id;
 -- A dead job with a key is retried only if no job holds that key now, and only the newest of
 -- several dead jobs sharing a key (the unique index allows one pending job per key).
 UPDATE {schema}.jobs AS j
-SET status = 'pending', run_after = now(), finished_at = NULL,
+SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(j.max_attempts, j.attempts + 1)
 WHERE j.status = 'dead'
   AND (j.key IS NULL OR (
@@ -207,8 +220,33 @@ WHERE j.status = 'dead'
 RETURNING j.id;
 
 -- name: cancel
-UPDATE {schema}.jobs SET status = 'cancelled', finished_at = now()
+-- A pending job is cancelled at once. A running one is marked (cancel_requested_at): the drainer
+-- holding it polls for the mark, kills its sandbox and writes the attempt's end, which the mark
+-- turns into cancelled (so does the reaper, if that drainer died). Returns the status after.
+UPDATE {schema}.jobs
+SET status = CASE WHEN status = 'pending' THEN 'cancelled' ELSE status END,
+    finished_at = CASE WHEN status = 'pending' THEN now() ELSE finished_at END,
+    cancel_requested_at = COALESCE(cancel_requested_at, now())
+WHERE id = %(id)s AND status IN ('pending', 'running')
+RETURNING status;
+
+-- name: cancel_requested
+-- The drainer's poll, about once a second while it holds jobs: which of them an operator cancelled.
+-- By primary key, so its cost does not grow with the table.
+SELECT id FROM {schema}.jobs
+WHERE id = ANY(%(ids)s::bigint[]) AND status = 'running' AND cancel_requested_at IS NOT NULL;
+
+-- name: run_now
+-- Operator hurry: a pending job becomes due now (a retry's backoff or a delay is skipped).
+UPDATE {schema}.jobs SET run_after = now()
 WHERE id = %(id)s AND status = 'pending'
+RETURNING id;
+
+-- name: delete
+-- Operator delete of a finished job, with its attempt history (ON DELETE CASCADE). Pending and
+-- running jobs are cancelled first, so that no drainer is ever left holding a deleted row.
+DELETE FROM {schema}.jobs
+WHERE id = %(id)s AND status IN ('done', 'dead', 'cancelled')
 RETURNING id;
 
 -- name: attempts
@@ -223,7 +261,7 @@ SELECT status FROM {schema}.jobs WHERE id = %(id)s;
 -- name: get
 SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
        locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
-       claimed_by, tier, last_error, result, result_json
+       claimed_by, tier, last_error, result, result_json, key, cancel_requested_at
 FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: list
@@ -277,18 +315,22 @@ RETURNING id;
 -- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault).
 -- Each written row's attempt gets its history row in the same statement (a data-modifying CTE);
 -- "was" is the row before this update, for the number and start of an attempt given back.
+-- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
 WITH finished AS (
 UPDATE {schema}.jobs AS j
 SET status = CASE
       WHEN o.action = 'done' THEN 'done'
+      WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
       WHEN o.action = 'release' THEN 'pending'
       WHEN j.attempts < j.max_attempts AND NOT o.permanent THEN 'pending'
       ELSE 'dead' END,
-    attempts = CASE WHEN o.action = 'release' THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
-    run_after = CASE WHEN o.action = 'fail' AND j.attempts < j.max_attempts AND NOT o.permanent
+    attempts = CASE WHEN o.action = 'release' AND j.cancel_requested_at IS NULL THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
+    run_after = CASE WHEN o.action = 'fail' AND j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts AND NOT o.permanent
                      THEN now() + make_interval(secs => o.delay) ELSE j.run_after END,
     finished_at = CASE
       WHEN o.action = 'done' THEN now()
+      WHEN j.cancel_requested_at IS NOT NULL THEN now()
       WHEN o.action = 'fail' AND NOT (j.attempts < j.max_attempts AND NOT o.permanent) THEN now()
       ELSE NULL END,
     last_error = o.error,
@@ -310,7 +352,8 @@ RETURNING j.id, j.status, o.action, was.attempts, was.started_at, o.tier, o.exit
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
   SELECT id, attempts,
-         CASE WHEN action = 'release' THEN 'released' WHEN status = 'pending' THEN 'retry' ELSE status END,
+         CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN action = 'release' THEN 'released'
+              WHEN status = 'pending' THEN 'retry' ELSE status END,
          %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
          extract(epoch FROM now() - started_at), left(error, 500)
   FROM finished

@@ -1,0 +1,121 @@
+"""Cancel (also of a running job: its drainer kills the sandbox and it ends cancelled with no
+further attempt), run-now and delete, on Queue and the CLI, asserted in the table."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from fleetless import Queue, Status
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.job import Outcome
+
+from proctools import alive, wait_for
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def test_cancelling_a_running_job_kills_its_sandbox_and_ends_it_cancelled(queue: Queue, sql, handlers,
+                                                                         tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    h = handlers(**{"forever.py": f"""
+        import os, time
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(600)
+    """, "quick.py": "print('ok')"})
+    job_id = queue.enqueue("forever", {}, max_attempts=5)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the job to start"))
+        assert queue.cancel(job_id) is Status.RUNNING
+        wait_for(lambda: not alive(pid), timeout=30, what="the cancelled job's process to die")
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        drainer.stop(grace=0)
+        thread.join(timeout=60)
+    assert sql("SELECT status, attempts, finished_at IS NOT NULL, last_error FROM fleetless.jobs") == [
+        ("cancelled", 1, True, "cancelled: an operator cancelled the job while it ran")]
+    (attempt,) = queue.attempts(job_id)
+    assert (attempt["outcome"], attempt["kill_reason"]) == ("cancelled", "cancelled")
+    assert drainer.summary.cancelled == 1
+    Drainer(queue, DrainConfig(handlers_dir=h)).run()  # no further attempt
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("cancelled", 1)]
+
+
+def test_a_cancel_mark_turns_any_non_success_end_of_the_attempt_into_cancelled(queue: Queue, sql) -> None:
+    queue.enqueue_many([("a", {})] * 5)
+    failed, released, batched, done, reaped = queue.claim(5)
+    for job in (failed, released, batched, done, reaped):
+        assert queue.cancel(job.id) is Status.RUNNING
+    assert queue.fail(failed, "exit code 1", delay=0) is Status.CANCELLED
+    assert queue.release(released, "drainer stopping")
+    assert queue.finish_many([(batched, Outcome("fail", error="boom"))]) == {batched.id: Status.CANCELLED}
+    assert queue.complete(done, "made it first")
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 second' WHERE id = %s", reaped.id)
+    assert queue.reap() == {reaped.id: Status.CANCELLED}
+    assert sql("SELECT status, attempts, finished_at IS NOT NULL FROM fleetless.jobs ORDER BY id") == [
+        ("cancelled", 1, True), ("cancelled", 1, True), ("cancelled", 1, True), ("done", 1, True),
+        ("cancelled", 1, True)]
+    assert [a["outcome"] for j in (failed, released, batched) for a in queue.attempts(j.id)] == ["cancelled"] * 3
+
+
+def test_retrying_a_cancelled_job_clears_the_mark(queue: Queue) -> None:
+    job_id = queue.enqueue("a", {})
+    (job,) = queue.claim(1)
+    queue.cancel(job_id)
+    queue.fail(job, "x", delay=0)
+    queue.retry(job_id)
+    (again,) = queue.claim(1)
+    assert queue.fail(again, "y", delay=0) is Status.PENDING
+
+
+def test_cancel_of_a_finished_job_is_refused(queue: Queue) -> None:
+    job_id = queue.enqueue("a", {})
+    queue.cancel(job_id)
+    with pytest.raises(ValueError, match=f"job {job_id} is cancelled; only pending jobs"):
+        queue.cancel(job_id)
+
+
+def test_run_now_makes_a_pending_job_due_now(queue: Queue, sql) -> None:
+    job_id = queue.enqueue("a", {}, delay=3600)
+    assert queue.claim(1) == []
+    queue.run_now(job_id)
+    (job,) = queue.claim(1)
+    with pytest.raises(ValueError, match=f"job {job_id} is running; only pending jobs can be run now"):
+        queue.run_now(job_id)
+
+
+def test_delete_removes_a_finished_job_and_its_history_but_refuses_others(queue: Queue, sql) -> None:
+    done_id, pending_id = queue.enqueue("a", {}), queue.enqueue("a", {}, delay=60)
+    (job,) = queue.claim(1)
+    queue.complete(job)
+    queue.delete(done_id)
+    assert sql("SELECT id FROM fleetless.jobs") == [(pending_id,)]
+    assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(0,)]
+    with pytest.raises(ValueError, match="is pending; only done, dead or cancelled jobs can be deleted"):
+        queue.delete(pending_id)
+
+
+def test_cli_cancel_run_now_delete(dsn: str, queue: Queue, fleetless, sql) -> None:
+    later = queue.enqueue("a", {}, delay=3600)
+    running = queue.enqueue("a", {})
+    queue.claim(1)
+    assert fleetless("run-now", str(later), dsn=dsn).stdout.strip() == f"job {later} is due now"
+    r = fleetless("cancel", str(running), dsn=dsn)
+    assert r.stdout.strip().startswith(f"job {running} is running: cancel requested"), r.stderr
+    assert json.loads(fleetless("cancel", str(later), "--json", dsn=dsn).stdout) == {"cancelled": later}
+    assert fleetless("delete", str(later), dsn=dsn).stdout.strip() == f"deleted job {later}"
+    r = fleetless("delete", str(running), dsn=dsn)
+    assert r.returncode == 1 and r.stderr.startswith(f"fleetless: error: job {running} is running;")
+    assert sql("SELECT id, status FROM fleetless.jobs") == [(running, "running")]
