@@ -101,7 +101,7 @@ def test_retry_cancel_reap_prune(dsn: str, queue: Queue, fleetless, sql) -> None
     queue.fail(job, "boom", delay=0)
     assert fleetless("retry", str(a), dsn=dsn).stdout.strip() == "retried 1 job(s): 1"
     assert json.loads(fleetless("cancel", str(b), "--json", dsn=dsn).stdout) == {"cancelled": b}
-    one_line_error(fleetless("cancel", str(b), dsn=dsn), f"job {b} is cancelled; only pending jobs")
+    one_line_error(fleetless("cancel", str(b), dsn=dsn), f"job {b} is cancelled; only pending or running jobs")
     (job,) = queue.claim(1)
     sql("UPDATE fleetless.jobs SET locked_at = now() - interval '2 hours' WHERE id = %s", a)
     assert "reaped 0" in fleetless("reap", dsn=dsn).stdout

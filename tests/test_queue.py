@@ -293,7 +293,7 @@ def test_retry_and_cancel_by_operators(queue: Queue, sql) -> None:
     assert sql("SELECT status, attempts, max_attempts, run_after <= now() FROM fleetless.jobs WHERE id = %s",
                dead) == [("pending", 1, 2, True)]
     queue.cancel(pending)
-    with pytest.raises(ValueError, match=f"job {pending} is cancelled; only pending jobs can be cancelled"):
+    with pytest.raises(ValueError, match=f"job {pending} is cancelled; only pending or running jobs can be cancelled"):
         queue.cancel(pending)
     with pytest.raises(ValueError, match="only dead or cancelled jobs can be retried"):
         queue.retry(dead)

@@ -436,6 +436,61 @@ def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bo
         click.echo(f"pruned {result.deleted} job(s)")
 
 
+@cli.group()
+def schedule() -> None:
+    """Periodic jobs: a cron expression in a time zone, and the job each occurrence enqueues."""
+
+
+@schedule.command("add")
+@click.argument("name")
+@click.argument("kind")
+@click.argument("payload_json", default="{}", metavar="PAYLOAD_JSON")
+@click.option("--cron", required=True, help="Five fields, e.g. '*/5 * * * *' (cronsim syntax).")
+@click.option("--timezone", default="UTC", show_default=True, help="IANA zone the expression is read in.")
+@click.option("--queue", "queue_name", default="default", show_default=True)
+@click.option("--max-attempts", type=int, default=3, show_default=True)
+@click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--timeout", callback=_duration, help="The jobs' own timeout.")
+@click.pass_context
+def schedule_add(ctx: click.Context, name: str, kind: str, payload_json: str, cron: str, timezone: str,
+                 queue_name: str, max_attempts: int, priority: int, timeout: float | None) -> None:
+    """Add (or change) schedule NAME: each occurrence of --cron enqueues KIND with PAYLOAD_JSON."""
+    from .periodic import Schedule
+
+    sched = Schedule(name=name, cron=cron, kind=kind, payload=parse_payload_json(payload_json),
+                     timezone=timezone, queue=queue_name, max_attempts=max_attempts, priority=priority,
+                     timeout_seconds=None if timeout is None else max(1, round(timeout)))
+    q = _queue(ctx)
+    created = q.add_schedule(sched)
+    _, now = q.schedules()
+    click.echo(f"schedule {name} {'added' if created else 'changed'}; next: "
+               f"{sched.next_after(now).isoformat()}")
+
+
+@schedule.command("list")
+@json_option
+@click.pass_context
+def schedule_list(ctx: click.Context, as_json: bool) -> None:
+    """Every schedule, its latest enqueued occurrence and the next one due."""
+    found, now = _queue(ctx).schedules()
+    rows = [{"name": s.name, "cron": s.cron, "timezone": s.timezone, "kind": s.kind, "queue": s.queue,
+             "payload": s.payload, "last": last, "next": s.next_after(max(now, last or now))}
+            for s, _, last in found]
+    if as_json:
+        _echo_json(rows)
+    else:
+        _table(rows, ["name", "cron", "timezone", "kind", "queue", "last", "next"])
+
+
+@schedule.command("remove")
+@click.argument("name")
+@click.pass_context
+def schedule_remove(ctx: click.Context, name: str) -> None:
+    """Remove schedule NAME (jobs it already enqueued stay)."""
+    _queue(ctx).remove_schedule(name)
+    click.echo(f"schedule {name} removed")
+
+
 @cli.command()
 @click.pass_context
 def metrics(ctx: click.Context) -> None:

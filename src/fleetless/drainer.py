@@ -88,13 +88,15 @@ class Summary:
     fenced_out: int = 0  # outcomes discarded: the claim had been reaped and taken over
     reaped: int = 0
     pruned: int = 0  # finished jobs deleted by retention
+    scheduled: int = 0  # periodic jobs enqueued
     seconds: float = 0.0
 
     def line(self) -> str:
         extra = "".join(
             f", {n} {what}"
             for n, what in ((self.released, "released"), (self.cancelled, "cancelled"),
-                            (self.fenced_out, "fenced out"), (self.reaped, "reaped"), (self.pruned, "pruned"))
+                            (self.fenced_out, "fenced out"), (self.reaped, "reaped"), (self.pruned, "pruned"),
+                            (self.scheduled, "scheduled"))
             if n
         )
         return (
@@ -294,6 +296,7 @@ class Drainer:
         if report is not None:
             self.summary.reaped += len(report.reaped.reaped)
             self.summary.pruned += report.pruned.deleted
+            self.summary.scheduled += report.scheduled.enqueued
 
     def _poll_cancels(self, jobs: Iterable[Job]) -> None:
         """About once a second while jobs run: kill the sandboxes of jobs an operator cancelled."""
@@ -393,9 +396,9 @@ class Drainer:
                 job, "cancelled: an operator cancelled the job while it ran", delay=0, permanent=True, run=run))
             if status is None:
                 s.fenced_out += 1
-            else:
-                s.cancelled += 1
-            return
+                return "fenced_out", None
+            s.cancelled += 1
+            return "cancelled", "cancelled while it ran"
         if job.id in self._aborted and not ended_on_its_own:  # one that ended keeps its outcome
             reason = "released: the drainer stopped before the job finished"
             run = describe_run(tier, outcome.result, "drainer stopped")

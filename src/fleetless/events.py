@@ -18,7 +18,7 @@ __all__ = ["FinishedAs", "JobFinished", "NullReporter", "Reporter"]
 
 #: What became of one claim: ``done``, ``retried`` (failed, attempts left), ``dead``, ``released``
 #: (given back without charging an attempt) or ``fenced_out`` (the claim had been taken over).
-FinishedAs = Literal["done", "retried", "dead", "released", "fenced_out"]
+FinishedAs = Literal["done", "retried", "dead", "released", "fenced_out", "cancelled"]
 
 
 @dataclass(frozen=True)

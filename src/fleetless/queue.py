@@ -26,6 +26,7 @@ from .job import (
     validate_kind,
     validate_queue_name,
 )
+from .periodic import Schedule
 from .retry import MAX_ERROR_CHARS
 
 __all__ = ["DuplicateJob", "JobNotFound", "Queue"]
@@ -502,20 +503,13 @@ class Queue:
         rows = self._run("cancel", {"id": _job_id(job_id)})
         if not rows:
             status = self._status_of(job_id)
-            raise ValueError(f"job {job_id} is {status}; only pending jobs (and running ones, which their"
-                             " drainer then kills) can be cancelled")
+            raise ValueError(f"job {job_id} is {status}; only pending or running jobs can be cancelled")
         return Status(rows[0]["status"])
 
     def cancel_requested(self, job_ids: Iterable[int]) -> set[int]:
         """Which of these running jobs an operator asked to cancel (the drainer's poll)."""
         ids = list(job_ids)
         return {r["id"] for r in self._run("cancel_requested", {"ids": ids})} if ids else set()
-
-    def run_now(self, job_id: int) -> None:
-        """Make a pending job due now (skip its delay or retry backoff)."""
-        if not self._run("run_now", {"id": _job_id(job_id)}):
-            status = self._status_of(job_id)
-            raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
 
     def delete(self, job_id: int) -> None:
         """Delete a finished (done, dead or cancelled) job and its attempt history."""
@@ -529,6 +523,42 @@ class Queue:
         if not self._run("run_now", {"id": _job_id(job_id)}):
             status = self._status_of(job_id)
             raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
+
+    # -- periodic jobs -----------------------------------------------------------------------
+
+    def add_schedule(self, schedule: Schedule) -> bool:
+        """Store a schedule (replacing one of the same name). True if it is new."""
+        if isinstance(schedule.max_attempts, bool) or not 1 <= schedule.max_attempts <= 1000:
+            raise ValueError("max_attempts must be an integer from 1 to 1000")
+        rows = self._run("schedule_add", {
+            "name": schedule.name, "cron": schedule.cron, "timezone": schedule.timezone, "kind": schedule.kind,
+            "payload": encode_payload(schedule.payload, self.max_payload_bytes), "queue": schedule.queue,
+            "max_attempts": schedule.max_attempts, "priority": schedule.priority,
+            "timeout": schedule.timeout_seconds})
+        return bool(rows[0]["created"])
+
+    def remove_schedule(self, name: str) -> None:
+        if not self._run("schedule_remove", {"name": name}):
+            raise JobNotFound(f"no schedule named {name!r}")
+
+    def schedules(self) -> tuple[list[tuple[Schedule, dt.datetime, dt.datetime | None]], dt.datetime]:
+        """Every schedule with its creation time and latest enqueued occurrence, and the
+        database's clock now."""
+        rows = self._run("schedules", {})
+        out = [(Schedule(name=r["name"], cron=r["cron"], kind=r["kind"], payload=r["payload"],
+                         timezone=r["timezone"], queue=r["queue"], max_attempts=r["max_attempts"],
+                         priority=r["priority"], timeout_seconds=r["timeout_seconds"]),
+                r["created_at"], r["last_tick"]) for r in rows]
+        now = rows[0]["now"] if rows else dt.datetime.now(dt.UTC)
+        return out, now
+
+    def enqueue_ticks(self, due: Sequence[tuple[str, dt.datetime]], *, forget_before: dt.datetime) -> int:
+        """Enqueue each (schedule, occurrence) not enqueued before, exactly once across all
+        drainers; forget recorded occurrences before ``forget_before``. Returns how many."""
+        rows = self._run("enqueue_ticks", {
+            "names": [n for n, _ in due], "ticks": [t for _, t in due], "channel": self.channel,
+            "forget_before": forget_before})
+        return int(rows[0]["n"])
 
     def get(self, job_id: int) -> dict[str, Any]:
         rows = self._run("get", {"id": _job_id(job_id)})

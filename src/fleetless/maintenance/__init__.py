@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 from ..queue import Queue
 from ..sandbox import Sandbox
-from . import pruner, reaper, retention, sweeper
+from . import pruner, reaper, retention, scheduler, sweeper
 
-__all__ = ["Maintainer", "Report", "Settings", "pruner", "reaper", "retention", "sweeper"]
+__all__ = ["Maintainer", "Report", "Settings", "pruner", "reaper", "retention", "scheduler", "sweeper"]
 
 T = TypeVar("T")
 
@@ -29,6 +29,8 @@ class Settings:
     reaper: reaper.Settings = field(default_factory=reaper.Settings)
     #: How long finished jobs are kept, and how many one pass deletes.
     retention: retention.Settings = field(default_factory=retention.Settings)
+    #: Periodic jobs: how far back a pass catches up on missed occurrences.
+    scheduler: scheduler.Settings = field(default_factory=scheduler.Settings)
     #: Seconds between passes in a drain that runs longer than that.
     interval: float = 60.0
 
@@ -44,6 +46,7 @@ class Report:
     reaped: reaper.Result = field(default_factory=reaper.Result)
     swept: sweeper.Result = field(default_factory=sweeper.Result)
     pruned: pruner.Result = field(default_factory=pruner.Result)
+    scheduled: scheduler.Result = field(default_factory=scheduler.Result)
 
 
 def _direct(call: Callable[[], Any]) -> Any:
@@ -70,6 +73,7 @@ class Maintainer:
         report.reaped = self._guard(lambda: reaper.run_once(self.queue, s.reaper))
         report.swept = sweeper.run_once(self._sweeper)
         report.pruned = self._guard(lambda: retention.run_once(self.queue, s.retention))
+        report.scheduled = self._guard(lambda: scheduler.run_once(self.queue, s.scheduler))
         return report
 
     def run_due(self) -> Report | None:

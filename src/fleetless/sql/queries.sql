@@ -236,12 +236,6 @@ RETURNING status;
 SELECT id FROM {schema}.jobs
 WHERE id = ANY(%(ids)s::bigint[]) AND status = 'running' AND cancel_requested_at IS NOT NULL;
 
--- name: run_now
--- Operator hurry: a pending job becomes due now (a retry's backoff or a delay is skipped).
-UPDATE {schema}.jobs SET run_after = now()
-WHERE id = %(id)s AND status = 'pending'
-RETURNING id;
-
 -- name: delete
 -- Operator delete of a finished job, with its attempt history (ON DELETE CASCADE). Pending and
 -- running jobs are cancelled first, so that no drainer is ever left holding a deleted row.
@@ -498,3 +492,51 @@ ORDER BY kind, bucket;
 UPDATE {schema}.jobs SET run_after = now()
 WHERE id = %(id)s AND status = 'pending'
 RETURNING id;
+
+-- name: schedule_add
+-- Add a schedule, or change one of the same name (its enqueued occurrences stay recorded).
+INSERT INTO {schema}.schedules AS s (name, cron, timezone, kind, payload, queue, max_attempts, priority,
+                                     timeout_seconds)
+VALUES (%(name)s, %(cron)s, %(timezone)s, %(kind)s, %(payload)s, %(queue)s, %(max_attempts)s,
+        %(priority)s, %(timeout)s)
+ON CONFLICT (name) DO UPDATE SET cron = EXCLUDED.cron, timezone = EXCLUDED.timezone, kind = EXCLUDED.kind,
+  payload = EXCLUDED.payload, queue = EXCLUDED.queue, max_attempts = EXCLUDED.max_attempts,
+  priority = EXCLUDED.priority, timeout_seconds = EXCLUDED.timeout_seconds
+RETURNING (xmax = 0) AS created;
+
+-- name: schedule_remove
+DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
+
+-- name: schedules
+-- Every schedule with its latest enqueued occurrence (where catch-up starts) and the database's
+-- clock (the one every drainer shares). One query: a drain with no schedules pays only this.
+SELECT s.name, s.cron, s.timezone, s.kind, s.payload, s.queue, s.max_attempts, s.priority,
+       s.timeout_seconds, s.created_at,
+       (SELECT max(t.tick) FROM {schema}.schedule_ticks t WHERE t.schedule = s.name) AS last_tick,
+       now() AS now
+FROM {schema}.schedules s
+ORDER BY s.name;
+
+-- name: enqueue_ticks
+-- The scheduler: record each due occurrence and enqueue its job, in one statement. A (schedule,
+-- tick) another drainer recorded first conflicts and enqueues nothing here, so each occurrence
+-- becomes exactly one job however many drainers race. The job is due at its tick. Occurrences
+-- older than the catch-up window are never enqueued again, so their rows are dropped here too.
+WITH due AS (
+  SELECT * FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[]) AS d(schedule, tick)
+), won AS (
+  INSERT INTO {schema}.schedule_ticks (schedule, tick)
+  SELECT schedule, tick FROM due
+  ON CONFLICT DO NOTHING
+  RETURNING schedule, tick
+), jobs AS (
+  INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+  SELECT s.kind, s.payload, s.max_attempts, w.tick, s.queue, s.priority, s.timeout_seconds
+  FROM won w JOIN {schema}.schedules s ON s.name = w.schedule
+  RETURNING id, queue
+), notified AS (
+  SELECT count(*) AS n, count(pg_notify(%(channel)s, queue)) FROM jobs
+), forgotten AS (
+  DELETE FROM {schema}.schedule_ticks WHERE tick < %(forget_before)s
+)
+SELECT n FROM notified;

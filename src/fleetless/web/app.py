@@ -120,7 +120,7 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
                               flash_bad=problem is not None)
         return html(request, f"job {job_id}", body)
 
-    def action(name: str, call: Callable[[int], None]) -> Callable[[Request], Any]:
+    def action(name: str, call: Callable[[int], object]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
             job_id = _job_id(request)
             if not auth.writable:

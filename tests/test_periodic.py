@@ -1,0 +1,166 @@
+"""Periodic jobs: schedules in the table, occurrences enqueued exactly once by racing drainers,
+bounded catch-up, DST as cronsim defines it, and the CLI."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.maintenance import scheduler
+from fleetless.periodic import Schedule, occurrences
+
+UTC = dt.UTC
+PARIS = ZoneInfo("Europe/Paris")
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+@pytest.fixture(autouse=True)
+def no_schedules(queue: Queue, sql) -> None:
+    sql("DELETE FROM fleetless.schedules")
+
+
+def add(q: Queue, run_sql, created: dt.datetime, /, **fields: object) -> Schedule:
+    fields.setdefault("name", "every-5")
+    fields.setdefault("cron", "*/5 * * * *")
+    fields.setdefault("kind", "tick")
+    fields.setdefault("payload", {"n": 1})
+    sched = Schedule(**fields)  # type: ignore[arg-type]
+    q.add_schedule(sched)
+    run_sql("UPDATE fleetless.schedules SET created_at = %s WHERE name = %s", created, sched.name)
+    return sched
+
+
+def local(*args: int, fold: int = 0) -> dt.datetime:
+    return dt.datetime(*args, tzinfo=PARIS, fold=fold)  # type: ignore[misc]
+
+
+def test_a_time_skipped_by_spring_forward_runs_at_the_end_of_the_gap() -> None:
+    s = Schedule(name="n", cron="30 2 * * *", kind="k", payload={}, timezone="Europe/Paris")
+    ticks, skipped = occurrences(s, local(2026, 3, 27, 12, 0), local(2026, 3, 31, 12, 0), 10)
+    assert [t.astimezone(PARIS).isoformat() for t in ticks] == [
+        "2026-03-28T02:30:00+01:00", "2026-03-29T03:00:00+02:00", "2026-03-30T02:30:00+02:00",
+        "2026-03-31T02:30:00+02:00"]
+    assert skipped == 0
+
+
+def test_a_daily_time_repeated_by_fall_back_runs_once_and_a_half_hourly_one_runs_in_both_passes() -> None:
+    daily = Schedule(name="n", cron="30 2 * * *", kind="k", payload={}, timezone="Europe/Paris")
+    ticks, _ = occurrences(daily, local(2026, 10, 24, 12, 0), local(2026, 10, 26, 12, 0), 10)
+    assert [t.astimezone(PARIS).isoformat() for t in ticks] == [
+        "2026-10-25T02:30:00+02:00", "2026-10-26T02:30:00+01:00"]
+    half = Schedule(name="n", cron="*/30 * * * *", kind="k", payload={}, timezone="Europe/Paris")
+    ticks, _ = occurrences(half, local(2026, 10, 25, 1, 0), local(2026, 10, 25, 3, 30), 20)
+    assert [t.astimezone(PARIS).isoformat() for t in ticks] == [
+        "2026-10-25T01:30:00+02:00", "2026-10-25T02:00:00+02:00", "2026-10-25T02:30:00+02:00",
+        "2026-10-25T02:00:00+01:00", "2026-10-25T02:30:00+01:00", "2026-10-25T03:00:00+01:00",
+        "2026-10-25T03:30:00+01:00"]
+
+
+def test_due_occurrences_are_enqueued_once_each_due_at_their_tick(queue: Queue, sql) -> None:
+    created = dt.datetime(2026, 6, 1, 10, 0, 30, tzinfo=UTC)
+    add(queue, sql, created, payload={"report": "daily"}, queue="reports", priority=3)
+    now = created + dt.timedelta(hours=1)
+    assert scheduler.run_once(queue, now=now) == scheduler.Result(enqueued=10, skipped=2)
+    assert scheduler.run_once(queue, now=now) == scheduler.Result()
+    assert scheduler.run_once(queue, now=now + dt.timedelta(minutes=5)).enqueued == 1
+    rows = sql("SELECT kind, payload, queue, priority, run_after FROM fleetless.jobs ORDER BY run_after")
+    assert [r[4] for r in rows] == [dt.datetime(2026, 6, 1, 10, m, tzinfo=UTC) for m in (15, 20, 25, 30, 35, 40,
+                                                                                       45, 50, 55)] + [
+        dt.datetime(2026, 6, 1, 11, m, tzinfo=UTC) for m in (0, 5)]
+    assert all(r[:4] == ("tick", {"report": "daily"}, "reports", 3) for r in rows)
+
+
+def test_catch_up_is_bounded_by_count_and_window(queue: Queue, sql) -> None:
+    created = dt.datetime(2026, 6, 1, 0, 0, tzinfo=UTC)
+    add(queue, sql, created, cron="0 * * * *")
+    now = created + dt.timedelta(days=3, minutes=1)  # 72 hourly occurrences missed
+    result = scheduler.run_once(queue, scheduler.Settings(max_catch_up=5, window=24 * 3600.0), now=now)
+    assert result == scheduler.Result(enqueued=5, skipped=19)  # 24 in the window, the latest 5 run
+    assert sql("SELECT max(run_after), min(run_after) FROM fleetless.jobs") == [
+        (dt.datetime(2026, 6, 4, 0, 0, tzinfo=UTC), dt.datetime(2026, 6, 3, 20, 0, tzinfo=UTC))]
+
+
+def test_racing_drainers_enqueue_each_occurrence_exactly_once(dsn: str, queue: Queue, sql) -> None:
+    created = dt.datetime(2026, 6, 1, 0, 0, tzinfo=UTC)
+    add(queue, sql, created, name="a", cron="* * * * *")
+    add(queue, sql, created, name="b", cron="*/2 * * * *", timezone="Europe/Paris")
+    n = 6
+    barrier = threading.Barrier(n)
+    results: list[scheduler.Result] = []
+
+    def drainer(offset: int) -> None:
+        q = Queue(dsn)
+        try:
+            barrier.wait()
+            for minute in [*range(0, 60, 3), 60]:
+                now = created + dt.timedelta(minutes=min(minute + offset % 2, 60))
+                results.append(scheduler.run_once(q, scheduler.Settings(max_catch_up=100), now=now))
+        finally:
+            q.close()
+
+    threads = [threading.Thread(target=drainer, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = 60 + 30  # (created, created + 60 min]: every minute for "a", even minutes for "b"
+    assert sum(r.enqueued for r in results) == expected
+    assert sql("SELECT count(*), count(DISTINCT run_after) FROM fleetless.jobs") == [(expected, 60)]
+    assert sql("SELECT count(*) FROM fleetless.schedule_ticks") == [(expected,)]
+
+
+def test_spring_forward_through_the_table(queue: Queue, sql) -> None:
+    add(queue, sql, local(2026, 3, 27, 12, 0).astimezone(UTC), cron="30 2 * * *", timezone="Europe/Paris")
+    result = scheduler.run_once(queue, scheduler.Settings(window=10 * 86400.0),
+                                now=local(2026, 3, 30, 12, 0).astimezone(UTC))
+    assert result.enqueued == 3
+    assert [r[0].astimezone(PARIS).isoformat() for r in sql("SELECT run_after FROM fleetless.jobs ORDER BY 1")] == [
+        "2026-03-28T02:30:00+01:00", "2026-03-29T03:00:00+02:00", "2026-03-30T02:30:00+02:00"]
+
+
+def test_a_drain_enqueues_due_occurrences_and_runs_them(queue: Queue, sql, handlers) -> None:
+    h = handlers(**{"tick.py": "print('tick')"})
+    add(queue, sql, dt.datetime.now(UTC) - dt.timedelta(minutes=3, seconds=30), cron="* * * * *")
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2)).run()
+    assert summary.scheduled == 3 and summary.done == 3
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("done", 3)]
+
+
+def test_bad_schedules_are_one_line_errors() -> None:
+    with pytest.raises(ValueError, match="invalid cron expression '61 \\* \\* \\* \\*': Bad minute"):
+        Schedule(name="x", cron="61 * * * *", kind="k", payload={})
+    with pytest.raises(ValueError, match="unknown time zone 'Mars/Olympus'"):
+        Schedule(name="x", cron="* * * * *", kind="k", payload={}, timezone="Mars/Olympus")
+    with pytest.raises(ValueError, match="invalid schedule name"):
+        Schedule(name="bad name", cron="* * * * *", kind="k", payload={})
+
+
+def test_cli_schedule_add_list_remove(dsn: str, queue: Queue, fleetless, sql) -> None:
+    r = fleetless("schedule", "add", "nightly", "render-report", '{"r": 1}', "--cron", "0 3 * * *",
+                  "--timezone", "Europe/Paris", "--queue", "reports", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("schedule nightly added; next: ") and r.stdout.rstrip().endswith(":00+00:00")
+    listed = json.loads(fleetless("schedule", "list", "--json", dsn=dsn).stdout)
+    assert [(s["name"], s["cron"], s["timezone"], s["kind"], s["queue"], s["payload"], s["last"])
+            for s in listed] == [("nightly", "0 3 * * *", "Europe/Paris", "render-report", "reports", {"r": 1}, None)]
+    assert dt.datetime.fromisoformat(listed[0]["next"]).astimezone(PARIS).hour == 3
+    text = fleetless("schedule", "list", dsn=dsn).stdout.splitlines()
+    assert text[0].split()[:3] == ["name", "cron", "timezone"] and text[1].startswith("nightly")
+    bad = fleetless("schedule", "add", "x", "k", "--cron", "* * *", dsn=dsn)
+    assert bad.returncode == 1 and bad.stderr.startswith("fleetless: error: invalid cron expression")
+    assert fleetless("schedule", "remove", "nightly", dsn=dsn).stdout.strip() == "schedule nightly removed"
+    gone = fleetless("schedule", "remove", "nightly", dsn=dsn)
+    assert gone.returncode == 1 and gone.stderr.strip() == "fleetless: error: no schedule named 'nightly'"
