@@ -135,8 +135,8 @@ def test_a_drain_enqueues_due_occurrences_and_runs_them(queue: Queue, sql, handl
     h = handlers(**{"tick.py": "print('tick')"})
     add(queue, sql, dt.datetime.now(UTC) - dt.timedelta(minutes=3, seconds=30), cron="* * * * *")
     summary = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2)).run()
-    assert summary.scheduled == 3 and summary.done == 3
-    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("done", 3)]
+    assert summary.scheduled == summary.done in (3, 4)  # 3.5 minutes hold 3 or 4 minute ticks
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("done", summary.done)]
 
 
 def test_bad_schedules_are_one_line_errors() -> None:
