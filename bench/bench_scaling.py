@@ -6,7 +6,9 @@ Each drainer is a process of its own with one ``Queue`` (one connection, as ``fl
 holds), looping over no-op jobs with no sandbox, through the Python API, in two modes:
   per-job: ``claim(1)`` then ``complete(job)``: two statements (two commits) per job, what a
            per-job drain's slot does;
-  batch:   ``claim(100)`` then one ``finish_many`` for the batch, what batch mode does.
+  batch:   ``claim(100)`` then one ``finish_many`` for the batch, what batch mode does;
+  per-job-prepared: per-job on a connection with psycopg's default server-side prepares (what
+           fleetless turned off for poolers), to show what turning them off costs.
 All drainers start together and run for ``--seconds``; the figure is the jobs finished in that
 window over its length. The table holds far more pending jobs than get claimed, refilled between
 runs. "direct" is the server at ``FLEETLESS_BENCH_PG``; "pgbouncer" is a private PgBouncer in
@@ -46,7 +48,11 @@ APP = "fleetless-bench-drainer"
 
 def worker(dsn: str, mode: str, seconds: float) -> None:
     """One drainer: connect, say so, wait for the go, then claim and finish until time is up."""
-    queue = Queue(dsn)
+    if mode.endswith("-prepared"):  # psycopg's default: server-side prepare on the fifth run
+        mode = mode.removesuffix("-prepared")
+        queue = Queue(psycopg.connect(dsn, autocommit=True, prepare_threshold=5))
+    else:
+        queue = Queue(dsn)  # as fleetless connects: never prepared
     queue.stats()  # connected before the clock starts
     print("ready", flush=True)
     sys.stdin.readline()
@@ -157,6 +163,8 @@ def main() -> None:
     ap.add_argument("--pool-size", type=int, default=4)
     ap.add_argument("--modes", default="per-job,batch")
     ap.add_argument("--refill", type=int, default=60_000)
+    ap.add_argument("--routes", default="direct,pgbouncer",
+                    help="per-job-prepared fails through PgBouncer 1.18: run it with --routes direct")
     args = ap.parse_args()
     counts = [int(x) for x in args.drainers.split(",")]
     modes = args.modes.split(",")
@@ -176,11 +184,12 @@ def main() -> None:
                                    pool_mode="transaction").start()
         try:
             routes = {"direct": (dsn, None), "pgbouncer": (bouncer.dsn(dbname), bouncer.dsn("pgbouncer"))}
+            routes = {k: v for k, v in routes.items() if k in args.routes.split(",")}
             for rep in range(args.reps):
                 for mode in modes:
                     for via, (route, admin) in routes.items():
                         for k in counts:
-                            refill(dsn, args.refill if mode == "batch" else args.refill // 10)
+                            refill(dsn, args.refill if mode.startswith("batch") else args.refill // 10)
                             r = run_once(route, dsn, admin, dbname, k, mode, args.seconds)
                             results.setdefault((mode, via, k), []).append(r)
                             print(f"rep {rep + 1} {mode:8} {via:9} {k:2} drainers: {r[0]:8.0f} jobs/s, "
@@ -195,7 +204,8 @@ def main() -> None:
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for mode in modes:
         for k in counts:
-            d, b = results[(mode, "direct", k)], results[(mode, "pgbouncer", k)]
+            d = results[(mode, "direct", k)]
+            b = results.get((mode, "pgbouncer", k), [(float("nan"), 0)])
             dr, br = median([x[0] for x in d]), median([x[0] for x in b])
             print(f"| {mode} | {k} | {dr:.0f} | {spread([x[0] for x in d])} | {max(x[1] for x in d)} "
                   f"| {br:.0f} | {spread([x[0] for x in b])} | {max(x[1] for x in b)} "
