@@ -88,7 +88,7 @@ def test_overview_counts_running_and_per_minute_from_the_table(queue: Queue, sql
     o = Insights(queue).overview(hours=1)
     assert o.total == 5
     assert o.by_status == {"pending": 2, "running": 1, "done": 1, "dead": 1, "cancelled": 0}
-    assert o.by_queue["mail"] == {"pending": 2} and sum(o.by_queue["default"].values()) == 3
+    assert o.by_queue == {"mail": {"pending": 2}, "default": {"running": 1}}  # live jobs by queue
     assert o.by_kind["b"] == {"pending": 2}
     (running,) = o.running
     assert (running["id"], running["claimed_by"], running["tier"]) == (job.id, "host-1:42", "bwrap")
@@ -98,21 +98,40 @@ def test_overview_counts_running_and_per_minute_from_the_table(queue: Queue, sql
     assert o.oldest_due_age_seconds is not None and o.oldest_due_age_seconds >= 0
 
 
-def test_metrics_histogram_counts_every_finished_job_by_kind(queue: Queue, sql: Any) -> None:
-    queue.enqueue_many([("a", {})] * 4 + [("b", {})])
-    sql("UPDATE fleetless.jobs SET status = 'done', started_at = now() - make_interval(secs => id * 20),"
-        " finished_at = now() WHERE kind = 'a'")
-    sql("UPDATE fleetless.jobs SET status = 'dead', started_at = now() - interval '3 seconds',"
-        " finished_at = now() WHERE kind = 'b'")
+def test_metrics_count_every_ended_attempt_by_kind_even_after_pruning(queue: Queue, sql: Any) -> None:
+    ids = queue.enqueue_many([("a", {})] * 4 + [("b", {})])
+    for job in queue.claim(5):
+        sql("UPDATE fleetless.jobs SET started_at = now() - make_interval(secs => %s) WHERE id = %s",
+            job.id * 20, job.id)
+        if job.kind == "a":
+            queue.complete(job)
+        else:
+            queue.fail(job, "exit code 1: boom", delay=0)  # attempts left: retry
     m = Insights(queue).metrics()
-    cumulative, total_seconds, n = m.durations["a"]
-    assert n == 4 and 199 <= total_seconds <= 201  # 20 + 40 + 60 + 80
+    cumulative, total_seconds, n = m.durations[("a", "done")]
+    assert n == 4 and 199 <= total_seconds <= 202  # 20 + 40 + 60 + 80
     by_bound = dict(zip(DURATION_BUCKETS, cumulative, strict=True))
-    assert (by_bound[10], by_bound[30], by_bound[60], by_bound[120]) == (0, 1, 2, 4)
-    assert m.durations["b"][2] == 1
-    assert ("a", "done", 4) in m.finished and ("b", "dead", 1) in m.finished
-    assert m.oldest_due_age == {}
-    assert sorted(m.jobs) == [("default", "a", "done", 4), ("default", "b", "dead", 1)]
+    assert (by_bound[10], by_bound[30], by_bound[60], by_bound[120]) == (0, 1, 2, 4)  # 60 s and a little is above 60
+    assert m.durations[("b", "retry")][2] == 1
+    assert m.finished == [("a", "done", 4), ("b", "retry", 1)]
+    assert sql("SELECT count(*) FROM fleetless.attempt_totals") == [(0,)]  # too recent to fold yet
+    assert m.jobs == [("default", "b", "pending", 1)] and m.kept == [("a", "done", 4)]
+    assert m.oldest_due_age.keys() == {"default"}
+
+    # Older attempts are folded into the running totals; pruning their jobs does not lower them.
+    sql("UPDATE fleetless.job_attempts SET finished_at = now() - interval '1 hour'")
+    assert Insights(queue).metrics().finished == m.finished
+    assert sql("SELECT sum(n) FROM fleetless.attempt_totals") == [(5,)]
+    sql("DELETE FROM fleetless.jobs WHERE kind = 'a'")
+    queue.complete(queue.claim(1)[0])  # b, attempt 2: not folded, read live
+    after = Insights(queue).metrics()
+    assert after.finished == [("a", "done", 4), ("b", "done", 1), ("b", "retry", 1)]
+    assert after.durations[("a", "done")] == m.durations[("a", "done")]
+    # A fold from a stale mark (another scrape folded first) changes nothing.
+    before = sql("SELECT kind, outcome, bound, n FROM fleetless.attempt_totals ORDER BY 1, 2, 3")
+    queue.query("fold_attempt_totals", {"lock": 1, "margin": 0, "batch": 10, "bounds": [1.0], "after": 0})
+    assert sql("SELECT kind, outcome, bound, n FROM fleetless.attempt_totals ORDER BY 1, 2, 3") == before
+    assert ids
 
 
 class Recorder(NullReporter):

@@ -125,11 +125,14 @@ def test_metrics_are_read_from_the_table(queue: Queue, sql: Any, fleetless: Any,
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
     assert samples[("fleetless_jobs", (("kind", "mail"), ("queue", "urgent"), ("status", "pending")))] == 1
     assert samples[("fleetless_running_jobs", (("kind", "thumbnail"),))] == len(running) == 1
+    assert samples[("fleetless_finished_jobs", (("kind", "thumbnail"), ("status", "done")))] == 1
     assert samples[("fleetless_oldest_due_job_age_seconds", (("queue", "urgent"),))] >= 299
-    assert samples[("fleetless_jobs_finished_total", (("kind", "render-invoice"), ("outcome", "dead")))] == 1
-    assert samples[("fleetless_job_duration_seconds_bucket", (("kind", "thumbnail"), ("le", "2.5")))] == 0
-    assert samples[("fleetless_job_duration_seconds_bucket", (("kind", "thumbnail"), ("le", "5.0")))] == 1
-    assert samples[("fleetless_job_duration_seconds_count", (("kind", "thumbnail"),))] == 1
+    assert samples[("fleetless_attempts_finished_total", (("kind", "render-invoice"), ("outcome", "dead")))] == 1
+    thumbnail_done = (("kind", "thumbnail"), ("outcome", "done"))
+    bucket = "fleetless_attempt_duration_seconds_bucket"
+    assert samples[(bucket, (("kind", "thumbnail"), ("le", "2.5"), ("outcome", "done")))] == 0
+    assert samples[(bucket, (("kind", "thumbnail"), ("le", "5.0"), ("outcome", "done")))] == 1
+    assert samples[("fleetless_attempt_duration_seconds_count", thumbnail_done)] == 1
     printed = fleetless("metrics", dsn=dsn)
     assert printed.returncode == 0 and "fleetless_jobs{" in printed.stdout
     assert done

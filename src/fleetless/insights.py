@@ -131,7 +131,7 @@ class Overview:
     total: int
     by_status: dict[str, int]
     by_kind: dict[str, dict[str, int]]
-    by_queue: dict[str, dict[str, int]]
+    by_queue: dict[str, dict[str, int]]  # pending and running jobs only
     oldest_due_age_seconds: float | None
     next_due_in_seconds: float | None
     running: list[dict[str, Any]]
@@ -142,11 +142,19 @@ class Overview:
 class MetricsSnapshot:
     """Everything ``/metrics`` exposes, read in a few aggregate queries."""
 
-    jobs: list[tuple[str, str, str, int]]  # (queue, kind, status, n)
+    jobs: list[tuple[str, str, str, int]]  # (queue, kind, status, n) of pending and running jobs
+    kept: list[tuple[str, str, int]]  # (kind, status, n) of finished jobs still in the table
     oldest_due_age: dict[str, float]  # queue -> seconds
-    finished: list[tuple[str, str, int]]  # (kind, outcome, n) for done / dead / cancelled rows
-    durations: dict[str, tuple[list[int], float, int]] = field(default_factory=dict)
-    # kind -> (cumulative count per DURATION_BUCKETS bound, sum of seconds, count)
+    finished: list[tuple[str, str, int]]  # (kind, outcome, n): every ended attempt, ever
+    durations: dict[tuple[str, str], tuple[list[int], float, int]] = field(default_factory=dict)
+    # (kind, outcome) -> (cumulative count per DURATION_BUCKETS bound, sum of seconds, count)
+
+
+#: Attempts that ended at least this long ago are folded into the running totals; see
+#: ``fold_attempt_totals`` in queries.sql for why this margin makes the fold exact.
+FOLD_MARGIN_SECONDS = 600
+FOLD_BATCH = 500_000
+_FOLD_LOCK = 0x666C6D6574
 
 
 class Insights:
@@ -221,8 +229,9 @@ class Insights:
             by_status[r["status"]] += r["n"]
             kind = by_kind.setdefault(r["kind"], {})
             kind[r["status"]] = kind.get(r["status"], 0) + r["n"]
-            q = by_queue.setdefault(r["queue"], {})
-            q[r["status"]] = q.get(r["status"], 0) + r["n"]
+            if r["queue"] is not None:  # pending and running only: see insight_counts
+                q = by_queue.setdefault(r["queue"], {})
+                q[r["status"]] = q.get(r["status"], 0) + r["n"]
         stats = self.queue.query("pending_times", {})[0]
         return Overview(
             total=sum(by_status.values()),
@@ -238,34 +247,43 @@ class Insights:
     # -- metrics ---------------------------------------------------------------------------
 
     def metrics(self) -> MetricsSnapshot:
+        """Jobs by queue, kind and status; the oldest due job per queue; every ended attempt by
+        kind and outcome with its duration histogram, from the attempt history's running totals."""
+        bounds = [float(b) for b in DURATION_BUCKETS]
+        after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
+        self.queue.query("fold_attempt_totals", {"lock": _FOLD_LOCK, "margin": FOLD_MARGIN_SECONDS,
+                                                 "batch": FOLD_BATCH, "bounds": bounds, "after": after})
         counts = self.queue.query("insight_counts", {})
         oldest = self.queue.query("insight_oldest_due_by_queue", {})
-        durations: dict[str, tuple[list[int], float, int]] = {}
-        per_bucket: dict[str, list[int]] = {}
-        sums: dict[str, float] = {}
-        for r in self.queue.query("insight_durations", {"bounds": [float(b) for b in DURATION_BUCKETS]}):
-            counts_of = per_bucket.setdefault(r["kind"], [0] * (len(DURATION_BUCKETS) + 1))
-            counts_of[int(r["bucket"])] += int(r["n"])
-            sums[r["kind"]] = sums.get(r["kind"], 0.0) + float(r["sum_seconds"] or 0.0)
-        for kind, counts_of in per_bucket.items():
-            cumulative, running_total = [], 0
-            for n in counts_of[:-1]:  # bucket i holds durations below bound i (and at or above i-1)
-                running_total += n
-                cumulative.append(running_total)
-            durations[kind] = (cumulative, sums[kind], sum(counts_of))
-        finished = [
-            (r["kind"], r["status"], int(r["n"]))
-            for r in counts if r["status"] in (Status.DONE, Status.DEAD, Status.CANCELLED)
-        ]
-        merged: dict[tuple[str, str], int] = {}
-        for kind, outcome, n in finished:
-            merged[(kind, outcome)] = merged.get((kind, outcome), 0) + n
+        finished: dict[tuple[str, str], int] = {}
+        per_bound: dict[tuple[str, str], dict[float, int]] = {}
+        sums: dict[tuple[str, str], float] = {}
+        for r in self._attempt_totals(bounds):
+            key = (r["kind"], r["outcome"])
+            finished[key] = finished.get(key, 0) + int(r["n"])
+            if r["bound"] >= 0:
+                by = per_bound.setdefault(key, {})
+                by[r["bound"]] = by.get(r["bound"], 0) + int(r["n"])
+                sums[key] = sums.get(key, 0.0) + float(r["seconds"])
+        durations: dict[tuple[str, str], tuple[list[int], float, int]] = {}
+        for key, by in per_bound.items():
+            cumulative = [sum(n for bound, n in by.items() if bound <= le) for le in bounds]
+            durations[key] = (cumulative, sums[key], sum(by.values()))
         return MetricsSnapshot(
-            jobs=[(r["queue"], r["kind"], r["status"], int(r["n"])) for r in counts],
+            jobs=[(r["queue"], r["kind"], r["status"], int(r["n"])) for r in counts if r["queue"] is not None],
+            kept=[(r["kind"], r["status"], int(r["n"])) for r in counts if r["queue"] is None],
             oldest_due_age={r["queue"]: float(r["age_seconds"]) for r in oldest},
-            finished=[(k, o, n) for (k, o), n in sorted(merged.items())],
+            finished=[(kind, outcome, n) for (kind, outcome), n in sorted(finished.items())],
             durations=durations,
         )
+
+    def _attempt_totals(self, bounds: list[float]) -> list[dict[str, Any]]:
+        """The totals plus the unfolded tail, read again if a concurrent fold moved the mark."""
+        while True:
+            after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
+            rows = self.queue.query("attempt_totals", {"bounds": bounds, "after": after})
+            if not rows or rows[0]["mark"] == after:
+                return rows
 
 
 __all__ += ["HEAD_CHARS", "JobNotFound"]

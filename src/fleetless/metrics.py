@@ -29,7 +29,7 @@ class TableCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         snap = self.insights.metrics()
-        jobs = GaugeMetricFamily("fleetless_jobs", "Jobs in the table by queue, kind and status.",
+        jobs = GaugeMetricFamily("fleetless_jobs", "Pending and running jobs by queue, kind and status.",
                                  labels=["queue", "kind", "status"])
         running: dict[str, int] = {}
         for queue, kind, status, n in snap.jobs:
@@ -37,6 +37,12 @@ class TableCollector(Collector):
             if status == Status.RUNNING:
                 running[kind] = running.get(kind, 0) + n
         yield jobs
+        kept = GaugeMetricFamily("fleetless_finished_jobs",
+                                 "Finished jobs (done, dead, cancelled) still in the table, by kind and status.",
+                                 labels=["kind", "status"])
+        for kind, status, n in snap.kept:
+            kept.add_metric([kind, status], n)
+        yield kept
         oldest = GaugeMetricFamily("fleetless_oldest_due_job_age_seconds",
                                    "How long the oldest due, unclaimed job of each queue has waited.",
                                    labels=["queue"])
@@ -48,19 +54,19 @@ class TableCollector(Collector):
             run.add_metric([kind], n)
         yield run
         finished = CounterMetricFamily(
-            "fleetless_jobs_finished", "Jobs finished for good (done, dead, cancelled) still in the table, "
-            "by kind and outcome; pruning lowers it (Prometheus reads that as a counter reset).",
+            "fleetless_attempts_finished", "Attempts that ended, by kind and outcome (done, retry, dead, "
+            "released, expired, cancelled), from the attempt history; pruning does not lower it.",
             labels=["kind", "outcome"])
         for kind, outcome, n in snap.finished:
             finished.add_metric([kind, outcome], n)
         yield finished
-        hist = HistogramMetricFamily("fleetless_job_duration_seconds",
-                                     "From claim to outcome, of done and dead jobs still in the table.",
-                                     labels=["kind"])
-        for kind, (cumulative, total, count) in sorted(snap.durations.items()):
+        hist = HistogramMetricFamily("fleetless_attempt_duration_seconds",
+                                     "From claim to outcome, of every attempt that ended, by kind and outcome.",
+                                     labels=["kind", "outcome"])
+        for (kind, outcome), (cumulative, total, count) in sorted(snap.durations.items()):
             buckets = [(_bound(b), float(c)) for b, c in zip(DURATION_BUCKETS, cumulative, strict=True)]
             buckets.append(("+Inf", float(count)))
-            hist.add_metric([kind], buckets, total)
+            hist.add_metric([kind, outcome], buckets, total)
         yield hist
 
 
