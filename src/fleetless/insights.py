@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .job import Status, validate_kind, validate_queue_name
+from .job import Status
 from .queue import JobNotFound, Queue
 
 __all__ = [
@@ -180,18 +180,7 @@ class Insights:
     ) -> list[dict[str, Any]]:
         """Jobs newest first, ``limit`` at a time; ``before`` (an id) pages on. Each row has
         ``error_head``, the first line of its ``last_error``."""
-        if status is not None and status not in {s.value for s in Status}:
-            raise ValueError(f"unknown status {status!r} (one of {', '.join(s.value for s in Status)})")
-        if kind is not None:
-            validate_kind(kind)
-        if queue is not None:
-            validate_queue_name(queue)
-        if not 1 <= limit <= 100_000:
-            raise ValueError("limit must be from 1 to 100000")
-        rows = self.queue.query(
-            "insight_jobs",
-            {"status": status, "kind": kind, "queue": queue, "limit": limit, "before": before},
-        )
+        rows = self.queue.list(status=status, kind=kind, queue=queue, limit=limit, before=before)
         for row in rows:
             row["error_head"] = error_head(row.pop("last_error"))
         return rows

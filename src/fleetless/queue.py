@@ -576,8 +576,10 @@ class Queue:
         return rows
 
     def list(
-        self, *, status: str | None = None, kind: str | None = None, queue: str | None = None, limit: int = 50
+        self, *, status: str | None = None, kind: str | None = None, queue: str | None = None, limit: int = 50,
+        before: int | None = None,
     ) -> list[dict[str, Any]]:
+        """Jobs newest first, ``limit`` at a time; ``before`` (an id) gives the next page."""
         if status is not None and status not in {s.value for s in Status}:
             raise ValueError(f"unknown status {status!r} (one of {', '.join(s.value for s in Status)})")
         if kind is not None:
@@ -586,7 +588,9 @@ class Queue:
             validate_queue_name(queue)
         if not 1 <= limit <= 100_000:
             raise ValueError("limit must be from 1 to 100000")
-        return self._run("list", {"status": status, "kind": kind, "queue": queue, "limit": limit})
+        if before is not None:
+            _job_id(before)
+        return self._run("list", {"status": status, "kind": kind, "queue": queue, "limit": limit, "before": before})
 
     def stats(self) -> dict[str, Any]:
         """Counts by status and by kind, the oldest due job's wait, and when the next is due."""

@@ -259,13 +259,15 @@ SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_a
 FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: list
--- Newest first; filters are optional.
+-- Newest first; filters are optional. Keyset paging on id (before), so page 1,000 costs what page
+-- 1 does. The whole last_error (at most 2,000 characters) comes back so its first line can be shown.
 SELECT id, kind, queue, status, priority, attempts, max_attempts, run_after, created_at,
-       finished_at, left(last_error, 200) AS last_error
+       finished_at, last_error
 FROM {schema}.jobs
 WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
   AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
+  AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
 ORDER BY id DESC
 LIMIT %(limit)s;
 
@@ -420,19 +422,6 @@ FROM {schema}.jobs
 WHERE status = 'pending' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]));
 
 -- The read service (fleetless.insights): what the CLI's reports, the dashboard and /metrics show.
-
--- name: insight_jobs
--- A page of jobs, newest first: keyset paging on id (before), so page 1,000 costs what page 1
--- does. The whole last_error (at most 2,000 characters) comes back so its first line can be shown.
-SELECT id, kind, queue, status, priority, attempts, max_attempts, run_after, created_at,
-       finished_at, last_error
-FROM {schema}.jobs
-WHERE (%(status)s::text IS NULL OR status = %(status)s::text)
-  AND (%(kind)s::text IS NULL OR kind = %(kind)s::text)
-  AND (%(queue)s::text IS NULL OR queue = %(queue)s::text)
-  AND (%(before)s::bigint IS NULL OR id < %(before)s::bigint)
-ORDER BY id DESC
-LIMIT %(limit)s;
 
 -- name: insight_counts
 -- Jobs by queue, kind and status for the live ones (pending, running: few, read through their
