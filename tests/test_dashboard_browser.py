@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,9 @@ def test_retry_a_dead_job_from_the_browser_with_the_token(queue: Queue, sql: Any
     assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", dead) == [("pending",)]
     page.goto(url + "/jobs?status=pending")
     assert f"/jobs/{dead}" in page.inner_html("#jobs")
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as answer:  # the same server's /metrics
+        assert answer.status == 200 and b'fleetless_jobs{kind="send-email",queue="default",status="pending"} 1.0' in \
+            answer.read()
 
 
 def test_without_a_token_the_browser_cannot_act(queue: Queue, sql: Any, serve: Callable[..., str],

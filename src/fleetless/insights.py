@@ -153,7 +153,7 @@ class MetricsSnapshot:
 #: Attempts that ended at least this long ago are folded into the running totals; see
 #: ``fold_attempt_totals`` in queries.sql for why this margin makes the fold exact.
 FOLD_MARGIN_SECONDS = 600
-FOLD_BATCH = 500_000
+FOLD_BATCH = 200_000
 _FOLD_LOCK = 0x666C6D6574
 
 
@@ -241,7 +241,8 @@ class Insights:
         bounds = [float(b) for b in DURATION_BUCKETS]
         after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
         self.queue.query("fold_attempt_totals", {"lock": _FOLD_LOCK, "margin": FOLD_MARGIN_SECONDS,
-                                                 "batch": FOLD_BATCH, "bounds": bounds, "after": after})
+                                                 "batch": FOLD_BATCH, "after": after, **_bucket_params(bounds)},
+                         prepare=False)
         counts = self.queue.query("insight_counts", {})
         oldest = self.queue.query("insight_oldest_due_by_queue", {})
         finished: dict[tuple[str, str], int] = {}
@@ -270,9 +271,13 @@ class Insights:
         """The totals plus the unfolded tail, read again if a concurrent fold moved the mark."""
         while True:
             after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
-            rows = self.queue.query("attempt_totals", {"bounds": bounds, "after": after})
+            rows = self.queue.query("attempt_totals", {"after": after, **_bucket_params(bounds)}, prepare=False)
             if not rows or rows[0]["mark"] == after:
                 return rows
+
+
+def _bucket_params(bounds: list[float]) -> dict[str, list[float]]:
+    return {"bounds": bounds, "negated": [-b for b in reversed(bounds)]}
 
 
 __all__ += ["HEAD_CHARS", "JobNotFound"]

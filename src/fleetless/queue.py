@@ -155,15 +155,19 @@ class Queue:
                 raise
 
     def _run(
-        self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None
+        self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None,
+        *, prepare: bool | None = None,
     ) -> list[dict[str, Any]]:
         with self._connection(conn) as c, c.cursor(row_factory=dict_row) as cur:
-            cur.execute(self._q[name], params)
+            cur.execute(self._q[name], params, prepare=prepare)
             return cur.fetchall() if cur.description else []
 
-    def query(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
-        """Run one named read query of ``sql/queries.sql``: the read service's (``insights``) way in."""
-        return self._run(name, params or {})
+    def query(
+        self, name: str, params: Mapping[str, Any] | None = None, *, prepare: bool | None = None
+    ) -> list[dict[str, Any]]:
+        """Run one named query of ``sql/queries.sql``: the read service's (``insights``) way in.
+        ``prepare=False``: plan it with these values every time (never a generic plan)."""
+        return self._run(name, params or {}, prepare=prepare)
 
     def close(self) -> None:
         with self._lock:

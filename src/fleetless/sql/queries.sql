@@ -480,10 +480,12 @@ SELECT last_id FROM {schema}.attempt_totals_mark;
 -- statement, so by then every smaller id is committed and visible, and none is skipped. One folder
 -- at a time (a try-lock, and the mark must still be %(after)s, the value the caller read: a
 -- concurrent scrape just reads). The mark is passed as a value, not read by a subquery, so the
--- planner sees how few attempts are new (with a subquery it guesses a third of the table and
--- spends a second compiling the plan). A job pruned before any fold counts under the kind
--- "(pruned)". The kind is looked up per attempt (a primary-key probe), never by joining the whole
--- jobs table. At most %(batch)s ids per fold, so the first one on a long history stays short too.
+-- planner sees how few attempts are new (with a subquery, or a generic plan, it guesses a third
+-- of the table and spends a second JIT-compiling; the caller runs it unprepared). A job pruned
+-- before any fold counts under the kind "(pruned)". The bucket: width_bucket over the negated,
+-- reversed bounds counts the bounds >= the duration, which picks the smallest of them (exact at a
+-- bound, as Prometheus's "le"). At most %(batch)s ids per fold, so each scrape stays short while a
+-- long history is folded in.
 WITH mark AS (
   SELECT last_id FROM {schema}.attempt_totals_mark
   WHERE last_id = %(after)s AND pg_try_advisory_xact_lock(%(lock)s)
@@ -495,13 +497,14 @@ WITH mark AS (
     AND EXISTS (SELECT FROM mark)
   HAVING max(a.id) IS NOT NULL
 ), folded AS (
-  SELECT COALESCE((SELECT kind FROM {schema}.jobs WHERE id = a.job_id), '(pruned)') AS kind, a.outcome,
+  SELECT COALESCE(j.kind, '(pruned)') AS kind, a.outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
-              ELSE COALESCE((SELECT min(b) FROM unnest(%(bounds)s::float8[]) AS b WHERE b >= a.duration_seconds),
-                            'Infinity') END AS bound,
+              ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
+                            - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
          count(*) AS n, COALESCE(sum(a.duration_seconds), 0) AS seconds
   FROM {schema}.job_attempts a
   JOIN upto ON a.id > %(after)s AND a.id <= upto.id
+  LEFT JOIN {schema}.jobs j ON j.id = a.job_id
   GROUP BY 1, 2, 3
 ), added AS (
   INSERT INTO {schema}.attempt_totals AS t (kind, outcome, bound, n, seconds)
@@ -522,12 +525,13 @@ SELECT kind, outcome, bound, sum(n)::bigint AS n, sum(seconds)::float8 AS second
 FROM (
   SELECT kind, outcome, bound, n, seconds FROM {schema}.attempt_totals
   UNION ALL
-  SELECT COALESCE((SELECT kind FROM {schema}.jobs WHERE id = a.job_id), '(pruned)'), a.outcome,
+  SELECT COALESCE(j.kind, '(pruned)'), a.outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
-              ELSE COALESCE((SELECT min(b) FROM unnest(%(bounds)s::float8[]) AS b WHERE b >= a.duration_seconds),
-                            'Infinity') END,
+              ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
+                            - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END,
          1, COALESCE(a.duration_seconds, 0)
   FROM {schema}.job_attempts a
+  LEFT JOIN {schema}.jobs j ON j.id = a.job_id
   WHERE a.id > %(after)s
 ) AS t
 GROUP BY kind, outcome, bound
