@@ -239,10 +239,7 @@ class Insights:
         """Jobs by queue, kind and status; the oldest due job per queue; every ended attempt by
         kind and outcome with its duration histogram, from the attempt history's running totals."""
         bounds = [float(b) for b in DURATION_BUCKETS]
-        after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
-        self.queue.query("fold_attempt_totals", {"lock": _FOLD_LOCK, "margin": FOLD_MARGIN_SECONDS,
-                                                 "batch": FOLD_BATCH, "after": after, **_bucket_params(bounds)},
-                         prepare=False)
+        self._fold(bounds)
         counts = self.queue.query("insight_counts", {})
         oldest = self.queue.query("insight_oldest_due_by_queue", {})
         finished: dict[tuple[str, str], int] = {}
@@ -266,6 +263,14 @@ class Insights:
             finished=[(kind, outcome, n) for (kind, outcome), n in sorted(finished.items())],
             durations=durations,
         )
+
+    def _fold(self, bounds: list[float]) -> None:
+        """Bring the running totals up to the attempts that ended FOLD_MARGIN_SECONDS ago."""
+        after = self.queue.query("attempt_totals_mark")[0]["last_id"]
+        for row in self.queue.query("attempt_fold_upto", {"after": after, "margin": FOLD_MARGIN_SECONDS,
+                                                          "batch": FOLD_BATCH}, prepare=False):
+            self.queue.query("fold_attempt_totals", {"lock": _FOLD_LOCK, "after": after, "upto": row["upto"],
+                                                     **_bucket_params(bounds)}, prepare=False)
 
     def _attempt_totals(self, bounds: list[float]) -> list[dict[str, Any]]:
         """The totals plus the unfolded tail, read again if a concurrent fold moved the mark."""

@@ -473,29 +473,30 @@ ORDER BY m.minute;
 -- name: attempt_totals_mark
 SELECT last_id FROM {schema}.attempt_totals_mark;
 
+-- name: attempt_fold_upto
+-- /metrics: how far the next fold may go: the newest attempt that ended %(margin)s seconds ago or
+-- more. An attempt is written by one short statement, so by then every smaller id is committed and
+-- visible, and the fold skips none. At most %(batch)s past the mark, so each scrape stays short
+-- while a long history is folded in. No row: nothing to fold.
+SELECT LEAST(max(id), %(after)s + %(batch)s) AS upto
+FROM {schema}.job_attempts
+WHERE id > %(after)s AND finished_at < now() - make_interval(secs => %(margin)s)
+HAVING max(id) IS NOT NULL;
+
 -- name: fold_attempt_totals
--- /metrics: add the attempts that ended since the last fold to attempt_totals, so each scrape
--- reads the totals plus a short tail of job_attempts, never the whole history. Only ids up to the
--- newest attempt that ended %(margin)s seconds ago are folded: an attempt is written by one short
--- statement, so by then every smaller id is committed and visible, and none is skipped. One folder
--- at a time (a try-lock, and the mark must still be %(after)s, the value the caller read: a
--- concurrent scrape just reads). The mark is passed as a value, not read by a subquery, so the
--- planner sees how few attempts are new (with a subquery, or a generic plan, it guesses a third
--- of the table and spends a second JIT-compiling; the caller runs it unprepared). A job pruned
--- before any fold counts under the kind "(pruned)". The bucket: width_bucket over the negated,
--- reversed bounds counts the bounds >= the duration, which picks the smallest of them (exact at a
--- bound, as Prometheus's "le"). At most %(batch)s ids per fold, so each scrape stays short while a
--- long history is folded in.
+-- /metrics: add the attempts after the mark up to %(upto)s to attempt_totals, so each scrape reads
+-- the totals plus a short tail of job_attempts, never the whole history. One folder at a time (a
+-- try-lock), and only while the mark is still %(after)s, the value the caller read (a concurrent
+-- scrape that folded first wins; this one then changes nothing). Both ends are passed as values
+-- and the caller runs it unprepared, so the planner sees how many attempts are in the range (with
+-- a subquery or a generic plan it guesses a third of the table, joins the whole jobs table and
+-- JIT-compiles for a second). A job pruned before any fold counts under the kind "(pruned)". The
+-- bucket: width_bucket over the negated, reversed bounds counts the bounds >= the duration, which
+-- picks the smallest of them (exact at a bound, as Prometheus's "le").
 WITH mark AS (
   SELECT last_id FROM {schema}.attempt_totals_mark
   WHERE last_id = %(after)s AND pg_try_advisory_xact_lock(%(lock)s)
   FOR UPDATE
-), upto AS (
-  SELECT LEAST(max(a.id), %(after)s + %(batch)s) AS id
-  FROM {schema}.job_attempts a
-  WHERE a.id > %(after)s AND a.finished_at < now() - make_interval(secs => %(margin)s)
-    AND EXISTS (SELECT FROM mark)
-  HAVING max(a.id) IS NOT NULL
 ), folded AS (
   SELECT COALESCE(j.kind, '(pruned)') AS kind, a.outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
@@ -503,8 +504,8 @@ WITH mark AS (
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
          count(*) AS n, COALESCE(sum(a.duration_seconds), 0) AS seconds
   FROM {schema}.job_attempts a
-  JOIN upto ON a.id > %(after)s AND a.id <= upto.id
   LEFT JOIN {schema}.jobs j ON j.id = a.job_id
+  WHERE a.id > %(after)s AND a.id <= %(upto)s AND EXISTS (SELECT FROM mark)
   GROUP BY 1, 2, 3
 ), added AS (
   INSERT INTO {schema}.attempt_totals AS t (kind, outcome, bound, n, seconds)
@@ -512,7 +513,8 @@ WITH mark AS (
   ON CONFLICT (kind, outcome, bound)
   DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
 )
-UPDATE {schema}.attempt_totals_mark SET last_id = upto.id FROM upto
+UPDATE {schema}.attempt_totals_mark SET last_id = %(upto)s
+WHERE EXISTS (SELECT FROM mark)
 RETURNING last_id;
 
 -- name: attempt_totals
