@@ -13,11 +13,11 @@ from typing import Any, Literal, NoReturn, TypeVar
 import click
 
 from . import db, maintenance
-from ._units import parse_duration, parse_size
+from ._units import format_size, parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .events import NullReporter, Reporter
 from .insights import Insights, age, printable
-from .job import MAX_PAYLOAD_BYTES, parse_payload_json
+from .job import MAX_PAYLOAD_BYTES, parse_payload_json, validate_kind
 from .queue import JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
 from .sandbox import AUTO, Limits, SandboxUnavailable, available_backends
@@ -110,13 +110,17 @@ def init(ctx: click.Context, as_json: bool) -> None:
 @cli.command()
 @click.argument("kind")
 @click.argument("payload_json", default="{}", metavar="PAYLOAD_JSON")
-@click.option("--max-attempts", type=int, default=3, show_default=True)
+@click.option("--max-attempts", type=int, default=None,
+              help="[default: the kind's max_attempts in --handlers' fleetless.toml, else 3]")
 @click.option("--delay", callback=_duration, help="Run no sooner than this from now (e.g. 90s, 5m).")
 @click.option("--run-after", type=str, help="ISO 8601 time with zone, e.g. 2026-12-01T02:00:00Z.")
 @click.option("--queue", "queue_name", default="default", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--timeout", callback=_duration, help="Overrides the drainer's --timeout for this job.")
 @click.option("--key", help="At most one pending or running job has this key.")
+@click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path), envvar="FLEETLESS_HANDLERS",
+              help="The drainers' handlers directory: warn if KIND has no handler there, and use its "
+                   "fleetless.toml [env FLEETLESS_HANDLERS].")
 @click.option("--on-duplicate", type=click.Choice(["existing", "replace", "raise"]), default="existing",
               show_default=True,
               help="A job with --key is already pending or running: print its id, give a pending one "
@@ -126,10 +130,10 @@ def init(ctx: click.Context, as_json: bool) -> None:
               help="Refuse a payload larger than this once encoded [env FLEETLESS_MAX_PAYLOAD_BYTES].")
 @json_option
 @click.pass_context
-def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int, delay: float | None,
+def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int | None, delay: float | None,
             run_after: str | None, queue_name: str, priority: int, timeout: float | None,
-            key: str | None, on_duplicate: Literal["existing", "replace", "raise"], max_payload: int,
-            as_json: bool) -> None:
+            key: str | None, on_duplicate: Literal["existing", "replace", "raise"], handlers_dir: Path | None,
+            max_payload: int, as_json: bool) -> None:
     """Add a job; PAYLOAD_JSON '-' reads standard input. Prints the new id."""
     text = sys.stdin.read() if payload_json == "-" else payload_json
     payload = parse_payload_json(text)
@@ -143,9 +147,12 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int,
             _fail(f"invalid --run-after {run_after!r}: give a time zone (Z or +hh:mm)")
     if max_payload < 1:
         raise click.BadParameter("must be at least 1 byte", param_hint="--max-payload-bytes")
+    if handlers_dir is not None:
+        max_attempts = _check_kind(handlers_dir, kind, max_attempts)
     q = _queue(ctx, max_payload_bytes=max_payload)
     try:
-        job_id = q.enqueue(kind, payload, max_attempts=max_attempts, run_after=when, delay=delay,
+        job_id = q.enqueue(kind, payload, max_attempts=3 if max_attempts is None else max_attempts,
+                           run_after=when, delay=delay,
                            queue=queue_name, priority=priority, timeout=timeout, key=key,
                            on_duplicate=on_duplicate)
     except ValueError as exc:
@@ -156,6 +163,24 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int,
         _echo_json({"id": job_id})
     else:
         click.echo(job_id)
+
+
+def _check_kind(handlers_dir: Path, kind: str, max_attempts: int | None) -> int | None:
+    """Warn when KIND has no handler in the drainers' directory; the kind's max_attempts unless given."""
+    from . import handlers, kinds
+
+    try:
+        folder = handlers.check_dir(handlers_dir)
+    except handlers.HandlersDirError as exc:
+        click.echo(f"fleetless: warning: {exc}", err=True)
+        return max_attempts
+    settings = kinds.load(folder)
+    validate_kind(kind)
+    if handlers.resolve(folder, kind) is None:
+        click.echo(f"fleetless: warning: no handler for kind {kind!r} in {handlers_dir} "
+                   f"(neither {kind}.py nor an executable {kind}); a drain will mark the job dead", err=True)
+    ks = settings.get(kind)
+    return max_attempts if max_attempts is not None or ks is None else ks.max_attempts
 
 
 def drain_options(f: F) -> F:
@@ -434,6 +459,40 @@ def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bo
         _echo_json({"pruned": result.deleted})
     else:
         click.echo(f"pruned {result.deleted} job(s)")
+
+
+@cli.command("kinds")
+@click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path), envvar="FLEETLESS_HANDLERS",
+              required=True, help="The handlers directory [env FLEETLESS_HANDLERS].")
+@json_option
+def kinds_command(handlers_dir: Path, as_json: bool) -> None:
+    """The kinds with a handler (and those only in fleetless.toml), with their effective settings
+    under the drain's default flags."""
+    from . import handlers, kinds
+
+    try:
+        folder = handlers.check_dir(handlers_dir)
+    except handlers.HandlersDirError as exc:
+        _fail(str(exc))
+    settings = kinds.load(folder)
+    have = set(kinds.found(folder))
+    defaults = kinds.KindSettings(timeout=600, ttl=900, backoff_base=60, backoff_cap=7 * 86400, jitter=30,
+                                  memory=512 * 1024**2, cpus=1.0, pids=128, network=False, max_attempts=3)
+    rows = []
+    for kind in sorted(have | set(settings)):
+        own = settings.get(kind, kinds.KindSettings())
+        effective = {"interpreter": None, **defaults.describe(), **own.describe()}
+        rows.append({"kind": kind, "handler": kind in have, "set_in_file": sorted(own.describe()), **effective})
+    if as_json:
+        _echo_json(rows)
+        return
+    for r in rows:
+        r["handler"] = "yes" if r["handler"] else "MISSING"
+        r["memory"] = format_size(int(r["memory"]))
+        r["network"] = "on" if r["network"] else "off"
+        r["set_in_file"] = ",".join(r["set_in_file"]) or "-"
+    _table(rows, ["kind", "handler", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter",
+                  "memory", "cpus", "pids", "network", "interpreter", "set_in_file"])
 
 
 @cli.group()

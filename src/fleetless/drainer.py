@@ -24,7 +24,7 @@ from typing import Literal, TypeVar
 
 import psycopg
 
-from . import handlers, maintenance
+from . import handlers, kinds, maintenance
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
 from .insights import error_head, summarize_failure
 from .job import Job, Run, Status
@@ -190,6 +190,7 @@ class Drainer:
         self._lock = threading.Lock()
         self._sandboxes: dict[int, Sandbox] = {}
         self._aborted: set[int] = set()
+        self._kinds: dict[str, kinds.KindSettings] = {}  # fleetless.toml, read when the drain starts
         self._cancelled: set[int] = set()  # jobs an operator cancelled while this drain held them
         self._next_cancel_poll = 0.0
         self._handlers_dir = config.handlers_dir
@@ -237,9 +238,16 @@ class Drainer:
         try:
             self._handlers_dir = handlers.check_dir(self.config.handlers_dir)
             self._template = replace(self._template, handlers_dir=self._handlers_dir)
+            self._kinds = kinds.load(self._handlers_dir)
             self._backend.check()
             self._backend.check_template(self._template)
-        except (handlers.HandlersDirError, SandboxUnavailable) as exc:
+            for kind, ks in sorted(self._kinds.items()):
+                if ks.interpreter is not None:
+                    try:
+                        self._backend.check_template(replace(self._template, python=ks.interpreter))
+                    except SandboxUnavailable as exc:
+                        raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] interpreter: {exc}") from None
+        except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError) as exc:
             raise DrainError(str(exc)) from None
         self._maintenance()
         budget_end = started + self.config.max_runtime if self.config.max_runtime else None
@@ -283,8 +291,11 @@ class Drainer:
     def _claim(self, n: int) -> list[Job]:
         c = self.config
         grace = c.lease_grace + self._backend.overhead_seconds
+        # A kind's own timeout or TTL may be longer than the drain's: the lease covers the longest.
+        timeout = max([c.timeout, *(k.timeout for k in self._kinds.values() if k.timeout)])
+        ttl = max([c.ttl, *(k.ttl for k in self._kinds.values() if k.ttl)])
         return self._db(lambda: self.queue.claim(
-            n, queues=c.queues, default_timeout=c.timeout, ttl=c.ttl, lease_grace=grace,
+            n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=grace,
             claimed_by=self._claimed_by, tier=c.sandbox))
 
     def _maintenance(self) -> None:
@@ -353,11 +364,14 @@ class Drainer:
                 error=f"no handler for kind {job.kind!r}: neither {job.kind}.py nor an executable "
                 f"{job.kind} in {self._handlers_dir}",
             )
-        template = replace(self._template, env=job_env(job, self._env))
-        timeout = min(float(job.timeout_seconds or self.config.timeout), self.config.ttl)
+        ks = self._kinds.get(job.kind, kinds.KindSettings())
+        template = replace(self._template, env=job_env(job, self._env), limits=ks.limits(self._template.limits),
+                           python=ks.interpreter or self._template.python)
+        ttl = ks.ttl or self.config.ttl
+        timeout = min(float(job.timeout_seconds or ks.timeout or self.config.timeout), ttl)
         sbx: Sandbox | None = None
         try:
-            sbx = self._backend.create(template, self.config.ttl)
+            sbx = self._backend.create(template, ttl)
             with self._lock:
                 if job.id in self._cancelled:
                     return _Outcome("cancelled")
@@ -428,7 +442,7 @@ class Drainer:
             error, permanent, stdout = describe_failure(result), False, result.stdout
         else:
             error, permanent, stdout = outcome.error, True, None
-        delay = self.config.retry.delay(job.attempts)
+        delay = self._kinds.get(job.kind, kinds.KindSettings()).retry(self.config.retry).delay(job.attempts)
         cut = result is not None and result.stdout_cut
         status = self._db(lambda: self.queue.fail(job, error, delay=delay, permanent=permanent, result=stdout,
                                                   run=run, result_cut=cut))

@@ -1,0 +1,198 @@
+"""Per-kind settings: ``fleetless.toml`` in the handlers directory, next to the handlers.
+
+```toml
+[kinds.render-invoice]
+timeout = "2m"          # the job's timeout (a job's own --timeout wins)
+ttl = "15m"             # its sandbox's lifetime
+backoff_base = "30s"    # retry delay = 2^attempts x base + uniform(0, jitter), at most backoff_cap
+backoff_cap = "1h"
+jitter = "10s"
+memory = "1G"           # sandbox caps
+cpus = 2
+pids = 256
+network = true
+interpreter = "/usr/bin/python3.12"
+max_attempts = 5        # used by `fleetless enqueue --handlers DIR` when --max-attempts is not given
+```
+
+The drain's flags are the defaults; what a kind sets wins over them; what a job was enqueued with
+(its own timeout, its max_attempts) wins over the kind. The file is read with the standard
+library's ``tomllib`` when a drain starts; an unknown key, a bad value or a table for a kind whose
+name is not a valid kind is a one-line error naming the file, the kind and the key, before
+anything is claimed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from ._units import parse_duration, parse_size
+from .job import validate_kind
+from .retry import RetryPolicy
+from .sandbox import Limits
+
+__all__ = ["FILENAME", "KindSettings", "SettingsError", "load"]
+
+FILENAME = "fleetless.toml"
+#: Keys the issue names that this version does not apply per kind yet, with what to use instead.
+_NOT_YET = {
+    "tier": "per-kind sandbox tiers are not supported yet: run a drain per tier with --sandbox and --queue",
+    "batch_size": "per-kind batch sizes are not supported yet: use the drain's flag",
+    "concurrency": "per-kind concurrency limits are not supported yet",
+    "rate": "per-kind rate limits are not supported yet",
+}
+
+
+class SettingsError(ValueError):
+    """A one-line error about the settings file."""
+
+
+@dataclass(frozen=True)
+class KindSettings:
+    """One kind's settings; None: the drain's default."""
+
+    timeout: float | None = None  # seconds
+    ttl: float | None = None  # seconds
+    backoff_base: float | None = None  # seconds
+    backoff_cap: float | None = None  # seconds
+    jitter: float | None = None  # seconds
+    memory: int | None = None  # bytes
+    cpus: float | None = None
+    pids: int | None = None
+    network: bool | None = None
+    interpreter: str | None = None
+    max_attempts: int | None = None
+
+    def limits(self, default: Limits) -> Limits:
+        return replace(
+            default,
+            memory_bytes=default.memory_bytes if self.memory is None else self.memory,
+            cpus=default.cpus if self.cpus is None else self.cpus,
+            pids=default.pids if self.pids is None else self.pids,
+            network=default.network if self.network is None else self.network)
+
+    def retry(self, default: RetryPolicy) -> RetryPolicy:
+        return RetryPolicy(
+            base_seconds=default.base_seconds if self.backoff_base is None else self.backoff_base,
+            max_jitter_seconds=default.max_jitter_seconds if self.jitter is None else self.jitter,
+            max_delay_seconds=default.max_delay_seconds if self.backoff_cap is None else self.backoff_cap)
+
+    def describe(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _duration(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"a duration such as 90, \"90s\" or \"5m\", not {value!r}")
+    seconds = parse_duration(value) if isinstance(value, str) else float(value)
+    if not 0 < seconds < 2**31:
+        raise ValueError(f"must be positive, not {value!r}")
+    return seconds
+
+
+def _non_negative_duration(value: object) -> float:
+    if value == 0:
+        return 0.0
+    return _duration(value)
+
+
+def _size(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"a size such as \"512M\" or \"1G\", not {value!r}")
+    size = parse_size(value) if isinstance(value, str) else value
+    if size < 1024 * 1024:
+        raise ValueError(f"must be at least 1M, not {value!r}")
+    return size
+
+
+def _positive_int(value: object, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ValueError(f"an integer from 1 to {high}, not {value!r}")
+    return value
+
+
+def _cpus(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1024:
+        raise ValueError(f"a number of cores above 0, not {value!r}")
+    return float(value)
+
+
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"true or false, not {value!r}")
+    return value
+
+
+def _path(value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"an absolute path, not {value!r}")
+    return value
+
+
+_PARSERS: dict[str, Any] = {
+    "timeout": _duration, "ttl": _duration, "backoff_base": _non_negative_duration,
+    "backoff_cap": _duration, "jitter": _non_negative_duration, "memory": _size, "cpus": _cpus,
+    "pids": lambda v: _positive_int(v, 1_000_000), "network": _bool, "interpreter": _path,
+    "max_attempts": lambda v: _positive_int(v, 1000),
+}
+
+
+def load(handlers_dir: Path) -> dict[str, KindSettings]:
+    """Every kind's settings from ``handlers_dir/fleetless.toml`` ({} when there is none)."""
+    path = handlers_dir / FILENAME
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{path}: not valid TOML: {exc}") from None
+    unknown = set(data) - {"kinds"}
+    if unknown:
+        raise SettingsError(f"{path}: unknown table or key {sorted(unknown)[0]!r} (only [kinds.<kind>] tables)")
+    kinds = data.get("kinds", {})
+    if not isinstance(kinds, dict):
+        raise SettingsError(f"{path}: 'kinds' must be a table of [kinds.<kind>] tables")
+    out: dict[str, KindSettings] = {}
+    for kind, table in kinds.items():
+        try:
+            validate_kind(kind)
+        except ValueError as exc:
+            raise SettingsError(f"{path}: [kinds.{kind}]: {exc}") from None
+        if not isinstance(table, dict):
+            raise SettingsError(f"{path}: kinds.{kind} must be a table")
+        values: dict[str, Any] = {}
+        for key, value in table.items():
+            where = f"{path}: [kinds.{kind}] {key}"
+            if key in _NOT_YET:
+                raise SettingsError(f"{where}: {_NOT_YET[key]}")
+            if key not in _PARSERS:
+                raise SettingsError(f"{where}: unknown key (known: {', '.join(sorted(_PARSERS))})")
+            try:
+                values[key] = _PARSERS[key](value)
+            except ValueError as exc:
+                raise SettingsError(f"{where}: {exc}") from None
+        out[kind] = KindSettings(**values)
+    return out
+
+
+def found(handlers_dir: Path) -> list[str]:
+    """The kinds that have a handler in ``handlers_dir`` (``<kind>.py`` or an executable ``<kind>``)."""
+    from . import handlers
+
+    out = set()
+    for entry in handlers_dir.iterdir():
+        name = entry.name.removesuffix(".py")
+        try:
+            validate_kind(name)
+        except ValueError:
+            continue
+        if handlers.resolve(handlers_dir, name) is not None:
+            out.add(name)
+    return sorted(out)

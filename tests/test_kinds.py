@@ -1,0 +1,144 @@
+"""Per-kind settings in fleetless.toml next to the handlers: read and checked before anything is
+claimed, applied by real drains (job options win over the kind, the kind over the drain's flags),
+listed by `fleetless kinds`, and used by `fleetless enqueue --handlers`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer, DrainError
+from fleetless.kinds import KindSettings, SettingsError, load
+from fleetless.retry import RetryPolicy
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def settings_file(folder: Path, text: str) -> Path:
+    (folder / "fleetless.toml").write_text(textwrap.dedent(text).lstrip())
+    return folder
+
+
+def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
+    h = settings_file(handlers(), """
+        [kinds.render-invoice]
+        timeout = "2m"
+        ttl = 1800
+        backoff_base = "30s"
+        backoff_cap = "1h"
+        jitter = 0
+        memory = "1G"
+        cpus = 2
+        pids = 256
+        network = true
+        interpreter = "/usr/bin/python3"
+        max_attempts = 5
+    """)
+    assert load(h) == {"render-invoice": KindSettings(
+        timeout=120.0, ttl=1800.0, backoff_base=30.0, backoff_cap=3600.0, jitter=0.0, memory=1024**3, cpus=2.0,
+        pids=256, network=True, interpreter="/usr/bin/python3", max_attempts=5)}
+    assert load(tmp_path) == {}  # no file: no settings
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("[kinds.a]\ntimout = 5\n", "[kinds.a] timout: unknown key (known: backoff_base, "),
+    ("[kinds.a]\ntimeout = \"soon\"\n", "[kinds.a] timeout: invalid duration 'soon'"),
+    ("[kinds.a]\ntimeout = -1\n", "[kinds.a] timeout: must be positive, not -1"),
+    ("[kinds.a]\nnetwork = \"yes\"\n", "[kinds.a] network: true or false, not 'yes'"),
+    ("[kinds.a]\nmax_attempts = 0\n", "[kinds.a] max_attempts: an integer from 1 to 1000, not 0"),
+    ("[kinds.a]\nconcurrency = 5\n", "[kinds.a] concurrency: per-kind concurrency limits are not supported yet"),
+    ("[kinds.A]\ntimeout = 1\n", "[kinds.A]: invalid job kind 'A'"),
+    ("[drain]\nbatch = 5\n", "unknown table or key 'drain'"),
+    ("[kinds.a\n", "not valid TOML"),
+])
+def test_bad_settings_are_one_line_errors_naming_file_kind_and_key(handlers, text: str, error: str) -> None:
+    h = settings_file(handlers(), text)
+    with pytest.raises(SettingsError) as err:
+        load(h)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{h}/fleetless.toml: ") and error in message, message
+
+
+def test_a_bad_settings_file_stops_the_drain_before_it_claims(queue: Queue, sql, handlers) -> None:
+    h = settings_file(handlers(**{"a.py": "print(1)"}), "[kinds.a]\ntimeout = 'never'\n")
+    queue.enqueue("a", {})
+    with pytest.raises(DrainError, match=r"fleetless.toml: \[kinds.a\] timeout: invalid duration"):
+        Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    bad_python = settings_file(h, "[kinds.a]\ninterpreter = '/nonexistent/python3'\n")
+    with pytest.raises(DrainError, match=r"\[kinds.a\] interpreter"):
+        Drainer(queue, DrainConfig(handlers_dir=bad_python)).run()
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
+
+
+def test_a_kinds_timeout_beats_the_drains_and_a_jobs_own_beats_the_kinds(queue: Queue, sql, handlers) -> None:
+    h = settings_file(handlers(**{"slow.py": "import time; time.sleep(3); print('slept')"}),
+                      "[kinds.slow]\ntimeout = 1\n")
+    killed = queue.enqueue("slow", {}, max_attempts=1)
+    allowed = queue.enqueue("slow", {}, max_attempts=1, timeout=60)
+    Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2, timeout=600)).run()
+    assert sql("SELECT id, status, left(last_error, 30) FROM fleetless.jobs ORDER BY id") == [
+        (killed, "dead", "killed: timeout after 1 s"), (allowed, "done", None)]
+
+
+def test_a_kinds_backoff_beats_the_drains(queue: Queue, sql, handlers) -> None:
+    h = settings_file(handlers(**{"flaky.py": "raise SystemExit(1)", "other.py": "raise SystemExit(1)"}),
+                      "[kinds.flaky]\nbackoff_base = 0\njitter = 0\n")
+    queue.enqueue("flaky", {})
+    queue.enqueue("other", {})
+    Drainer(queue, DrainConfig(handlers_dir=h, retry=RetryPolicy(base_seconds=3600, max_jitter_seconds=0))).run()
+    waits = dict(sql("SELECT kind, extract(epoch FROM run_after - now())::int FROM fleetless.jobs"))
+    assert waits["flaky"] <= 0 and waits["other"] > 7000  # 2^1 x 3600 s for the drain's policy
+
+
+def test_a_kinds_interpreter_and_longer_timeout_are_used_and_its_lease_covers_it(queue: Queue, sql,
+                                                                              handlers) -> None:
+    h = settings_file(handlers(**{"which.py": "import sys; print(sys.executable)"}),
+                      f"[kinds.which]\ninterpreter = {json.dumps(sys.executable)}\ntimeout = '2h'\nttl = '3h'\n")
+    queue.enqueue("which", {})
+    Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    assert sql("SELECT status, result FROM fleetless.jobs") == [("done", sys.executable + "\n")]
+    queue.enqueue("which", {})
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, timeout=60))
+    drainer._kinds = load(h)
+    (claimed,) = drainer._claim(1)
+    assert sql("SELECT extract(epoch FROM lease_expires_at - now()) > 7200 FROM fleetless.jobs WHERE id = %s",
+               claimed.id) == [(True,)]
+
+
+def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -> None:
+    h = settings_file(handlers(**{"a.py": "", "b": "#!/bin/sh\n"}),
+                      "[kinds.a]\ntimeout = '2m'\n[kinds.ghost]\npids = 9\n")
+    r = fleetless("kinds", "--handlers", str(h), "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["kind"]: row for row in json.loads(r.stdout)}
+    assert sorted(rows) == ["a", "b", "ghost"]
+    assert (rows["a"]["handler"], rows["a"]["timeout"], rows["a"]["ttl"], rows["a"]["set_in_file"]) == (
+        True, 120.0, 900, ["timeout"])
+    assert (rows["b"]["timeout"], rows["b"]["set_in_file"]) == (600, [])
+    assert (rows["ghost"]["handler"], rows["ghost"]["pids"]) == (False, 9)
+    text = fleetless("kinds", "--handlers", str(h)).stdout.splitlines()
+    assert text[0].split()[:3] == ["kind", "handler", "timeout"] and "MISSING" in text[3]
+
+
+def test_cli_enqueue_warns_about_a_kind_without_handler_and_uses_the_kinds_max_attempts(
+        dsn: str, queue: Queue, fleetless, handlers, sql) -> None:
+    h = settings_file(handlers(**{"a.py": ""}), "[kinds.a]\nmax_attempts = 7\n")
+    r = fleetless("enqueue", "a", "{}", env={"FLEETLESS_HANDLERS": str(h)}, dsn=dsn)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    r = fleetless("enqueue", "a", "{}", "--max-attempts", "2", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0 and r.stderr == ""
+    r = fleetless("enqueue", "nobody", "{}", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0
+    assert r.stderr.strip() == (f"fleetless: warning: no handler for kind 'nobody' in {h} (neither nobody.py nor"
+                                " an executable nobody); a drain will mark the job dead")
+    assert sql("SELECT kind, max_attempts FROM fleetless.jobs ORDER BY id") == [("a", 7), ("a", 2), ("nobody", 3)]
