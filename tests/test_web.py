@@ -143,3 +143,26 @@ def test_an_unreachable_database_is_one_line_503(path: str) -> None:
     queue = Queue("postgresql://postgres@127.0.0.1:1/nope?connect_timeout=2")
     r = TestClient(create_app(queue), raise_server_exceptions=False).get(path)
     assert r.status_code == 503 and "cannot connect to the database" in r.text
+
+
+def test_schedules_page_lists_each_schedule_with_its_next_occurrence(queue: Queue) -> None:
+    from fleetless.periodic import Schedule
+
+    client = TestClient(create_app(queue))
+    assert "no schedules" in client.get("/schedules").text
+    queue.add_schedule(Schedule(name="nightly-report", cron="0 3 * * *", kind="render-report",
+                                payload={"q": "<b>"}, timezone="Europe/Paris"))
+    page = client.get("/schedules").text
+    assert "nightly-report" in page and "<code>0 3 * * *</code>" in page and "Europe/Paris" in page
+    assert "&lt;b&gt;" in page and "<b>\"" not in page
+    assert re.search(r"\d{4}-\d\d-\d\d 02:00:00 UTC", page)  # 03:00 in Paris, winter
+
+
+def test_a_running_job_can_be_cancelled_from_the_dashboard(queue: Queue, sql: Any) -> None:
+    job_id = queue.enqueue("slow", {})
+    queue.claim(1)
+    client = TestClient(create_app(queue, token=TOKEN))
+    assert 'id="cancel"' in client.get(f"/jobs/{job_id}").text
+    r = client.post(f"/jobs/{job_id}/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 200 and r.json()["status"] == "running"  # marked: its drainer kills it
+    assert sql("SELECT cancel_requested_at IS NOT NULL FROM fleetless.jobs WHERE id = %s", job_id) == [(True,)]

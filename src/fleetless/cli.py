@@ -531,10 +531,7 @@ def schedule_add(ctx: click.Context, name: str, kind: str, payload_json: str, cr
 @click.pass_context
 def schedule_list(ctx: click.Context, as_json: bool) -> None:
     """Every schedule, its latest enqueued occurrence and the next one due."""
-    found, now = _queue(ctx).schedules()
-    rows = [{"name": s.name, "cron": s.cron, "timezone": s.timezone, "kind": s.kind, "queue": s.queue,
-             "payload": s.payload, "last": last, "next": s.next_after(max(now, last or now))}
-            for s, _, last in found]
+    rows = _insights(ctx).schedules()
     if as_json:
         _echo_json(rows)
     else:

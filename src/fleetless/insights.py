@@ -198,6 +198,14 @@ class Insights:
             row["error_head"] = error_head(row.get("error_head"))
         return rows
 
+    def schedules(self) -> list[dict[str, Any]]:
+        """Every schedule: name, cron, timezone, kind, queue, payload, its latest enqueued
+        occurrence (``last``) and the next one due (``next``)."""
+        found, now = self.queue.schedules()
+        return [{"name": s.name, "cron": s.cron, "timezone": s.timezone, "kind": s.kind, "queue": s.queue,
+                 "payload": s.payload, "last": last, "next": s.next_after(max(now, last or now))}
+                for s, _, last in found]
+
     # -- the dashboard ---------------------------------------------------------------------
 
     def running(self, limit: int = 100) -> list[dict[str, Any]]:

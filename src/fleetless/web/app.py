@@ -120,6 +120,10 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
                               flash_bad=problem is not None)
         return html(request, f"job {job_id}", body)
 
+    async def schedules(request: Request) -> Response:
+        rows = await run_in_threadpool(insights.schedules)
+        return html(request, "schedules", pages.schedules_page(rows, root=root(request)))
+
     def action(name: str, call: Callable[[int], object]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
             job_id = _job_id(request)
@@ -187,6 +191,7 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
         Route("/", overview),
         Route("/jobs", jobs),
         Route("/jobs/{job_id}", job),
+        Route("/schedules", schedules),
         Route("/jobs/{job_id}/retry", action("retry", queue.retry), methods=["POST"]),
         Route("/jobs/{job_id}/cancel", action("cancel", queue.cancel), methods=["POST"]),
         Route("/jobs/{job_id}/run-now", action("run-now", queue.run_now), methods=["POST"]),

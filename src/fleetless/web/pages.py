@@ -11,7 +11,7 @@ from urllib.parse import urlencode
 
 from ..insights import Overview, age, html_text
 
-__all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page"]
+__all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page", "schedules_page"]
 
 e = html_text
 
@@ -48,7 +48,8 @@ def layout(title: str, body: str, *, root: str, signed_in: bool, writable: bool)
         f"<style>{STYLE}</style></head><body><header><b>fleetless</b>"
         f'<a href="{root}/">overview</a><a href="{root}/jobs">jobs</a>'
         f'<a href="{root}/jobs?status=dead">dead</a><a href="{root}/jobs?status=running">running</a>'
-        f'<a href="{root}/metrics">metrics</a>{who}</header><main>{body}</main></body></html>'
+        f'<a href="{root}/schedules">schedules</a><a href="{root}/metrics">metrics</a>{who}</header>'
+        f"<main>{body}</main></body></html>"
     )
 
 
@@ -157,7 +158,7 @@ def _when(value: dt.datetime | None) -> str:
     return e(value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
-_ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending",), "run-now": ("pending",)}
+_ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending", "running"), "run-now": ("pending",)}
 
 
 def job_page(job: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]], *, root: str, csrf: str | None,
@@ -202,6 +203,20 @@ def job_page(job: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]], *, r
         _table(["#", "outcome", "drainer", "tier", "started", "took", "ended", "kill reason", "error"], rows, (0, 5),
                "attempts") if rows else '<p class="muted">no attempt has ended yet</p>')
     return body
+
+
+def schedules_page(rows: Sequence[Mapping[str, Any]], *, root: str) -> str:
+    table_rows = [
+        [e(r["name"]), f"<code>{e(r['cron'])}</code>", e(r["timezone"]),
+         f'<a href="{root}/jobs?{urlencode({"kind": r["kind"]})}">{e(r["kind"])}</a>', e(r["queue"]),
+         f"<code>{e(json.dumps(r['payload'], ensure_ascii=False))}</code>", _when(r["last"]), _when(r["next"])]
+        for r in rows
+    ]
+    body = "<h1>Schedules</h1>"
+    if not table_rows:
+        return body + '<p class="muted">no schedules (fleetless schedule add NAME --cron ... KIND PAYLOAD)</p>'
+    return body + _table(["name", "cron", "timezone", "kind", "queue", "payload", "last enqueued", "next due"],
+                         table_rows, (), "schedules")
 
 
 def login_page(*, root: str, error: str | None) -> str:
