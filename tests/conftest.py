@@ -8,6 +8,7 @@ dropped afterwards, so no test depends on what another run left behind.
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,32 @@ def _dsn_for(dbname: str) -> str:
     info = psycopg.conninfo.conninfo_to_dict(ADMIN_DSN)
     info["dbname"] = dbname
     return psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _searchable_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A root drainer runs process-tier jobs as unprivileged uids (issue 7): they must be able to
+    pass through pytest's temporary directories (0700) to the handlers and workspaces in them."""
+    base = tmp_path_factory.getbasetemp()
+    for folder in (base.parent, base):
+        folder.chmod(folder.stat().st_mode & 0o777 | 0o011)
+
+
+def shared_with_jobs(folder: Path) -> Path:
+    """Let a root drainer's jobs, each running as a uid of its own, create files in ``folder`` (and
+    below) and append to one another's, as a drainer's own jobs could before issue 7: mode 1777
+    and a default ACL ``rwx`` for everyone (it overrides the umask for what is created inside)."""
+    entries = b"".join(struct.pack("<HHI", tag, 7, 0xFFFFFFFF) for tag in (0x01, 0x04, 0x20))
+    os.setxattr(folder, "system.posix_acl_default", struct.pack("<I", 2) + entries)
+    folder.chmod(0o1777)
+    return folder
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path) -> Path:
+    """pytest's ``tmp_path``, reachable and writable by the jobs of a root drainer (see
+    :func:`shared_with_jobs`): many tests have their jobs leave markers and logs in it."""
+    return shared_with_jobs(tmp_path)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +104,7 @@ def handlers(tmp_path: Path) -> Callable[..., Path]:
     folder = tmp_path / "handlers"
     folder.mkdir()
     folder.chmod(0o755)
-    tmp_path.chmod(0o755)
+    shared_with_jobs(tmp_path)  # (the handlers directory itself stays 0755: no job writes it)
 
     def write(**files: str) -> Path:
         for name, source in files.items():

@@ -24,7 +24,7 @@ from .events import JobFinished
 from .insights import age, printable
 from .job import Job
 
-__all__ = ["JsonFormatter", "LiveReporter", "LogReporter", "configure_logging", "job_line"]
+__all__ = ["JsonFormatter", "LiveReporter", "LogReporter", "PrintableFormatter", "configure_logging", "job_line"]
 
 log = logging.getLogger("fleetless.jobs")
 
@@ -47,13 +47,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(data, default=str)
 
 
+class PrintableFormatter(logging.Formatter):
+    """Text log lines, escaped with :func:`printable`: they can quote what a job controls (a file
+    name in its workspace, a sandbox error), which must not reach the terminal as escape sequences."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
+
 def configure_logging(*, verbose: bool, log_format: str, stream: IO[str] | None = None) -> None:
     """Logging for every command: INFO with ``-v`` else WARNING; text or JSON lines on stderr."""
     handler = logging.StreamHandler(stream or sys.stderr)
     if log_format == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("fleetless: %(message)s"))
+        handler.setFormatter(PrintableFormatter("fleetless: %(message)s"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

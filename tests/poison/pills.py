@@ -39,11 +39,7 @@ HANDLERS: dict[str, str] = {
         print(f"allocated {len(hog)} MiB")
     """,
     "fork_bomb.py": """
-        import json, os, sys, time
-        p = json.load(open(sys.argv[1]))
-        for procs in p.get("harness_procs", []):  # process tier only: see test_fork_bomb
-            with open(procs, "w") as f:
-                f.write("0")
+        import os, time
         while True:
             try:
                 os.fork()
@@ -284,12 +280,11 @@ class Pill:
     ttl: float | None = None  # the drain's TTL (process/bwrap drains)
 
 
-def pills(*, workdir: str, usr_file: str, secret: str, marker: str, harness_procs: list[str],
-          sibling_wait: float) -> dict[str, Pill]:
+def pills(*, workdir: str, usr_file: str, secret: str, marker: str, sibling_wait: float) -> dict[str, Pill]:
     """Every pill, with the payloads of this run."""
     out = [
         Pill("memory_bomb", (Job("memory_bomb"),)),
-        Pill("fork_bomb", (Job("fork_bomb", {"harness_procs": harness_procs}, timeout=2),)),
+        Pill("fork_bomb", (Job("fork_bomb", timeout=2),)),
         Pill("busy_loop", (Job("busy_loop", timeout=2),)),
         Pill("sleep_past_ttl", (Job("sleep_past_ttl", timeout=600, priority=90),), ttl=2),
         Pill("segfault", (Job("segfault"),)),

@@ -76,12 +76,13 @@ def work_dir(base: Path, user: int | None) -> Path:
 
 
 def drain(dsn: str, handlers: Path, work: Path, *args: str, tier: str = "process", user: int | None = None,
-          timeout: float = 180, start: bool = False) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
+          timeout: float = 180, start: bool = False, env: dict[str, str] | None = None,
+          ) -> subprocess.CompletedProcess[str] | subprocess.Popen[str]:
     """Run ``fleetless drain`` as a user would (as ``user`` when given); ``start=True`` returns the
     running process (its own process group, so that a test can signal the group as a terminal
     or systemd would) instead of waiting for it."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn,
-           "FLEETLESS_WORKDIR": str(work)}
+           "FLEETLESS_WORKDIR": str(work), **(env or {})}
     python = sys.executable
     path = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     if user is not None:  # this interpreter may live where that user cannot go (a pyenv under /root)
@@ -97,6 +98,13 @@ def drain(dsn: str, handlers: Path, work: Path, *args: str, tier: str = "process
                                 **creds)  # type: ignore[call-overload]
     return subprocess.run(argv, env=env, text=True, capture_output=True, timeout=timeout,  # type: ignore[call-overload]
                           cwd=str(work.parent), **creds)
+
+
+def open_to_jobs(folder: Path) -> Path:
+    """A directory every job (each under a uid of its own) can create files in."""
+    folder.mkdir(exist_ok=True)
+    folder.chmod(0o1777)
+    return folder
 
 
 def leftovers(work: Path) -> list[str]:

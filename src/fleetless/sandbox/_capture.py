@@ -49,17 +49,37 @@ def pump(
     deadline: float,
     on_deadline: Callable[[], None],
     drain_after_kill: float = 2.0,
+    exited: tuple[int, Callable[[], None]] | None = None,
 ) -> bool:
     """Read both pipes until EOF. At ``deadline`` call ``on_deadline`` (which kills the job) once,
-    then keep reading for at most ``drain_after_kill`` seconds. Returns True if the deadline hit."""
+    then keep reading for at most ``drain_after_kill`` seconds. Returns True if the deadline hit.
+
+    ``exited`` is ``(pidfd, on_exit)`` for the process whose tree holds the pipes (a supervisor):
+    when it ends, ``on_exit`` is called once (to kill whatever of the tree it left behind), and
+    the pipes are read for at most ``drain_after_kill`` seconds more, so a process that escaped
+    the tree and holds a pipe open cannot keep the drain waiting until the deadline."""
     sel = selectors.DefaultSelector()
     sel.register(stdout, selectors.EVENT_READ, captured.add_out)
     sel.register(stderr, selectors.EVENT_READ, captured.add_err)
+    cutoff: float | None = None
+
+    def ended(_: bytes) -> None:
+        nonlocal cutoff
+        assert exited is not None
+        sel.unregister(exited[0])
+        exited[1]()
+        cutoff = time.monotonic() + drain_after_kill
+
+    if exited is not None:
+        sel.register(exited[0], selectors.EVENT_READ, ended)
     open_pipes = 2
     hit = False
     try:
         while open_pipes:
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if cutoff is not None and now >= cutoff:
+                break
+            remaining = deadline - now
             if remaining <= 0:
                 if hit:
                     break  # something outside the job's tree holds the pipe; give up on it
@@ -67,7 +87,11 @@ def pump(
                 on_deadline()
                 deadline = time.monotonic() + drain_after_kill
                 continue
-            for key, _ in sel.select(timeout=min(remaining, 1.0)):
+            wait = min(remaining, 1.0) if cutoff is None else min(remaining, cutoff - now)
+            for key, _ in sel.select(timeout=wait):
+                if exited is not None and key.fd == exited[0]:
+                    key.data(b"")
+                    continue
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     sel.unregister(key.fileobj)

@@ -3,12 +3,16 @@
 It is the job's parent and a child subreaper, so every descendant of the job, even one that
 called setsid() and double-forked, is re-parented to it and can be found and killed. It dies
 with the drainer (parent-death signal), and then kills the job's whole tree and removes the
-workspace on its way out. It reports the job's wait status on a pipe (STATUS_FD).
+workspace on its way out. It reports the job's wait status on a pipe (STATUS_FD) as one line,
+``status N``; the drainer treats anything else there as the job's own failure (a job running as
+the drainer's uid can write into that pipe through /proc).
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
-    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS -- ARGV...
-where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"); the job gets this process's environment
-and working directory.
+    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT -- ARGV...
+where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"), CREDS is "UID:GID" for the job to run as
+(or "-": the supervisor's own), and WAIT is "wait" when the supervisor must first read one byte on
+its stdin (the drainer puts it into the job's cgroups meanwhile) or "-". The job gets this
+process's environment and working directory, and /dev/null as its stdin.
 """
 
 import ctypes
@@ -74,22 +78,38 @@ def _reap_all() -> None:
             return
 
 
+def _remove_workspace(workspace: str) -> None:
+    """The drainer's own symlink-safe, recursion-free removal (loaded from beside this file only
+    when needed, so the supervisor's start-up stays small)."""
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "_fleetless_workspace", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_workspace.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.remove(pathlib.Path(workspace))
+
+
 def main() -> None:
-    status_fd, workspace, rlimits_arg, sep, *argv = sys.argv[1:]
-    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS -- ARGV..."
+    status_fd, workspace, rlimits_arg, creds, wait, sep, *argv = sys.argv[1:]
+    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT -- ARGV..."
     rlimits = [item.split("=") for item in rlimits_arg.split(",")] if rlimits_arg != "-" else []
+    uid, gid = (int(x) for x in creds.split(":")) if creds != "-" else (-1, -1)
 
     def die(signum: int, frame: object) -> None:
         # Once only: a multi-threaded drainer's death can deliver the parent-death signal twice
         # (the child is re-parented to a sibling thread first), and a second run of this handler
-        # inside the first one broke its lazy import of shutil, leaving the workspace behind.
+        # inside the first one broke its lazy import, leaving the workspace behind.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         _kill_tree()
         if workspace:
-            import shutil
-
-            shutil.rmtree(workspace, ignore_errors=True)
+            try:
+                _remove_workspace(workspace)
+            except Exception:
+                pass  # the next drain's sweep removes it
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, die)
@@ -98,14 +118,23 @@ def main() -> None:
     if os.getppid() == 1:  # the drainer died before we could ask to be told
         die(signal.SIGTERM, None)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if wait == "wait" and not os.read(0, 1):
+        os._exit(125)  # the drainer gave up on this sandbox before the job started
 
     fd = int(status_fd)
     pid = os.fork()
     if pid == 0:
         try:
             os.close(fd)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
             os.setsid()
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if uid >= 0:
+                os.setgroups([])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
             for name, value in rlimits:
                 limit = int(value)
                 # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
@@ -125,7 +154,11 @@ def main() -> None:
         except InterruptedError:
             continue
     _kill_tree()  # whatever the job left behind dies with it
-    os.write(fd, str(status).encode())
+    os.set_blocking(fd, False)  # a pipe the job filled through /proc must not hang us
+    try:
+        os.write(fd, f"status {status}\n".encode())
+    except OSError:
+        pass  # the drainer reads the job's failure from what is there
     os.close(fd)
 
 

@@ -9,8 +9,11 @@ and the network are the drainer user's. Use ``bwrap`` or ``microvm`` for untrust
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,8 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from . import ExecResult, Sandbox, SandboxUnavailable, Template, _capture, _workspace, default_python
+from . import ExecResult, Sandbox, SandboxUnavailable, Template, _capture, _hostuid, _workspace, cgroups, default_python
 
+log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
 
 
@@ -75,6 +79,25 @@ def handlers_snapshot(folder: Path) -> Path:
     return _workspace.cached_copy("hs", folder, _workspace.signature(files), build)
 
 
+def tree_cgroup_caps() -> cgroups.CgroupCaps | None:
+    """What a process-tier job's cgroup is made with: a pids group (capped at ``Limits.pids``) and
+    the tree kill that goes with it, where this drainer can write one (root can; a non-root drainer
+    only where a cgroup is delegated to it). None where it cannot."""
+    caps = cgroups.available()
+    if not caps.pids:
+        return None
+    return dataclasses.replace(caps, memory=False, cpu=False)
+
+
+def parse_status(raw: bytes) -> int | None:
+    """The job's wait status from the supervisor's one line ``status N``; None for anything else
+    (which only a job that wrote into its supervisor's pipe can cause)."""
+    m = re.fullmatch(rb"status (\d{1,5})\n", raw)
+    if m is None or int(m.group(1)) > 0xFFFF:
+        return None
+    return int(m.group(1))
+
+
 class ProcessSandbox(Sandbox):
     name: ClassVar[str] = "process"
 
@@ -83,15 +106,42 @@ class ProcessSandbox(Sandbox):
         self._ttl = ttl_seconds
         self._born = time.monotonic()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._cgroup: cgroups.JobCgroup | None = None
+        self._stopped = False  # the drainer (not the job) stopped the supervisor
+        self._lease: _hostuid.Lease | None = None
         self.handlers_path = str(handlers_snapshot(template.handlers_dir))  # may fail: nothing made yet
         self._workspace = _workspace.create()
         self.workspace_path = str(self._workspace)
         self.python = template.python or default_python()
+        try:
+            if _hostuid.needed():  # a root drainer's job runs as a uid of its own, never as root
+                self._lease = _hostuid.lease()
+                os.chown(self._workspace, self._lease.uid, self._lease.gid)
+            caps = tree_cgroup_caps()
+            if caps is not None:  # the supervisor counts against pids.max too: the job gets ``pids``
+                pids = None if template.limits.pids is None else template.limits.pids + 1
+                self._cgroup = cgroups.JobCgroup(pids=pids, caps=caps)
+        except BaseException:
+            self.kill()
+            raise
 
     @classmethod
     def check_template(cls, template: Template) -> None:
         """The handlers' interpreter is the host's: one that is not there would fail every ``.py``
-        job and spend its attempts."""
+        job and spend its attempts. Under a root drainer, jobs run as leased uids: the uid range
+        must be usable here, and the work directory reachable by other users."""
+        if _hostuid.needed():
+            _hostuid.lease().release()
+            try:
+                work = _workspace.root()
+            except OSError as exc:
+                raise SandboxUnavailable(f"cannot use the sandbox work directory: {exc}") from None
+            blocked = untraversable(work)
+            if blocked is not None:
+                raise SandboxUnavailable(
+                    f"the process tier runs a root drainer's jobs as unprivileged uids, which cannot "
+                    f"reach the work directory {work}: {blocked} is not searchable by "
+                    "others (chmod o+x, or set FLEETLESS_WORKDIR elsewhere)")
         python = template.python
         if python is None:
             default_python()
@@ -101,6 +151,16 @@ class ProcessSandbox(Sandbox):
             raise SandboxUnavailable(
                 f"cannot use {python} as the handler interpreter: no executable file by that name"
                 + ("" if "/" in python else f" on PATH {path}"))
+
+    @classmethod
+    def sweep(cls) -> int:
+        """Per-job cgroups and workspaces of drainers that died."""
+        try:
+            removed = cgroups.sweep()
+        except OSError as exc:
+            log.warning("cgroup sweep failed: %s", exc)
+            removed = 0
+        return removed + _workspace.sweep()
 
     @classmethod
     def create(cls, template: Template, ttl_seconds: float = 900) -> ProcessSandbox:
@@ -130,50 +190,91 @@ class ProcessSandbox(Sandbox):
         rlimits = rlimits_for(self._template, timeout_seconds)
         status_r, status_w = os.pipe()
         limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
+        cgroup = self._cgroup
         try:
+            # Its own session: signals aimed at the drainer's process group (Ctrl-C, kill -- -PGID,
+            # systemd's KillMode=control-group aside) do not reach the job's supervisor.
             self._proc = proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
-                 "--", *argv],
-                stdin=subprocess.DEVNULL,
+                 f"{self._lease.uid}:{self._lease.gid}" if self._lease is not None else "-",
+                 "wait" if cgroup is not None else "-", "--", *argv],
+                stdin=subprocess.PIPE if cgroup is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(status_w,),
                 cwd=self.workspace_path,
                 env={"HOME": self.workspace_path, **self._template.env},
+                start_new_session=True,
             )
         finally:
             os.close(status_w)
         assert proc.stdout is not None and proc.stderr is not None
-        captured = _capture.Captured(self._template.limits.stdout_bytes, self._template.limits.stderr_bytes)
         try:
-            hit = _capture.pump(
-                proc.stdout, proc.stderr, captured, started + max(budget, 0), self._stop_supervisor
-            )
-            proc.wait()
-            with os.fdopen(status_r, "rb") as f:
-                raw = f.read()
+            if cgroup is not None:  # in the job's cgroup before the job exists
+                assert proc.stdin is not None
+                cgroup.attach(proc.pid)
+                proc.stdin.write(b"g")
+                proc.stdin.close()
+            pidfd = os.pidfd_open(proc.pid)
+        except BaseException:
+            os.close(status_r)
+            self.kill()
+            raise
+        captured = _capture.Captured(self._template.limits.stdout_bytes, self._template.limits.stderr_bytes)
+        deadline = started + max(budget, 0)
+        try:
+            hit = _capture.pump(proc.stdout, proc.stderr, captured, deadline, self._stop_supervisor,
+                                exited=(pidfd, self._kill_leftovers))
+            try:  # a job that closed its stdout and stderr is still held to its deadline
+                proc.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                hit = True
+                self._stop()
+            self._kill_leftovers()
+            os.set_blocking(status_r, False)  # whatever holds its write end, never wait on it
+            try:
+                raw = os.read(status_r, 4096)
+            except BlockingIOError:
+                raw = b""
         finally:
+            os.close(status_r)
+            os.close(pidfd)
             proc.stdout.close()
             proc.stderr.close()
         killed: str | None = reason if hit else None
-        if raw:
-            status = int(raw)
-            exit_code = (
-                -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            )
-        else:  # the supervisor was stopped before the job ended
+        status = parse_status(raw)
+        if status is not None:
+            exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        else:
             exit_code = -signal.SIGKILL
+            if killed is None and raw:  # only the job can have written anything else there
+                killed = "killed: the job wrote into its supervisor's status pipe"
+            elif killed is None and not self._stopped:
+                # the job killed its supervisor: its tree is killed all the same, and it is charged
+                killed = f"killed: its supervisor died ({_died_of(proc.returncode)})"
             killed = killed or "killed: sandbox destroyed"
+        cg = self._cgroup
+        if cg is not None and cg.pids_max is not None and exit_code != 0 and cg.pids_limit_hit():
+            killed = f"killed: pids limit {self._template.limits.pids} reached" + (
+                f" ({reason.removeprefix('killed: ')})" if hit else "")
         if killed is None:
             killed = rlimit_kill_reason(exit_code, rlimits)
         return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
                           stdout_cut=captured.stdout_cut)
 
+    def _kill_leftovers(self) -> None:
+        """Whatever of the job's tree outlived its supervisor (one that the job killed)."""
+        if self._cgroup is not None and self._cgroup.pids():
+            self._cgroup.kill()
+
     def _stop_supervisor(self) -> None:
+        """Ask the supervisor to kill the job's tree and exit (it does at once)."""
+        self._stopped = True
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
 
-    def kill(self) -> None:
+    def _stop(self) -> None:
+        """Stop the supervisor and wait for it; SIGKILL it (and the cgroup) if it does not go."""
         proc = self._proc
         if proc is not None and proc.poll() is None:
             self._stop_supervisor()
@@ -182,4 +283,31 @@ class ProcessSandbox(Sandbox):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                self._kill_leftovers()
+
+    def kill(self) -> None:
+        self._stop()
+        if self._cgroup is not None:
+            self._cgroup.remove()
         _workspace.remove(self._workspace)
+        if self._lease is not None:
+            self._lease.release()  # every process of the job is dead by now
+
+
+def untraversable(path: Path) -> Path | None:
+    """The first directory on the way to ``path`` (itself included) that others cannot search."""
+    current = Path("/")
+    for part in path.resolve().parts[1:]:
+        current = current / part
+        try:
+            if not os.stat(current).st_mode & 0o001:
+                return current
+        except OSError:
+            return current
+    return None
+
+
+def _died_of(returncode: int | None) -> str:
+    if returncode is None or returncode >= 0:
+        return f"exit code {returncode}"
+    return f"killed by {describe_signal(-returncode)}"
