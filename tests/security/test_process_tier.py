@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import uuid
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,24 @@ PROBE_DRAINER = """
         time.sleep(0.05)
     print(json.dumps(out))
 """
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (one /proc scan)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(b")") + 2:].split()[1]), []).append(int(name))
+    found, stack = set(), [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
 
 
 def kill_all(marker: str) -> None:
@@ -189,10 +208,10 @@ def test_a_signal_to_the_drains_process_group_winds_down_the_drain_without_charg
     work = work_dir(shared, None)
     queue.enqueue_many([{"kind": kind, "payload": {}, "max_attempts": 1}] * 4)
     d = drain(dsn, h, work, "--concurrency", "2", "--shutdown-grace", "120", tier=tier, start=True)
-    assert not isinstance(d, type(None))
+    assert isinstance(d, subprocess.Popen)
     try:
-        wait_for(lambda: len(pids_with("qemu-system" if tier == "microvm" else f"{kind}.py")) >= 2,
-                 timeout=120, what="two jobs running")
+        wait_for(lambda: len(set(pids_with("qemu-system" if tier == "microvm" else f"{kind}.py"))
+                             & descendants(d.pid)) >= 2, timeout=120, what="two jobs running")
         os.killpg(d.pid, sig)  # the whole process group, as a terminal or `kill -- -PGID` does
         out, err = d.communicate(timeout=180)
     finally:

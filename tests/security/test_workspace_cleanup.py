@@ -55,6 +55,7 @@ def bait_dir(base: Path) -> Path:
     bait.mkdir(mode=0o755)
     bait.chmod(0o755)
     (bait / "inside.txt").write_text("keep me")
+    (bait / "inside.txt").chmod(0o644)
     return bait
 
 

@@ -2,9 +2,13 @@
 
 What it isolates: the environment (only what the template passes), the working directory (a fresh
 private workspace, removed afterwards), resources by rlimit (address space, CPU seconds, file size,
-open files), and the process tree (own session; a supervising subreaper kills every descendant at
-exit, timeout, TTL and when the drainer dies, even by SIGKILL). What it does not: the filesystem
-and the network are the drainer user's. Use ``bwrap`` or ``microvm`` for untrusted code.
+open files) and pids by a per-job pids cgroup where the drainer can write one, and the process
+tree (a supervisor in a session of its own, so signals meant for the drainer's process group never
+reach it; it is a subreaper that kills every descendant at exit, timeout, TTL and when the drainer
+dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Under a root drainer the job
+runs as a leased unprivileged uid (:mod:`._hostuid`), so it cannot reach its supervisor, the
+drainer or other jobs. What it does not: the filesystem and the network are the job uid's (the
+drainer's own uid under a non-root drainer). Use ``bwrap`` or ``microvm`` for untrusted code.
 """
 
 from __future__ import annotations
