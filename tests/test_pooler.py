@@ -97,6 +97,9 @@ def test_every_command_works_through_the_pooler(pooled: str, fleetless, handlers
     assert fleetless("retry", str(bad), dsn=pooled).stdout.strip() == f"retried 1 job(s): {bad}"
     assert json.loads(fleetless("cancel", str(later), "--json", dsn=pooled).stdout) == {"cancelled": later}
     assert "reaped 0" in fleetless("reap", dsn=pooled).stdout
+    assert fleetless("schedule", "add", "nightly", "ok", "{}", "--cron", "0 3 * * *", dsn=pooled).returncode == 0
+    assert "nightly" in fleetless("schedule", "list", dsn=pooled).stdout
+    assert fleetless("schedule", "remove", "nightly", dsn=pooled).returncode == 0
     sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days' WHERE id = %s", later)
     assert "pruned 1" in fleetless("prune", "--older-than", "7d", dsn=pooled).stdout
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status ORDER BY status") == [
