@@ -135,6 +135,7 @@ def test_the_systemd_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         # the binary exists).
         text = (DEPLOY / unit).read_text().replace("/opt/app/.venv/bin/fleetless", str(fleetless))
         (tmp_path / unit).write_text(text)
+        (tmp_path / unit).chmod(0o644)  # systemd warns about world-writable units (whatever the umask)
     r = subprocess.run([analyze, "verify", str(tmp_path / "fleetless-drain.service"),
                         str(tmp_path / "fleetless-drain.timer")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "" and r.stderr.strip() == "", r.stdout + r.stderr
