@@ -140,3 +140,12 @@ def test_a_batched_finish_writes_each_rows_history_in_the_same_statement(queue: 
         (1, "done", 0, None, True), (1, "retry", 4, None, True), (1, "released", None, "drainer stopped", True)]
     assert queue.finish_many([(a, Outcome("done"))]) == {}  # fenced out: no second row
     assert len(queue.attempts(a.id)) == 1
+
+
+def test_an_expired_attempt_names_the_drainer_that_held_it(queue: Queue, sql) -> None:
+    job_id = queue.enqueue("a", {})
+    queue.claim(1, claimed_by="worker-7.example:4242", tier="bwrap")
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 second'")
+    queue.reap()
+    (a,) = queue.attempts(job_id)
+    assert (a["outcome"], a["host"], a["pid"], a["tier"]) == ("expired", "worker-7.example", 4242, "bwrap")

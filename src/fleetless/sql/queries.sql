@@ -189,12 +189,14 @@ WHERE j.id IN (
              ELSE locked_at < now() - make_interval(secs => %(older_than)s::float8) END
   FOR UPDATE SKIP LOCKED
 )
-RETURNING j.id, j.status, j.attempts, j.started_at, j.last_error
+RETURNING j.id, j.status, j.attempts, j.started_at, j.last_error, j.claimed_by, j.tier
 ), history AS (
-  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, started_at, kill_reason,
+  -- claimed_by is the claimer's "host:pid": the history names the drainer that died.
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at, kill_reason,
                                      duration_seconds, error_head)
-  SELECT id, attempts, 'expired', started_at, 'claim expired', extract(epoch FROM now() - started_at),
-         left(last_error, 500)
+  SELECT id, attempts, 'expired', NULLIF(regexp_replace(claimed_by, ':[0-9]+$', ''), ''),
+         substring(claimed_by FROM ':([0-9]{1,9})$')::int, tier, started_at, 'claim expired',
+         extract(epoch FROM now() - started_at), left(last_error, 500)
   FROM reaped
 )
 SELECT id, status FROM reaped;
