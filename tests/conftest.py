@@ -85,6 +85,16 @@ def queue(dsn: str) -> Iterator[Queue]:
 
 
 @pytest.fixture
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Sandbox workspaces of this test's drains in a directory of its own (FLEETLESS_WORKDIR), so
+    the sweeper and the assertions on leftovers see only this test's. Modules that drain use it
+    with ``pytestmark = pytest.mark.usefixtures("private_workdir")``."""
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+@pytest.fixture
 def sql(dsn: str) -> Iterator[Callable[..., list[tuple[object, ...]]]]:
     """Run SQL against the test database and return the rows: assertions read the table."""
     conn = psycopg.connect(dsn, autocommit=True)

@@ -15,12 +15,7 @@ from fleetless.drainer import DrainConfig, Drainer
 from fleetless.job import Run
 from fleetless.retry import RetryPolicy
 
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
+pytestmark = pytest.mark.usefixtures("private_workdir")
 
 
 def drain(queue: Queue, handlers_dir: Path, **options: object) -> None:

@@ -15,12 +15,7 @@ from fleetless.job import Outcome
 
 from proctools import alive, wait_for
 
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
+pytestmark = pytest.mark.usefixtures("private_workdir")
 
 
 def test_cancelling_a_running_job_kills_its_sandbox_and_ends_it_cancelled(queue: Queue, sql, handlers,

@@ -16,12 +16,7 @@ from fleetless.drainer import DrainConfig, Drainer, DrainError
 from fleetless.kinds import KindSettings, SettingsError, load
 from fleetless.retry import RetryPolicy
 
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
+pytestmark = pytest.mark.usefixtures("private_workdir")
 
 
 def settings_file(folder: Path, text: str) -> Path:

@@ -17,12 +17,7 @@ from fleetless.sandbox import get_backend
 
 from proctools import wait_for
 
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
+pytestmark = pytest.mark.usefixtures("private_workdir")
 
 
 def finished(queue: Queue, sql, status: str, n: int, days_ago: float) -> list[int]:

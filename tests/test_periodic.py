@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import threading
-from pathlib import Path
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -20,11 +19,7 @@ UTC = dt.UTC
 PARIS = ZoneInfo("Europe/Paris")
 
 
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
+pytestmark = pytest.mark.usefixtures("private_workdir")
 
 
 @pytest.fixture(autouse=True)
