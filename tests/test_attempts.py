@@ -144,3 +144,13 @@ def test_an_expired_attempt_names_the_drainer_that_held_it(queue: Queue, sql) ->
     queue.reap()
     (a,) = queue.attempts(job_id)
     assert (a["outcome"], a["host"], a["pid"], a["tier"]) == ("expired", "worker-7.example", 4242, "bwrap")
+
+
+def test_an_outcome_that_does_not_name_its_tier_records_the_claims(queue: Queue) -> None:
+    from fleetless.job import Outcome
+
+    queue.enqueue_many([("a", {})] * 2)
+    batched, single = queue.claim(2, claimed_by="h:1", tier="microvm")
+    queue.finish_many([(batched, Outcome("done", result="ok"))])
+    queue.complete(single, "ok")
+    assert [a["tier"] for j in (batched, single) for a in queue.attempts(j.id)] == ["microvm", "microvm"]

@@ -102,11 +102,11 @@ WITH finished AS (
   SET status = 'done', result = %(result)s, last_error = NULL, finished_at = now(),
       locked_at = NULL, lease_expires_at = NULL
   WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
-  RETURNING id, attempts, started_at, status
+  RETURNING id, attempts, started_at, status, tier
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
-  SELECT id, attempts, 'done', %(host)s, %(pid)s, %(tier)s, started_at, %(exit_code)s, %(signal)s,
+  SELECT id, attempts, 'done', %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(exit_code)s, %(signal)s,
          %(kill_reason)s, extract(epoch FROM now() - started_at), NULL
   FROM finished
 )
@@ -128,12 +128,12 @@ WITH finished AS (
                          THEN NULL ELSE now() END,
       last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL
   WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
-  RETURNING id, attempts, started_at, status
+  RETURNING id, attempts, started_at, status, tier
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
   SELECT id, attempts, CASE status WHEN 'pending' THEN 'retry' ELSE status END, %(host)s, %(pid)s,
-         %(tier)s, started_at, %(exit_code)s, %(signal)s, %(kill_reason)s,
+         COALESCE(%(tier)s, tier), started_at, %(exit_code)s, %(signal)s, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
 )
@@ -154,11 +154,11 @@ WITH finished AS (
       locked_at = NULL, lease_expires_at = NULL, claim_token = NULL, started_at = NULL
   FROM (SELECT id, attempts, started_at FROM {schema}.jobs WHERE id = %(id)s) AS was
   WHERE j.id = was.id AND j.claim_token = %(token)s AND j.status = 'running'
-  RETURNING j.id, was.attempts, was.started_at, j.status
+  RETURNING j.id, was.attempts, was.started_at, j.status, j.tier
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      kill_reason, duration_seconds, error_head)
-  SELECT id, attempts, CASE status WHEN 'cancelled' THEN 'cancelled' ELSE 'released' END, %(host)s, %(pid)s, %(tier)s, started_at, %(kill_reason)s,
+  SELECT id, attempts, CASE status WHEN 'cancelled' THEN 'cancelled' ELSE 'released' END, %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
 )
@@ -312,7 +312,8 @@ RETURNING id;
 -- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
 -- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault).
 -- Each written row's attempt gets its history row in the same statement (a data-modifying CTE);
--- "was" is the row before this update, for the number and start of an attempt given back.
+-- "was" is the row before this update, for the number and start of an attempt given back, and
+-- the tier its claim recorded when the outcome does not say (batch mode).
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
 -- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
 WITH finished AS (
@@ -344,7 +345,8 @@ FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(actions)s::text[], %(perman
           kill_reason)
      JOIN {schema}.jobs AS was ON was.id = o.id
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
-RETURNING j.id, j.status, o.action, was.attempts, was.started_at, o.tier, o.exit_code, o.signal,
+RETURNING j.id, j.status, o.action, was.attempts, was.started_at, COALESCE(o.tier, was.tier) AS tier,
+          o.exit_code, o.signal,
           o.kill_reason, o.error
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
