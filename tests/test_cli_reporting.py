@@ -98,3 +98,42 @@ def test_the_live_view_shows_counts_and_each_running_jobs_kind() -> None:
     assert "render-invoice" in text and "thumbnail" not in text.split("\n", 1)[1]
     assert "job 8 (thumbnail) attempt 1: dead in 0.5 s on bwrap: exit code 1: \\x1b[2Jboom" in out.getvalue()
     assert "\x1b[2J" not in out.getvalue()
+
+
+def test_a_drain_on_a_terminal_shows_live_progress(dsn: str, queue: Queue, handlers: Any) -> None:
+    import os
+    import pty
+    import subprocess
+    import sys
+    import threading
+
+    h = handlers(**HANDLERS)
+    queue.enqueue("ok", {})
+    queue.enqueue("bad", {}, max_attempts=1)
+    primary, secondary = pty.openpty()
+    env = {**os.environ, "DATABASE_URL": dsn, "COLUMNS": "120", "TERM": "xterm"}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h)],
+                            stdout=subprocess.PIPE, stderr=secondary, env=env)
+    os.close(secondary)
+    chunks: list[bytes] = []
+
+    def read_terminal() -> None:  # concurrently, so the drain never blocks on a full terminal
+        while True:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # EIO: the drain closed the terminal's last writer
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=read_terminal)
+    reader.start()
+    out, _ = proc.communicate(timeout=240)
+    reader.join(timeout=60)
+    os.close(primary)
+    assert proc.returncode == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert "claimed" in text and "running" in text and "jobs/min" in text, text  # the live view
+    assert "(bad) attempt 1: dead in" in text and HEAD in text  # failed jobs printed above it
+    assert out.decode().startswith("drained: claimed 2, done 1, retried 0, dead 1")
