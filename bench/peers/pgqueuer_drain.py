@@ -1,6 +1,5 @@
 """PgQueuer as a whole process.  python pgqueuer_drain.py fill DSN JOBS | drain DSN BATCH"""
 
-import asyncio
 import logging
 import sys
 

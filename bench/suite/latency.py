@@ -1,0 +1,95 @@
+"""(4) Pickup latency in watch mode: enqueue to handler start, p50 and p99 over many jobs enqueued
+one at a time at random intervals; and for delayed jobs, due time to handler start."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+from fleetless import Queue
+
+from . import VENV_PY, Context, Section, scratch_db
+
+
+def _pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def _wait_done(dsn: str, n: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(dsn, autocommit=True) as c:
+        while time.monotonic() < deadline:
+            if c.execute("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'").fetchone() == (n,):
+                return
+            time.sleep(0.2)
+    raise RuntimeError("the watcher did not finish the jobs")
+
+
+def run(ctx: Context) -> Section:
+    n, delayed = (50, 5) if ctx.quick else (1000, 20)
+    immediate: list[float] = []
+    late: list[float] = []
+    per_rep: dict[str, list[float]] = {"p50 ms": [], "p99 ms": [], "delayed p50 ms": []}
+    with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
+        Path(folder, "stamp.py").write_text("import time\n\ndef handle(payload):\n    return time.time()\n")
+        os.chmod(folder, 0o755)
+        q = Queue(dsn)
+        q.init()
+        for _ in range(max(1, ctx.reps // 2)):
+            with psycopg.connect(dsn, autocommit=True) as c:
+                c.execute("TRUNCATE fleetless.jobs")
+            watcher = subprocess.Popen([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder, "--sandbox",
+                                        "process", "--watch", "--idle-exit", "600", "--concurrency", "2"],
+                                       env={**os.environ, "DATABASE_URL": dsn}, stderr=subprocess.DEVNULL)
+            try:
+                time.sleep(3)  # let it start and go idle: we measure pickup, not its start
+                sent: dict[int, float] = {}
+                for i in range(n):
+                    time.sleep(random.expovariate(1 / 0.03))
+                    t = time.time()
+                    sent[q.enqueue("stamp", {"i": i})] = t
+                due: dict[int, float] = {}
+                for i in range(delayed):
+                    job_id = q.enqueue("stamp", {"d": i}, delay=1.0 + random.random())
+                    with psycopg.connect(dsn) as c:
+                        row = c.execute("SELECT extract(epoch FROM run_after) FROM fleetless.jobs WHERE id = %s",
+                                        (job_id,)).fetchone()
+                    assert row is not None
+                    due[job_id] = float(row[0])
+                    time.sleep(random.random() * 0.2)
+                _wait_done(dsn, n + delayed)
+            finally:
+                watcher.send_signal(signal.SIGTERM)
+                watcher.wait(60)
+            with psycopg.connect(dsn) as c:
+                got = dict(c.execute("SELECT id, (result_json #>> '{}')::float8 FROM fleetless.jobs").fetchall())
+            rep_imm = [1000 * (got[i] - t) for i, t in sent.items()]
+            rep_late = [1000 * (got[i] - t) for i, t in due.items()]
+            immediate += rep_imm
+            late += rep_late
+            per_rep["p50 ms"].append(_pct(rep_imm, 50))
+            per_rep["p99 ms"].append(_pct(rep_imm, 99))
+            per_rep["delayed p50 ms"].append(_pct(rep_late, 50))
+        q.close()
+    s = Section("latency", "(4) Pickup latency in watch mode (process tier, handle() module)",
+                "bench/run.py --only latency", ctx, ["what", "ms", "target"],
+                raw={"immediate_ms": immediate, "delayed_ms": late})
+    s.rows.append(["enqueue -> handler start, p50", f"{_pct(immediate, 50):.1f}", "<= 20"])
+    s.rows.append(["enqueue -> handler start, p99", f"{_pct(immediate, 99):.1f}", "<= 100"])
+    s.rows.append(["due time -> handler start, p50 (delayed jobs)", f"{_pct(late, 50):.1f}", "<= 50"])
+    s.rows.append(["due time -> handler start, max (delayed jobs)", f"{max(late):.1f}", ""])
+    for label, values in per_rep.items():
+        s.add_bar(label, values)
+    s.unit = "ms"
+    s.notes.append(f"{n} jobs enqueued one at a time (exponential gaps, mean 30 ms) and {delayed} delayed by "
+                   "1-2 s, per repetition, to one `drain --watch` (per-job mode: each job starts a sandbox and an "
+                   "interpreter, which is most of the latency).")
+    return s
