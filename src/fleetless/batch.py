@@ -20,17 +20,19 @@ import json
 import re
 import signal
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from . import handlers
-from .job import Job, Outcome
+from .insights import summarize_failure
+from .job import Job, Outcome, Run
+from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS
 from .sandbox import ExecResult, Sandbox, Template
 
-__all__ = ["RUNNER_NAME", "Runner", "Slot", "describe_failure", "job_env"]
+__all__ = ["RUNNER_NAME", "Runner", "Slot", "describe_failure", "describe_run", "job_env"]
 
 RUNNER = Path(__file__).parent / "sandbox" / "_batch_runner.py"
 RUNNER_NAME = "_fleetless_batch.py"
@@ -40,6 +42,15 @@ HARD_GRACE = 2.0
 RECORD_OVERHEAD = 8 * 1024
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
 RELEASED_STOPPING = "released: the drainer stopped before the job finished"
+CANCELLED = "cancelled: an operator cancelled the job while it ran"
+
+
+def _signal_name(exit_code: int) -> str:
+    """SIGSEGV for an exit status of -11."""
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return f"signal {-exit_code}"
 
 
 def describe_failure(r: ExecResult) -> str:
@@ -47,18 +58,25 @@ def describe_failure(r: ExecResult) -> str:
     if r.killed:
         head = r.killed
     elif r.exit_code < 0:
-        try:
-            name = signal.Signals(-r.exit_code).name
-        except ValueError:
-            name = f"signal {-r.exit_code}"
-        head = f"killed by {name}"
+        head = f"killed by {_signal_name(r.exit_code)}"
     else:
-        head = f"exit code {r.exit_code}"
+        head = summarize_failure(f"exit code {r.exit_code}", r.stderr)
     tail = r.stderr.rstrip()
     if not tail:
         return head
     room = MAX_ERROR_CHARS - len(head) - 1
     return f"{head}\n{tail[-room:]}"
+
+
+def describe_run(tier: str, r: ExecResult | None, kill_reason: str | None = None) -> Run:
+    """The attempt-history view of a run: exit status, or the signal and the kill reason."""
+    if r is None:
+        return Run(tier=tier, kill_reason=kill_reason)
+    if r.killed:
+        kill_reason = r.killed.removeprefix("killed: ")
+    if r.exit_code < 0:
+        return Run(tier=tier, signal=_signal_name(r.exit_code), kill_reason=kill_reason)
+    return Run(tier=tier, exit_code=r.exit_code, kill_reason=kill_reason)
 
 
 def job_env(job: Job, base: dict[str, str]) -> dict[str, str]:
@@ -90,6 +108,13 @@ class Slot:
         with self._lock:
             self._sandbox = None
 
+    def kill_current(self) -> None:
+        """Destroy the sandbox in use (its job was cancelled); the rest go on in a fresh one."""
+        with self._lock:
+            sbx = self._sandbox
+        if sbx is not None:
+            sbx.kill()
+
     def abort(self) -> None:
         """Stop: destroy the sandbox in use (its job is released), start no other."""
         with self._lock:
@@ -109,9 +134,23 @@ class Runner:
     template: Template  # handlers_dir resolved; env = the drain's base environment
     ttl: float = 900
     default_timeout: float = 600
+    kinds: Mapping[str, KindSettings] = field(default_factory=dict)  # fleetless.toml
+    cancelled: Callable[[int], bool] = lambda job_id: False  # an operator cancelled it while it ran
+
+    def _kind(self, kind: str) -> KindSettings:
+        return self.kinds.get(kind, KindSettings())
+
+    def ttl_of(self, kind: str) -> float:
+        return self._kind(kind).ttl or self.ttl
 
     def timeout_of(self, job: Job) -> float:
-        return min(float(job.timeout_seconds or self.default_timeout), self.ttl)
+        ks = self._kind(job.kind)
+        return min(float(job.timeout_seconds or ks.timeout or self.default_timeout), self.ttl_of(job.kind))
+
+    def template_of(self, kind: str) -> Template:
+        ks = self._kind(kind)
+        return replace(self.template, limits=ks.limits(self.template.limits),
+                       python=ks.interpreter or self.template.python)
 
     def run(self, jobs: Sequence[Job], slot: Slot) -> tuple[list[tuple[Job, Outcome]], str | None]:
         """Run ``jobs`` (all of one kind) and return each one's outcome, in order, plus the reason
@@ -124,12 +163,13 @@ class Runner:
         if handler is None:
             error = (f"no handler for kind {kind!r}: neither {kind}.py nor an executable {kind} in "
                      f"{self.template.handlers_dir}")
-            return [(j, Outcome("fail", error=error, permanent=True)) for j in jobs], None
+            never = Run(tier=self.backend.name)
+            return [(j, Outcome("fail", error=error, permanent=True, run=never)) for j in jobs], None
         done: list[tuple[Job, Outcome]] = []
         left = list(jobs)
         while left:
             if slot.aborted:
-                done += [(j, Outcome("release", error=RELEASED_STOPPING)) for j in left]
+                done += [(j, self._stopped(None)) for j in left]
                 break
             try:
                 if len(left) == 1 and not handler.module:
@@ -139,7 +179,8 @@ class Runner:
                     got, r = self._batch(left, handler, slot)
             except SandboxBroken as exc:
                 error = f"sandbox error ({self.backend.name}): {exc}"
-                done += [(j, Outcome("release", error=error)) for j in left]
+                broke = describe_run(self.backend.name, None, "sandbox error")
+                done += [(j, Outcome("release", error=error, run=broke)) for j in left]
                 return done, error
             done += got
             left = left[len(got):]
@@ -149,15 +190,20 @@ class Runner:
                 continue
             if r.ok and got:  # the runner stopped before its TTL: the rest go to a fresh sandbox
                 continue
-            done.append((left[0], Outcome("fail", error=self._death(left[0], handler, r))))
+            if self.cancelled(left[0].id):
+                run = replace(describe_run(self.backend.name, r), kill_reason="cancelled")
+                done.append((left[0], Outcome("fail", error=CANCELLED, permanent=True, run=run)))
+            else:
+                done.append((left[0], Outcome("fail", error=self._death(left[0], handler, r),
+                                              run=describe_run(self.backend.name, r))))
             left = left[1:]
         return done, None
 
     # -- one sandbox ---------------------------------------------------------------------------
 
-    def _sandbox(self, template: Template, slot: Slot) -> Sandbox:
+    def _sandbox(self, template: Template, slot: Slot, kind: str) -> Sandbox:
         try:
-            sbx = self.backend.create(template, self.ttl)
+            sbx = self.backend.create(template, self.ttl_of(kind))
         except Exception as exc:
             raise SandboxBroken(str(exc)) from None
         if not slot.attach(sbx):
@@ -166,11 +212,11 @@ class Runner:
         return sbx
 
     def _single(self, job: Job, handler: handlers.Handler, slot: Slot) -> tuple[Job, Outcome]:
-        template = replace(self.template, env=job_env(job, dict(self.template.env)))
+        template = replace(self.template_of(job.kind), env=job_env(job, dict(self.template.env)))
         try:
-            sbx = self._sandbox(template, slot)
+            sbx = self._sandbox(template, slot, job.kind)
         except _Aborted:
-            return job, Outcome("release", error=RELEASED_STOPPING)
+            return job, self._stopped(None)
         try:
             sbx.write("payload.json", json.dumps(job.payload))
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
@@ -180,40 +226,46 @@ class Runner:
         finally:
             sbx.kill()
             slot.detach()
+        if self.cancelled(job.id) and not r.ok:
+            return job, Outcome("fail", error=CANCELLED, permanent=True,
+                                run=replace(describe_run(self.backend.name, r), kill_reason="cancelled"))
         if slot.aborted and r.killed is not None:  # one that ended on its own keeps its outcome
-            return job, Outcome("release", error=RELEASED_STOPPING)
-        if r.ok:
-            return job, Outcome("done", result=r.stdout, result_cut=r.stdout_cut)
-        return job, Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut)
+            return job, self._stopped(r)
+        return job, _script_outcome(self.backend.name, r)
 
     def _batch(self, jobs: Sequence[Job], handler: handlers.Handler,
                slot: Slot) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
-        limits = self.template.limits
+        kind = jobs[0].kind
+        base = self.template_of(kind)
+        limits = base.limits
         per_job = limits.stdout_bytes + RECORD_OVERHEAD
-        template = replace(self.template, limits=replace(limits, stdout_bytes=per_job * len(jobs) + 65536))
+        template = replace(base, limits=replace(limits, stdout_bytes=per_job * len(jobs) + 65536))
         try:
-            sbx = self._sandbox(template, slot)
+            sbx = self._sandbox(template, slot, kind)
         except _Aborted:
-            return [(j, Outcome("release", error=RELEASED_STOPPING)) for j in jobs], None
+            return [(j, self._stopped(None)) for j in jobs], None
         try:
             script = f"{sbx.handlers_path}/{handler.filename}"
             desc = {
                 "handler": script, "module": handler.module,
                 "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
-                "budget": self.ttl, "grace": HARD_GRACE,
+                "budget": self.ttl_of(kind), "grace": HARD_GRACE,
                 "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS,
                 "jobs": [{"payload": j.payload, "timeout": self.timeout_of(j), "env": _own_env(j)} for j in jobs],
             }
             sbx.write(RUNNER_NAME, RUNNER.read_bytes())
             sbx.write("batch.json", json.dumps(desc))
             ws = sbx.workspace_path
-            r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], self.ttl)
+            r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], self.ttl_of(kind))
         except Exception as exc:
             raise SandboxBroken(str(exc)) from None
         finally:
             sbx.kill()
             slot.detach()
         return self._parse(jobs, r.stdout), r
+
+    def _stopped(self, r: ExecResult | None) -> Outcome:
+        return Outcome("release", error=RELEASED_STOPPING, run=describe_run(self.backend.name, r, "drainer stopped"))
 
     def _parse(self, jobs: Sequence[Job], stdout: str) -> list[tuple[Job, Outcome]]:
         """The records, in order, up to the first that is missing or not well formed."""
@@ -225,7 +277,7 @@ class Runner:
                 rec = json.loads(line)
                 if rec["i"] != len(out):
                     break
-                out.append((jobs[len(out)], _outcome(rec)))
+                out.append((jobs[len(out)], _outcome(self.backend.name, rec)))
             except (ValueError, KeyError, TypeError):
                 break
         return out
@@ -248,15 +300,24 @@ def _text(value: object) -> str:
     return str(value).encode("utf-8", "replace").decode("utf-8")
 
 
-def _outcome(rec: dict[str, Any]) -> Outcome:
-    if "ok" in rec:  # handle()
+def _script_outcome(tier: str, r: ExecResult) -> Outcome:
+    run = describe_run(tier, r)
+    if r.ok:
+        return Outcome("done", result=r.stdout, result_cut=r.stdout_cut, run=run)
+    return Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut, run=run)
+
+
+def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
+    if "ok" in rec:  # handle(): it returned (exit code 0 in the history) or raised (no exit code)
         if rec["ok"]:
             text = json.dumps(rec["result"], allow_nan=False, ensure_ascii=False, separators=(",", ":"))
-            return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)))
-        return Outcome("fail", error=_text(rec["error"]))
+            return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)),
+                           run=Run(tier=tier, exit_code=0))
+        error = _text(rec["error"])
+        timed_out = error.startswith("killed: ")
+        return Outcome("fail", error=error,
+                       run=Run(tier=tier, kill_reason=error.removeprefix("killed: ") if timed_out else None))
     r = ExecResult(int(rec["exit"]), _text(rec["stdout"]), _text(rec["stderr"]), float(rec["duration"]),
                    _text(rec["killed"]) if isinstance(rec["killed"], str) else None,
                    stdout_cut=rec.get("stdout_cut") is True)
-    if r.ok:
-        return Outcome("done", result=r.stdout, result_cut=r.stdout_cut)
-    return Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut)
+    return _script_outcome(tier, r)

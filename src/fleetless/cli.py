@@ -189,6 +189,12 @@ def drain_options(f: F) -> F:
                      help="Directory of handlers: <kind>.py or an executable <kind>."),
         click.option("--queue", "queues", multiple=True, help="Only these queues (repeatable)."),
         click.option("--batch", type=int, default=20, show_default=True, help="Most jobs per claim."),
+        click.option("--per-sandbox", type=int, default=1, show_default=True,
+                     help="Batch mode: run up to N claimed jobs of one kind in one sandbox."),
+        click.option("--watch", is_flag=True,
+                     help="After draining, wait for new jobs (NOTIFY) and due times instead of exiting."),
+        click.option("--idle-exit", callback=_duration, default=None,
+                     help="With --watch: exit after this long with nothing to do (e.g. 60s)."),
         click.option("--concurrency", type=int, default=None, help="Jobs at once [default: CPU count]."),
         click.option("--max-runtime", callback=_duration, help="Stop claiming after this long."),
         click.option("--timeout", callback=_duration, default="600", show_default=True,
@@ -249,6 +255,7 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
         shutdown_grace=kw["shutdown_grace"],
         retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
         sandbox=kw["sandbox"], limits=limits, pass_env=tuple(kw["pass_env"]), python=kw["python"],
+        per_sandbox=kw["per_sandbox"], watch=kw["watch"], idle_exit=kw["idle_exit"],
         maintenance=maintenance.Settings(
             retention=maintenance.retention.Settings(
                 done=kw["keep_done"], cancelled=kw["keep_cancelled"], dead=kw["keep_dead"],
@@ -271,7 +278,8 @@ def _reporter(ctx: click.Context, tier: str) -> Reporter:
 @json_option
 @click.pass_context
 def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
-    """Reap, claim and run due jobs, one sandbox each; exit when nothing is claimable."""
+    """Reap, claim and run due jobs, one sandbox each (or --per-sandbox N of one kind); exit when
+    nothing is claimable, or with --watch wait for more."""
     import dataclasses
 
     config = _drain_config(kw)

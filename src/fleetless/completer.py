@@ -42,6 +42,7 @@ class Counts:
     retried: int = 0
     dead: int = 0
     released: int = 0  # claims given back without charging an attempt
+    cancelled: int = 0  # jobs an operator cancelled while they ran
     fenced_out: int = 0  # outcomes not written: the claim had been reaped (and maybe taken over)
 
 
@@ -53,6 +54,8 @@ class Completer:
         *,
         flush_size: int = 500,
         flush_interval: float = 0.05,
+        on_written: Callable[[Job, Outcome, Status | None], None] | None = None,
+        retry_of: Callable[[Job], RetryPolicy] | None = None,
     ) -> None:
         if flush_size < 1 or flush_interval <= 0:
             raise ValueError("flush_size must be at least 1 and flush_interval positive")
@@ -60,6 +63,9 @@ class Completer:
         self.retry = retry or RetryPolicy()
         self.flush_size = flush_size
         self.flush_interval = flush_interval
+        #: called for each outcome once written (status: its new status; None: fenced out)
+        self.on_written = on_written
+        self.retry_of = retry_of  # a kind's own policy (fleetless.toml); None: ``retry`` for all
         self.counts = Counts()
         self._buffer: list[tuple[Job, Outcome]] = []
         self._first_at: float | None = None  # monotonic time the oldest buffered outcome arrived
@@ -74,7 +80,8 @@ class Completer:
     def add(self, job: Job, outcome: Outcome) -> None:
         """Buffer one job's outcome. A failure gets its retry delay from the policy here."""
         if outcome.action == "fail" and not outcome.permanent:
-            outcome = replace(outcome, delay=self.retry.delay(job.attempts))
+            policy = self.retry if self.retry_of is None else self.retry_of(job)
+            outcome = replace(outcome, delay=policy.delay(job.attempts))
         with self._cond:
             first = not self._buffer
             if first:
@@ -117,9 +124,13 @@ class Completer:
         c = self.counts
         for job, outcome in items:
             status = written.get(job.id)
+            if self.on_written is not None:
+                self.on_written(job, outcome, status)
             if status is None:
                 c.fenced_out += 1
                 log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
+            elif status is Status.CANCELLED:
+                c.cancelled += 1
             elif outcome.action == "release":
                 c.released += 1
             elif status is Status.DONE:

@@ -1,14 +1,20 @@
-"""One drain run: maintenance, then claim -> sandbox -> finish until nothing is claimable.
+"""One drain run: maintenance, then claim -> sandbox -> finish, in one loop with a wait strategy.
 
-A drainer never waits for new work. It exits when a claim returns nothing and no job of its own
-is still running, when its runtime budget is spent (it stops claiming and finishes what it
-holds), or when asked to stop (SIGTERM: stop claiming, give running jobs a grace period, then
-destroy their sandboxes and give their claims back without charging an attempt).
+Without ``watch`` the drainer never waits for new work: it exits when a claim returns nothing and
+no job of its own is still running. With ``watch`` it then sleeps until an enqueue's NOTIFY, the
+next pending job's due time or ``idle_exit`` (see :mod:`fleetless.watch`). Either way it stops
+claiming when its runtime budget is spent (finishing what it holds), or when asked to stop
+(SIGTERM: stop claiming, give running jobs a grace period, then destroy their sandboxes and give
+their claims back without charging an attempt).
+
+A unit of work is one claim's jobs of one kind in one sandbox (``per_sandbox`` > 1, batch mode)
+or one job (per-job mode); :mod:`fleetless.batch` runs it, :mod:`fleetless.completer` writes its
+outcomes: inline in per-job mode (written before the slot claims again), batched in batch mode,
+where the drainer also renews the leases of every job it holds with one fenced statement.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,32 +22,36 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import psycopg
 
 from . import handlers, kinds, maintenance
+from .batch import Runner, Slot, describe_failure, describe_run, job_env
+from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
-from .insights import error_head, summarize_failure
-from .job import Job, Run, Status
+from .insights import error_head
+from .job import Job, Outcome, Status
 from .queue import Queue
-from .retry import MAX_ERROR_CHARS, RetryPolicy
-from .sandbox import ExecResult, Limits, Sandbox, SandboxUnavailable, Template, choose_tier, get_backend
+from .retry import RetryPolicy
+from .sandbox import Limits, Sandbox, SandboxUnavailable, Template, choose_tier, get_backend
+from .watch import Watcher, sleep_for
 
-__all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "base_env", "describe_failure", "job_env"]
+__all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "base_env", "describe_failure", "describe_run",
+           "job_env"]
 
 log = logging.getLogger("fleetless.drainer")
 T = TypeVar("T")
 
-#: How often a drain holding jobs asks the table which of them an operator cancelled.
-CANCEL_POLL_SECONDS = 1.0
 #: How long the drainer keeps trying to reach a database that went away before giving up.
 DB_RETRY_SECONDS = 30.0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
+#: How often a drain holding jobs asks the table which of them an operator cancelled.
+CANCEL_POLL_SECONDS = 1.0
 
 
 class DrainError(RuntimeError):
@@ -65,8 +75,19 @@ class DrainConfig:
     pass_env: tuple[str, ...] = ()
     python: str | None = None
     maintenance: maintenance.Settings = field(default_factory=maintenance.Settings)
+    per_sandbox: int = 1  # batch mode above 1: up to this many claimed jobs of one kind per sandbox
+    watch: bool = False  # wait for work (NOTIFY, next due time) instead of exiting when idle
+    idle_exit: float | None = None  # watch mode: exit after this long with nothing to do (None: never)
+    flush_size: int = 500  # batch mode: outcomes written per statement at most
+    flush_interval: float = 0.05  # batch mode: an outcome waits at most this long to be written
 
     def __post_init__(self) -> None:
+        if not 1 <= self.per_sandbox <= 100_000:
+            raise ValueError("--per-sandbox must be from 1 to 100000")
+        if self.idle_exit is not None and self.idle_exit <= 0:
+            raise ValueError("--idle-exit must be positive")
+        if self.idle_exit is not None and not self.watch:
+            raise ValueError("--idle-exit needs --watch")
         for name in ("batch", "concurrency"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1")
@@ -90,8 +111,11 @@ class Summary:
     pruned: int = 0  # finished jobs deleted by retention
     scheduled: int = 0  # periodic jobs enqueued
     seconds: float = 0.0
+    watching_elsewhere: bool = False  # watch mode: another watcher holds these queues' lock
 
     def line(self) -> str:
+        if self.watching_elsewhere:
+            return "a watcher is already draining these queues; nothing to do"
         extra = "".join(
             f", {n} {what}"
             for n, what in ((self.released, "released"), (self.cancelled, "cancelled"),
@@ -103,47 +127,6 @@ class Summary:
             f"drained: claimed {self.claimed}, done {self.done}, retried {self.retried}, "
             f"dead {self.dead}{extra} in {self.seconds:.1f} s"
         )
-
-
-@dataclass(frozen=True)
-class _Outcome:
-    what: Literal["ran", "no_handler", "sandbox_error", "cancelled"]
-    result: ExecResult | None = None
-    error: str = ""
-
-
-def _signal_name(exit_code: int) -> str:
-    """SIGSEGV for an exit status of -11."""
-    try:
-        return signal.Signals(-exit_code).name
-    except ValueError:
-        return f"signal {-exit_code}"
-
-
-def describe_failure(r: ExecResult) -> str:
-    """last_error for a failed run: what happened in one line, then the tail of stderr."""
-    if r.killed:
-        head = r.killed
-    elif r.exit_code < 0:
-        head = f"killed by {_signal_name(r.exit_code)}"
-    else:
-        head = summarize_failure(f"exit code {r.exit_code}", r.stderr)
-    tail = r.stderr.rstrip()
-    if not tail:
-        return head
-    room = MAX_ERROR_CHARS - len(head) - 1
-    return f"{head}\n{tail[-room:]}"
-
-
-def describe_run(tier: str, r: ExecResult | None, kill_reason: str | None = None) -> Run:
-    """The attempt-history view of a run: exit status, or the signal and the kill reason."""
-    if r is None:
-        return Run(tier=tier, kill_reason=kill_reason)
-    if r.killed:
-        kill_reason = r.killed.removeprefix("killed: ")
-    if r.exit_code < 0:
-        return Run(tier=tier, signal=_signal_name(r.exit_code), kill_reason=kill_reason)
-    return Run(tier=tier, exit_code=r.exit_code, kill_reason=kill_reason)
 
 
 def parse_pass_env(items: tuple[str, ...], environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -167,10 +150,8 @@ def base_env(passed: dict[str, str]) -> dict[str, str]:
     return {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **passed}
 
 
-def job_env(job: Job, base: dict[str, str]) -> dict[str, str]:
-    """One job's whole environment: the drain's, plus who it is."""
-    return {**base, "FLEETLESS_JOB_ID": str(job.id), "FLEETLESS_ATTEMPT": str(job.attempts),
-            "FLEETLESS_KIND": job.kind}
+_Unit = tuple[list[Job], Slot]  # one claim's jobs of one kind, and the sandbox slot they run in
+_Result = tuple[list[tuple[Job, Outcome]], str | None]
 
 
 class Drainer:
@@ -187,16 +168,19 @@ class Drainer:
         self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
         self._fatal: str | None = None
         self._reached_db = False  # "cannot connect" until a call succeeded, "lost" after
-        self._lock = threading.Lock()
-        self._sandboxes: dict[int, Sandbox] = {}
-        self._aborted: set[int] = set()
-        self._kinds: dict[str, kinds.KindSettings] = {}  # fleetless.toml, read when the drain starts
-        self._cancelled: set[int] = set()  # jobs an operator cancelled while this drain held them
-        self._next_cancel_poll = 0.0
         self._handlers_dir = config.handlers_dir
         self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
                                   python=config.python)
         self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
+        self._batched = config.per_sandbox > 1
+        self._completer = Completer(queue, config.retry, flush_size=config.flush_size,
+                                    flush_interval=config.flush_interval, on_written=self._written,
+                                    retry_of=self._retry_of)
+        self._wake = threading.Event()  # set by a finished unit, a NOTIFY, or stop()
+        self._watcher: Watcher | None = None
+        self._kinds: dict[str, kinds.KindSettings] = {}  # fleetless.toml, read when the drain starts
+        self._cancelled: set[int] = set()  # jobs an operator cancelled while this drain held them
+        self._next_cancel_poll = 0.0
 
     # -- control -----------------------------------------------------------------------------
 
@@ -206,6 +190,7 @@ class Drainer:
         deadline = time.monotonic() + grace
         if self._stop_at is None or deadline < self._stop_at:
             self._stop_at = deadline
+        self._wake.set()
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: stop claiming and wind down; a second one aborts at once."""
@@ -228,6 +213,8 @@ class Drainer:
     # -- the run -----------------------------------------------------------------------------
 
     def run(self) -> Summary:
+        """One drain. In watch mode, when another watcher serves these queues already, it returns
+        at once with ``watching_elsewhere`` set (the cron tick that finds one costs one query)."""
         try:
             return self._run()
         finally:
@@ -235,12 +222,13 @@ class Drainer:
 
     def _run(self) -> Summary:
         started = time.monotonic()
+        c = self.config
         try:
-            self._handlers_dir = handlers.check_dir(self.config.handlers_dir)
+            self._handlers_dir = handlers.check_dir(c.handlers_dir)
             self._template = replace(self._template, handlers_dir=self._handlers_dir)
-            self._kinds = kinds.load(self._handlers_dir)
             self._backend.check()
             self._backend.check_template(self._template)
+            self._kinds = kinds.load(self._handlers_dir)
             for kind, ks in sorted(self._kinds.items()):
                 if ks.interpreter is not None:
                     try:
@@ -249,54 +237,226 @@ class Drainer:
                         raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] interpreter: {exc}") from None
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError) as exc:
             raise DrainError(str(exc)) from None
-        self._maintenance()
-        budget_end = started + self.config.max_runtime if self.config.max_runtime else None
-        running: dict[Future[_Outcome], Job] = {}
-        with ThreadPoolExecutor(max_workers=self.config.concurrency, thread_name_prefix="job") as pool:
-            try:
-                while True:
-                    self._maintenance()  # a no-op until the maintenance interval has passed
-                    claiming = (
-                        not self.stopping
-                        and self._fatal is None
-                        and (budget_end is None or time.monotonic() < budget_end)
-                    )
-                    if claiming:
-                        while len(running) < self.config.concurrency:
-                            want = min(self.config.batch, self.config.concurrency - len(running))
-                            jobs = self._claim(want)
-                            self.summary.claimed += len(jobs)
-                            for job in jobs:
-                                self._claimed_at[job.id] = time.monotonic()
-                                self.reporter.claimed(job)
-                                running[pool.submit(self._execute, job)] = job
-                            if len(jobs) < want:
-                                break
-                    if not running:
-                        break
-                    if self._stop_at is not None and time.monotonic() >= self._stop_at:
-                        self._abort(running.values())
-                    finished, _ = wait(running, timeout=0.25, return_when=FIRST_COMPLETED)
-                    self._poll_cancels(running.values())
-                    for fut in finished:
-                        self._finish(running.pop(fut), fut.result())
-            except BaseException:
-                self._abort(running.values())
-                raise
+        if c.watch:
+            self._watcher = Watcher(self.queue.conninfo, schema=self.queue.schema, channel=self.queue.channel,
+                                    queues=c.queues, wake=self._wake)
+            if not self._db(self._watcher.acquire):
+                self._watcher = None
+                self.summary.watching_elsewhere = True
+                return self.summary
+        runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
+                        cancelled=self._cancelled.__contains__)
+        running: dict[Future[_Result], _Unit] = {}
+        if self._batched:
+            self._completer.start()
+        failed = True
+        try:
+            self._maintenance()
+            with ThreadPoolExecutor(max_workers=c.concurrency, thread_name_prefix="job") as pool:
+                try:
+                    self._loop(pool, runner, running, started)
+                except BaseException:
+                    self._abort(running.values())
+                    raise
+            failed = False
+        finally:
+            self._wind_down(running, failed)
         self.summary.seconds = time.monotonic() - started
         if self._fatal:
             raise DrainError(self._fatal)
         return self.summary
 
-    def _claim(self, n: int) -> list[Job]:
+    def _loop(self, pool: ThreadPoolExecutor, runner: Runner, running: dict[Future[_Result], _Unit],
+              started: float) -> None:
         c = self.config
-        grace = c.lease_grace + self._backend.overhead_seconds
-        # A kind's own timeout or TTL may be longer than the drain's: the lease covers the longest.
+        budget_end = started + c.max_runtime if c.max_runtime else None
+        idle_since: float | None = None
+        next_beat = time.monotonic()
+        while True:
+            self._maintenance()  # a no-op until the maintenance interval has passed
+            claiming = (
+                not self.stopping
+                and self._fatal is None
+                and (budget_end is None or time.monotonic() < budget_end)
+            )
+            short = False
+            if claiming:
+                while len(running) < c.concurrency:
+                    if self._batched:
+                        units = [self._claim(c.per_sandbox, one_kind=True)]
+                        want = c.per_sandbox
+                    else:
+                        want = min(c.batch, c.concurrency - len(running))
+                        units = [[job] for job in self._claim(want)]
+                    got = sum(len(u) for u in units if u)
+                    for jobs in units:
+                        if jobs:
+                            slot = Slot()
+                            for job in jobs:
+                                self._claimed_at[job.id] = time.monotonic()
+                                self.reporter.claimed(job)
+                            fut = pool.submit(self._run_unit, runner, jobs, slot)
+                            fut.add_done_callback(lambda _: self._wake.set())
+                            running[fut] = (jobs, slot)
+                    self.summary.claimed += got
+                    if got < want:
+                        short = True
+                        break
+            watching = self._watcher is not None and not self._watcher.lost and claiming
+            now = time.monotonic()
+            if running or not short:
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            if not running:
+                if not watching:
+                    break
+                assert idle_since is not None
+                idle_left = None if c.idle_exit is None else idle_since + c.idle_exit - now
+                if idle_left is not None and idle_left <= 0:
+                    break
+                pause = sleep_for(self._db(lambda: self.queue.next_due(c.queues)), idle_left)
+                if budget_end is not None:
+                    pause = min(pause, max(budget_end - now, 0.0))
+            else:
+                pause = 0.25
+                if watching and len(running) < c.concurrency:
+                    pause = sleep_for(self._db(lambda: self.queue.next_due(c.queues)), None, cap=0.25)
+            if self._stop_at is not None and now >= self._stop_at:
+                self._abort(running.values())
+            if running:
+                self._poll_cancels(running.values())
+                pause = min(pause, CANCEL_POLL_SECONDS)
+            if self._batched:
+                beat = self._lease_beat(running)
+                if now >= next_beat:
+                    self._extend_leases(running)
+                    next_beat = now + beat
+                pause = min(pause, max(next_beat - now, 0.0))
+            if self._stop_at is not None:
+                pause = min(pause, max(self._stop_at - now, 0.0) + 0.01)
+            self._wake.wait(pause)
+            self._wake.clear()
+            for fut in [f for f in running if f.done()]:
+                running.pop(fut)
+                self._record(fut.result())
+
+    def _wind_down(self, running: dict[Future[_Result], _Unit], failed: bool) -> None:
+        """Write what is left. After an error, what ran still counts (best effort: one try, and
+        a job whose outcome cannot be written runs again once its lease has passed)."""
+        for fut in running:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._record(fut.result(), flush=False)
+        try:
+            self._completer.close(flush=None if failed else (lambda f: self._db(f)))
+        except Exception as exc:
+            if not failed:
+                raise
+            log.warning("could not write %d outcome(s) (%s); those jobs run again after their leases",
+                        self._completer.buffered, (str(exc).splitlines() or [type(exc).__name__])[0])
+        finally:
+            if self._watcher is not None:
+                self._watcher.close()
+            self._take_counts()
+
+    def _lease_bounds(self) -> tuple[float, float]:
+        """The timeout and TTL a lease is computed from: a kind's own may be longer than the drain's."""
+        c = self.config
         timeout = max([c.timeout, *(k.timeout for k in self._kinds.values() if k.timeout)])
         ttl = max([c.ttl, *(k.ttl for k in self._kinds.values() if k.ttl)])
+        return timeout, ttl
+
+    def _claim(self, n: int, *, one_kind: bool = False) -> list[Job]:
+        c = self.config
+        timeout, ttl = self._lease_bounds()
         return self._db(lambda: self.queue.claim(
-            n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=grace,
+            n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
             claimed_by=self._claimed_by, tier=c.sandbox))
+
+    def _retry_of(self, job: Job) -> RetryPolicy:
+        return self._kinds.get(job.kind, kinds.KindSettings()).retry(self.config.retry)
+
+    def _poll_cancels(self, units: Iterable[_Unit]) -> None:
+        """About once a second while jobs run: kill the sandbox of a job an operator cancelled (in
+        batch mode the rest of its batch goes on in a fresh sandbox)."""
+        now = time.monotonic()
+        if now < self._next_cancel_poll:
+            return
+        self._next_cancel_poll = now + CANCEL_POLL_SECONDS
+        units = list(units)
+        held = [j.id for jobs, _ in units for j in jobs if j.id not in self._cancelled]
+        cancelled = self._db(lambda: self.queue.cancel_requested(held)) if held else set()
+        for job_id in cancelled:
+            log.warning("job %d: cancelled by request; killing its sandbox", job_id)
+            self._cancelled.add(job_id)
+        if cancelled:
+            for jobs, slot in units:
+                if any(j.id in cancelled for j in jobs):
+                    slot.kill_current()
+
+    def _run_unit(self, runner: Runner, jobs: list[Job], slot: Slot) -> _Result:
+        """In a worker thread: one unit's jobs in their sandbox(es)."""
+        for job in jobs:
+            self.reporter.started(job)
+        return runner.run(jobs, slot)
+
+    def _written(self, job: Job, outcome: Outcome, status: Status | None) -> None:
+        """The completer wrote (or was fenced out of) one outcome: tell the reporter."""
+        what: FinishedAs
+        if status is None:
+            what = "fenced_out"
+        elif status is Status.CANCELLED:
+            what = "cancelled"
+        elif outcome.action == "release":
+            what = "released"
+        elif status is Status.DONE:
+            what = "done"
+        elif status is Status.DEAD:
+            what = "dead"
+        else:
+            what = "retried"
+        started = self._claimed_at.pop(job.id, None)
+        self.reporter.finished(JobFinished(
+            id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
+            duration=time.monotonic() - started if started is not None else 0.0,
+            tier=self.config.sandbox, error_head=error_head(outcome.error)))
+
+    @property
+    def _grace(self) -> float:
+        return self.config.lease_grace + self._backend.overhead_seconds
+
+    def _record(self, result: _Result, *, flush: bool = True) -> None:
+        """A unit's outcomes go to the completer; in per-job mode they are written right away, so
+        that each is durable before its slot claims again."""
+        outcomes, fatal = result
+        for job, outcome in outcomes:
+            self._completer.add(job, outcome)
+        if fatal is not None:
+            log.error("%s", fatal)
+            self._fatal = fatal
+        if flush and not self._batched:
+            self._db(self._completer.flush)
+
+    def _lease_beat(self, running: dict[Future[_Result], _Unit]) -> float:
+        """How often to renew leases: a third of the shortest lease held, at least 0.2 s."""
+        c = self.config
+        shortest = min((min(float(j.timeout_seconds or c.timeout), c.ttl) for jobs, _ in running.values()
+                        for j in jobs), default=min(c.timeout, c.ttl))
+        return max((shortest + self._grace) / 3, 0.2)
+
+    def _extend_leases(self, running: dict[Future[_Result], _Unit]) -> None:
+        """Batch mode: jobs wait behind each other in one sandbox, and finished ones wait for the
+        completer's flush; renew every lease this drainer holds, in one fenced statement."""
+        held = [j for jobs, _ in running.values() for j in jobs] + self._completer.holding()
+        if held:
+            timeout, ttl = self._lease_bounds()
+            self._db(lambda: self.queue.extend_leases(held, default_timeout=timeout, ttl=ttl,
+                                                      lease_grace=self._grace))
+
+    def _take_counts(self) -> None:
+        counts, s = self._completer.counts, self.summary
+        s.done, s.retried, s.dead = counts.done, counts.retried, counts.dead
+        s.released, s.fenced_out, s.cancelled = counts.released, counts.fenced_out, counts.cancelled
 
     def _maintenance(self) -> None:
         """The housekeeping units: at the start of the drain, then every maintenance interval."""
@@ -309,29 +469,9 @@ class Drainer:
             self.summary.pruned += report.pruned.deleted
             self.summary.scheduled += report.scheduled.enqueued
 
-    def _poll_cancels(self, jobs: Iterable[Job]) -> None:
-        """About once a second while jobs run: kill the sandboxes of jobs an operator cancelled."""
-        now = time.monotonic()
-        if now < self._next_cancel_poll:
-            return
-        self._next_cancel_poll = now + CANCEL_POLL_SECONDS
-        held = [j.id for j in jobs if j.id not in self._cancelled]
-        cancelled = self._db(lambda: self.queue.cancel_requested(held)) if held else set()
-        with self._lock:
-            for job_id in cancelled:
-                log.warning("job %d: cancelled by request; killing its sandbox", job_id)
-                self._cancelled.add(job_id)
-                sbx = self._sandboxes.get(job_id)
-                if sbx is not None:
-                    sbx.kill()
-
-    def _abort(self, jobs: Iterable[Job]) -> None:
-        with self._lock:
-            for job in list(jobs):
-                sbx = self._sandboxes.get(job.id)
-                self._aborted.add(job.id)
-                if sbx is not None:
-                    sbx.kill()
+    def _abort(self, units: Iterable[_Unit]) -> None:
+        for _, slot in list(units):
+            slot.abort()
 
     def _db(self, call: Callable[[], T]) -> T:
         """Run a queue call, riding out a database restart for up to DB_RETRY_SECONDS."""
@@ -352,105 +492,3 @@ class Drainer:
                 log.warning("database unavailable (%s); retrying", first)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
-
-    # -- one job -----------------------------------------------------------------------------
-
-    def _execute(self, job: Job) -> _Outcome:
-        """Runs in a worker thread: one job, one sandbox, always destroyed."""
-        handler = handlers.resolve(self._handlers_dir, job.kind)
-        if handler is None:
-            return _Outcome(
-                "no_handler",
-                error=f"no handler for kind {job.kind!r}: neither {job.kind}.py nor an executable "
-                f"{job.kind} in {self._handlers_dir}",
-            )
-        ks = self._kinds.get(job.kind, kinds.KindSettings())
-        template = replace(self._template, env=job_env(job, self._env), limits=ks.limits(self._template.limits),
-                           python=ks.interpreter or self._template.python)
-        ttl = ks.ttl or self.config.ttl
-        timeout = min(float(job.timeout_seconds or ks.timeout or self.config.timeout), ttl)
-        sbx: Sandbox | None = None
-        try:
-            sbx = self._backend.create(template, ttl)
-            with self._lock:
-                if job.id in self._cancelled:
-                    return _Outcome("cancelled")
-                if job.id in self._aborted:
-                    raise SandboxUnavailable("drainer is stopping")
-                self._sandboxes[job.id] = sbx
-            sbx.write("payload.json", json.dumps(job.payload))
-            self.reporter.started(job)
-            argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
-            return _Outcome("ran", result=sbx.exec(argv, timeout))
-        except Exception as exc:  # the sandbox broke: not the job's fault
-            return _Outcome("sandbox_error", error=f"sandbox error ({self.config.sandbox}): {exc}")
-        finally:
-            if sbx is not None:
-                sbx.kill()
-            with self._lock:
-                self._sandboxes.pop(job.id, None)
-
-    def _finish(self, job: Job, outcome: _Outcome) -> None:
-        what, error = self._record(job, outcome)
-        started = self._claimed_at.pop(job.id, None)
-        self.reporter.finished(JobFinished(
-            id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
-            duration=time.monotonic() - started if started is not None else 0.0,
-            tier=self.config.sandbox, error_head=error_head(error)))
-
-    def _record(self, job: Job, outcome: _Outcome) -> tuple[FinishedAs, str | None]:
-        """Write the outcome (fenced) and count it; return what became of the claim and the error."""
-        s = self.summary
-        tier = self.config.sandbox
-        ended_on_its_own = outcome.what == "ran" and outcome.result is not None and outcome.result.killed is None
-        if job.id in self._cancelled and not (outcome.result is not None and outcome.result.ok):
-            # The cancel mark turns this failed attempt into cancelled, with no further attempt.
-            run = replace(describe_run(tier, outcome.result), kill_reason="cancelled")
-            status = self._db(lambda: self.queue.fail(
-                job, "cancelled: an operator cancelled the job while it ran", delay=0, permanent=True, run=run))
-            if status is None:
-                s.fenced_out += 1
-                return "fenced_out", None
-            s.cancelled += 1
-            return "cancelled", "cancelled while it ran"
-        if job.id in self._aborted and not ended_on_its_own:  # one that ended keeps its outcome
-            reason = "released: the drainer stopped before the job finished"
-            run = describe_run(tier, outcome.result, "drainer stopped")
-            if self._db(lambda: self.queue.release(job, reason, run=run)):
-                s.released += 1
-                return "released", reason
-            s.fenced_out += 1
-            return "fenced_out", None
-        if outcome.what == "sandbox_error":
-            log.error("job %d: %s", job.id, outcome.error)
-            self._fatal = outcome.error
-            if self._db(lambda: self.queue.release(job, outcome.error, run=describe_run(tier, None, "sandbox error"))):
-                s.released += 1
-                return "released", outcome.error
-            return "fenced_out", outcome.error
-        result = outcome.result
-        run = describe_run(tier, result)
-        if result is not None and result.ok:
-            ok = self._db(lambda: self.queue.complete(job, result.stdout, run=run, result_cut=result.stdout_cut))
-            if ok:
-                s.done += 1
-                return "done", None
-            s.fenced_out += 1
-            log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
-            return "fenced_out", None
-        if result is not None:
-            error, permanent, stdout = describe_failure(result), False, result.stdout
-        else:
-            error, permanent, stdout = outcome.error, True, None
-        delay = self._kinds.get(job.kind, kinds.KindSettings()).retry(self.config.retry).delay(job.attempts)
-        cut = result is not None and result.stdout_cut
-        status = self._db(lambda: self.queue.fail(job, error, delay=delay, permanent=permanent, result=stdout,
-                                                  run=run, result_cut=cut))
-        if status is None:
-            s.fenced_out += 1
-            return "fenced_out", error
-        if status is Status.DEAD:
-            s.dead += 1
-            return "dead", error
-        s.retried += 1
-        return "retried", error

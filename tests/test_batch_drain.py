@@ -1,0 +1,276 @@
+"""Batch mode and watch mode through real drains: many jobs of one kind per sandbox, each with its
+own fenced outcome; leases renewed while a batch runs; outcomes written in batches; a watcher
+that picks work up as it is enqueued. Assertions read the table."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+
+from proctools import wait_for
+
+TIERS = ["process", "bwrap", "microvm"]
+SQL = Callable[..., list[Any]]
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+MODULE = """
+    import os, time
+    def handle(payload):
+        what = payload.get("do", "ok")
+        if what == "raise":
+            raise RuntimeError("bad payload " + str(payload["n"]))
+        if what == "exit":
+            os._exit(9)
+        if what == "sleep":
+            time.sleep(payload["s"])
+        return {"n": payload["n"], "pid": os.getpid()}
+"""
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_batch_drain_stores_each_jobs_own_outcome(tier: str, queue: Queue, handlers, sql: SQL,
+                                                    require_tier) -> None:
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE, "script.py": """
+        import json, sys
+        n = json.load(open(sys.argv[1]))["n"]
+        if n == 2:
+            sys.exit(4)
+        print("script", n)
+    """})
+    ids = queue.enqueue_many([{"kind": "mod", "payload": p, "max_attempts": 1 if p.get("do") == "raise" else 3}
+                              for p in ({"n": 0}, {"n": 1, "do": "raise"}, {"n": 2}, {"n": 3, "do": "exit"},
+                                        {"n": 4}, {"n": 5})])
+    scripts = queue.enqueue_many([("script", {"n": n}) for n in range(4)])
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=10, concurrency=2,
+                                         timeout=60)).run()
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, attempts, result_json, result, last_error"
+                                     " FROM fleetless.jobs")}
+    assert [rows[i][0] for i in ids] == ["done", "dead", "done", "pending", "done", "done"]
+    assert rows[ids[0]][2]["n"] == 0 and rows[ids[2]][2]["n"] == 2
+    assert str(rows[ids[1]][4]).startswith("RuntimeError: bad payload 1\nTraceback")
+    assert str(rows[ids[3]][4]).startswith("exit code 9")  # it took the sandbox down: charged alone
+    assert all(rows[i][1] == 1 for i in ids)  # nobody else lost an attempt
+    # the jobs before the death shared one interpreter; the ones after ran in a fresh sandbox
+    assert rows[ids[0]][2]["pid"] == rows[ids[2]][2]["pid"] != rows[ids[4]][2]["pid"] == rows[ids[5]][2]["pid"]
+    assert [rows[i][:2] + rows[i][3:4] for i in scripts] == [
+        ("done", 1, "script 0\n"), ("done", 1, "script 1\n"), ("pending", 1, ""), ("done", 1, "script 3\n")]
+    assert (summary.done, summary.retried, summary.dead, summary.fenced_out) == (7, 2, 1, 0)
+
+
+def test_batch_claims_take_one_kind_and_every_kind_progresses(queue: Queue, handlers, sql: SQL) -> None:
+    h = handlers(**{f"k{i}.py": "import os\ndef handle(p):\n    return os.getpid()\n" for i in range(3)})
+    queue.enqueue_many([(f"k{i % 3}", {"i": i}) for i in range(30)])
+    Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=4, concurrency=1)).run()
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 30)]
+    # one sandbox (one pid) never served two kinds
+    pids = sql("SELECT result_json, array_agg(DISTINCT kind) FROM fleetless.jobs GROUP BY 1")
+    assert all(len(kinds) == 1 for _, kinds in pids)
+
+
+def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(queue: Queue, handlers, sql: SQL) -> None:
+    """Each job's lease is its 1 s timeout plus 3 s of grace; the batch takes far longer, and a
+    reaper running all along finds nothing to reap."""
+    h = handlers(**{"mod.py": MODULE})
+    queue.enqueue_many([{"kind": "mod", "payload": {"n": i, "do": "sleep", "s": 0.5}, "timeout": 1}
+                        for i in range(12)])
+    stop = threading.Event()
+    reaped: list[int] = []
+
+    def reaper() -> None:
+        q = Queue(queue.conninfo)
+        while not stop.is_set():
+            reaped.extend(q.reap())
+            stop.wait(0.1)
+        q.close()
+
+    t = threading.Thread(target=reaper)
+    t.start()
+    try:
+        Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=12, concurrency=1, lease_grace=3)).run()
+    finally:
+        stop.set()
+        t.join()
+    assert reaped == []
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 12)]
+
+
+def _drain_process(dsn: str, h: Path, *args: str, config: str = "") -> subprocess.Popen[bytes]:
+    """A drainer in its own process (config: extra DrainConfig arguments, as Python)."""
+    code = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from fleetless import Queue
+        from fleetless.drainer import DrainConfig, Drainer
+        Drainer(Queue({dsn!r}), DrainConfig(handlers_dir=Path({str(h)!r}), {config})).run()
+    """)
+    return subprocess.Popen([sys.executable, "-c", code, *args], env={**os.environ})
+
+
+def test_a_dead_drainers_batch_is_reaped_and_runs_again(dsn: str, queue: Queue, handlers, sql: SQL,
+                                                        tmp_path: Path) -> None:
+    """SIGKILL between the jobs' ends and the flush: nothing was acknowledged, the leases lapse
+    (nobody renews them), the reaper returns the jobs and they run again: at least once."""
+    marks = tmp_path / "marks"
+    marks.mkdir(mode=0o777)
+    h = handlers(**{"mark.py": f"""
+        import os, time
+        def handle(p):
+            open(os.path.join({str(marks)!r}, str(p["n"])), "w").close()
+            if p.get("hold"):
+                time.sleep(600)
+            return p["n"]
+    """})
+    ids = queue.enqueue_many([{"kind": "mark", "payload": {"n": i}, "timeout": 1} for i in range(5)])
+    queue.enqueue("mark", {"n": 99, "hold": True}, priority=-1, timeout=600)  # keeps the drainer busy
+    proc = _drain_process(dsn, h, config="per_sandbox=5, concurrency=2, lease_grace=3, flush_interval=3600,"
+                                        " flush_size=10**6")
+    wait_for(lambda: len(list(marks.iterdir())) == 6, what="every job to have run")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(6,)]  # none written
+    wait_for(lambda: len(queue.reap()) > 0 or sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)"
+                                                  " AND status = 'pending'", ids) == [(5,)],
+             what="the dead drainer's leases to lapse")
+    wait_for(lambda: sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s) AND status = 'pending'", ids)
+             == [(5,)], what="the batch to be reaped")
+    for path in marks.iterdir():
+        path.unlink()
+    sql("UPDATE fleetless.jobs SET status = 'cancelled' WHERE id <> ALL(%s)", ids)
+    Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=5, concurrency=1)).run()
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs WHERE id = ANY(%s) GROUP BY 1, 2", ids) == [
+        ("done", 2, 5)]
+
+
+def test_a_reaped_batchs_late_finish_is_fenced_out(queue: Queue, handlers, sql: SQL, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    started = tmp_path / "started"
+    h = handlers(**{"wait.py": f"""
+        import os, time
+        def handle(p):
+            open({str(started)!r}, "w").close()
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.02)
+            return "late"
+    """})
+    queue.enqueue_many([("wait", {}) for _ in range(3)])
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=3, concurrency=1))
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(drainer.run()))
+    t.start()
+    wait_for(started.exists, what="the batch to start")
+    other = Queue(queue.conninfo)
+    assert len(other.reap(older_than=0)) == 3  # as if the lease had lapsed
+    taken = other.claim(3)  # and another drainer took the jobs
+    go.touch()
+    t.join(60)
+    assert done and done[0].fenced_out == 3 and done[0].done == 0
+    assert sorted(sql("SELECT status, claim_token::text, result_json FROM fleetless.jobs")) == sorted(
+        ("running", str(j.claim_token), None) for j in taken)
+    other.close()
+
+
+def test_two_batch_drainers_race_and_every_job_runs_once(dsn: str, queue: Queue, handlers, sql: SQL,
+                                                         tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    log.touch(mode=0o666)
+    h = handlers(**{"once.py": f"""
+        import os
+        def handle(p):
+            fd = os.open({str(log)!r}, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, b"%d\\n" % p["n"])
+            os.close(fd)
+    """})
+    queue.enqueue_many([("once", {"n": i}) for i in range(400)])
+    procs = [_drain_process(dsn, h, config="per_sandbox=25, concurrency=2") for _ in range(2)]
+    for p in procs:
+        assert p.wait(300) == 0
+    runs = log.read_text().split()
+    assert sorted(map(int, runs)) == list(range(400))
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 400)]
+
+
+# -- watch mode ---------------------------------------------------------------------------------
+
+
+LISTENING = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%' AND datname = current_database()"
+
+
+def test_a_watcher_picks_up_jobs_enqueued_after_it_started_and_exits_when_idle(
+        queue: Queue, handlers, sql: SQL, dsn: str) -> None:
+    h = handlers(**{"mod.py": MODULE})
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--watch",
+                             "--idle-exit", "10s", "--per-sandbox", "5"],
+                            env={**os.environ, "DATABASE_URL": dsn}, stdout=subprocess.PIPE, text=True)
+    wait_for(lambda: sql(LISTENING) == [(1,)], what="the watcher to listen")
+    first = queue.enqueue("mod", {"n": 1})
+    wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", first) == [("done",)],
+             what="the new job to be done")
+    later = queue.enqueue("mod", {"n": 2}, delay=1.0)
+    wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", later) == [("done",)],
+             what="the delayed job to be done")
+    assert sql("SELECT started_at >= run_after FROM fleetless.jobs WHERE id = %s", later) == [(True,)]
+    out, _ = proc.communicate(timeout=120)  # then idle for 10 s: it exits on its own
+    assert proc.returncode == 0 and "claimed 2, done 2" in out
+
+
+def test_the_cron_tick_leaves_a_running_watcher_alone(queue: Queue, handlers, sql: SQL, dsn: str,
+                                                      fleetless) -> None:
+    h = handlers(**{"mod.py": MODULE})
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, watch=True, concurrency=1))
+    t = threading.Thread(target=drainer.run)
+    t.start()
+    wait_for(lambda: sql(LISTENING) == [(1,)], what="the watcher to listen")
+    tick = fleetless("drain", "--handlers", str(h), "--watch", dsn=dsn)  # one query, then it exits
+    assert tick.returncode == 0 and "a watcher is already draining these queues" in tick.stdout
+    other = fleetless("drain", "--handlers", str(h), "--watch", "--queue", "other", "--idle-exit", "0.1s", dsn=dsn)
+    assert other.returncode == 0 and "claimed 0" in other.stdout  # other queues: a watcher of its own
+    drainer.stop(grace=0)
+    t.join(30)
+    assert not t.is_alive()
+
+
+def test_a_watcher_rides_out_a_lost_connection(queue: Queue, handlers, sql: SQL, dsn: str) -> None:
+    h = handlers(**{"mod.py": MODULE})
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, watch=True, idle_exit=30, concurrency=1))
+    t = threading.Thread(target=drainer.run)
+    t.start()
+    wait_for(lambda: sql(LISTENING) == [(1,)], what="the watcher to listen")
+    sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid()")  # every connection of the drainer goes
+    wait_for(lambda: sql(LISTENING) == [(1,)], what="the watcher to listen again")
+    job = queue.enqueue("mod", {"n": 7})
+    wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)],
+             what="the job enqueued after the reconnect")
+    drainer.stop(grace=0)
+    t.join(30)
+    assert not t.is_alive()
+    assert drainer.summary.done == 1
+
+
+def test_idle_exit_needs_watch() -> None:
+    with pytest.raises(ValueError, match="--idle-exit needs --watch"):
+        DrainConfig(handlers_dir=Path("."), idle_exit=5)
+    with pytest.raises(ValueError, match="--per-sandbox"):
+        DrainConfig(handlers_dir=Path("."), per_sandbox=0)
+
+
