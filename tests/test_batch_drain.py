@@ -34,6 +34,7 @@ def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 MODULE = """
     import os, time
+    INTERPRETER = os.urandom(8).hex()  # one per import: which jobs shared an interpreter
     def handle(payload):
         what = payload.get("do", "ok")
         if what == "raise":
@@ -42,7 +43,7 @@ MODULE = """
             os._exit(9)
         if what == "sleep":
             time.sleep(payload["s"])
-        return {"n": payload["n"], "pid": os.getpid()}
+        return {"n": payload["n"], "interpreter": INTERPRETER}
 """
 
 
@@ -71,18 +72,20 @@ def test_a_batch_drain_stores_each_jobs_own_outcome(tier: str, queue: Queue, han
     assert str(rows[ids[3]][4]).startswith("exit code 9")  # it took the sandbox down: charged alone
     assert all(rows[i][1] == 1 for i in ids)  # nobody else lost an attempt
     # the jobs before the death shared one interpreter; the ones after ran in a fresh sandbox
-    assert rows[ids[0]][2]["pid"] == rows[ids[2]][2]["pid"] != rows[ids[4]][2]["pid"] == rows[ids[5]][2]["pid"]
+    same = [rows[i][2]["interpreter"] for i in (ids[0], ids[2], ids[4], ids[5])]
+    assert same[0] == same[1] != same[2] == same[3]
     assert [rows[i][:2] + rows[i][3:4] for i in scripts] == [
         ("done", 1, "script 0\n"), ("done", 1, "script 1\n"), ("pending", 1, ""), ("done", 1, "script 3\n")]
     assert (summary.done, summary.retried, summary.dead, summary.fenced_out) == (7, 2, 1, 0)
 
 
 def test_batch_claims_take_one_kind_and_every_kind_progresses(queue: Queue, handlers, sql: SQL) -> None:
-    h = handlers(**{f"k{i}.py": "import os\ndef handle(p):\n    return os.getpid()\n" for i in range(3)})
+    h = handlers(**{f"k{i}.py": "import os\nI = os.urandom(8).hex()\ndef handle(p):\n    return I\n"
+                    for i in range(3)})
     queue.enqueue_many([(f"k{i % 3}", {"i": i}) for i in range(30)])
     Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=4, concurrency=1)).run()
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 30)]
-    # one sandbox (one pid) never served two kinds
+    # one sandbox (one interpreter) never served two kinds
     pids = sql("SELECT result_json, array_agg(DISTINCT kind) FROM fleetless.jobs GROUP BY 1")
     assert all(len(kinds) == 1 for _, kinds in pids)
 
