@@ -131,10 +131,10 @@ def test_script_handlers_run_one_process_per_job_in_a_batch(tier: str, handlers:
     """})
     outcomes, _ = runner(tier, h).run(jobs("script", ["a", "fail", "hang", "die", "b"], timeout=1), Slot())
     assert summary(outcomes) == [
-        (1, "done", "a 1 True\n"), (2, "fail", "exit code 3"), (3, "fail", "killed: timeout after 1 s"),
+        (1, "done", "a 1 True\n"), (2, "fail", "exit code 3: bad"), (3, "fail", "killed: timeout after 1 s"),
         (4, "fail", "killed by SIGKILL"), (5, "done", "b 5 True\n"),
     ]
-    assert outcomes[1][1].error == "exit code 3\nbad"
+    assert outcomes[1][1].error == "exit code 3: bad\nbad"
     outcomes, _ = runner(tier, h).run(jobs("shell", [1, 2]), Slot())
     assert summary(outcomes) == [(1, "done", "shell saw 1\n"), (2, "done", "shell saw 2\n")]
 
