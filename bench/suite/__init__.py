@@ -8,16 +8,13 @@ import statistics
 import subprocess
 import tempfile
 import time
-import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psycopg
+from _common import ADMIN_DSN, scratch_db  # bench/ is on sys.path (bench/run.py puts it there)
 
-ADMIN_DSN = os.environ.get("FLEETLESS_BENCH_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 ROOT = Path(__file__).resolve().parents[2]
 VENV_PY = str(ROOT / ".venv" / "bin" / "python")
 
@@ -93,21 +90,6 @@ class Section:
         fig.tight_layout()
         fig.savefig(path, dpi=90)
         plt.close(fig)
-
-
-@contextmanager
-def scratch_db(prefix: str = "fleetless_bench") -> Iterator[str]:
-    """A database of our own for one measurement, dropped afterwards."""
-    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(ADMIN_DSN, autocommit=True) as c:
-        c.execute(f'CREATE DATABASE "{name}"')
-    info = psycopg.conninfo.conninfo_to_dict(ADMIN_DSN)
-    info["dbname"] = name
-    try:
-        yield psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
-    finally:
-        with psycopg.connect(ADMIN_DSN, autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def run_process(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
