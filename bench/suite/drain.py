@@ -21,10 +21,16 @@ PEERS_PY = os.path.join(os.environ.get("PEERS_VENV", os.path.expanduser("~/.cach
 SIZES = (100, 500, 2000)
 
 
+def _url(dsn: str) -> str:
+    """asyncpg takes URLs only."""
+    i = psycopg.conninfo.conninfo_to_dict(dsn)
+    return f"postgresql://{i.get('user', '')}@{i.get('host', '127.0.0.1')}:{i.get('port', 5432)}/{i['dbname']}"
+
+
 def _fill_fleetless(dsn: str, n: int) -> None:
     q = Queue(dsn)
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs")
+        c.execute("TRUNCATE fleetless.jobs CASCADE")
     q.enqueue_many(("noop", {"i": i}) for i in range(n))
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("VACUUM ANALYZE fleetless.jobs")
@@ -68,8 +74,8 @@ def run(ctx: Context) -> Section:
                     argv = [VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder, "--sandbox", "process",
                             "--per-sandbox", size, "--concurrency", "2", "--lease-grace", "60"]
                 elif label.startswith("PgQueuer"):
-                    run_process([PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "fill", dsn, str(n)])
-                    argv = [PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "drain", dsn, "200"]
+                    run_process([PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "fill", _url(dsn), str(n)])
+                    argv = [PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "drain", _url(dsn), "200"]
                 else:  # about 1,000 jobs/s at best: a tenth of the jobs keeps the run short
                     run_process([PEERS_PY, str(PEERS / "procrastinate_drain.py"), "fill", dsn, str(n // 10)])
                     argv = [PEERS_PY, str(PEERS / "procrastinate_drain.py"), "drain", dsn, "10"]

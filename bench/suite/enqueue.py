@@ -37,7 +37,7 @@ def run(ctx: Context) -> Section:
         for _ in range(ctx.reps):
             for label in cases:
                 with psycopg.connect(dsn, autocommit=True) as c:
-                    c.execute("TRUNCATE fleetless.jobs")
+                    c.execute("TRUNCATE fleetless.jobs CASCADE")
                     c.execute(RAW_TABLE)
                     c.execute("VACUUM ANALYZE")
                 many = "COPY" in label

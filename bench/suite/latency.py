@@ -45,7 +45,7 @@ def run(ctx: Context) -> Section:
         q.init()
         for _ in range(max(1, ctx.reps // 2)):
             with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute("TRUNCATE fleetless.jobs")
+                c.execute("TRUNCATE fleetless.jobs CASCADE")
             watcher = subprocess.Popen([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder, "--sandbox",
                                         "process", "--watch", "--idle-exit", "600", "--concurrency", "2"],
                                        env={**os.environ, "DATABASE_URL": dsn}, stderr=subprocess.DEVNULL)
