@@ -17,14 +17,8 @@ from fleetless.sandbox import Limits, Template, get_backend
 
 from proctools import wait_for
 
+pytestmark = pytest.mark.usefixtures("private_workdir")
 TIERS = ["process", "bwrap", "microvm"]
-
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
 
 
 def jobs(kind: str, payloads: list[object], timeout: int | None = None) -> list[Job]:

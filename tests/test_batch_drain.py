@@ -21,15 +21,9 @@ from fleetless.drainer import DrainConfig, Drainer
 
 from proctools import wait_for
 
+pytestmark = pytest.mark.usefixtures("private_workdir")
 TIERS = ["process", "bwrap", "microvm"]
 SQL = Callable[..., list[Any]]
-
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
 
 
 MODULE = """
