@@ -25,6 +25,10 @@ class Context:
     quick: bool
     machine: str
     note: str = ""
+    scale: float = 1.0  # job counts and table sizes times this
+
+    def size(self, full: int, quick: int) -> int:
+        return quick if self.quick else max(1, int(full * self.scale))
 
 
 def median(values: Sequence[float]) -> float:
@@ -59,7 +63,8 @@ class Section:
 
     def markdown(self) -> str:
         lines = [f"### {self.title}", "", f"    {self.command}", "",
-                 f"Run: {self.context.machine}; {self.context.reps} repetitions, medians [spread]."]
+                 f"Run: {self.context.machine}; {self.context.reps} repetitions, medians [spread]"
+                 + (f"; sizes scaled by {self.context.scale:g}." if self.context.scale != 1 else ".")]
         if self.context.note:
             lines.append(f"*{self.context.note}*")
         lines += ["", "| " + " | ".join(self.columns) + " |", "|" + "---|" * len(self.columns)]

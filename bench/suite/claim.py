@@ -31,7 +31,7 @@ def _rate(q: Queue, rounds: int) -> float:
 
 
 def run(ctx: Context) -> Section:
-    small, big, finished = (10_000, 100_000, 500_000) if ctx.quick else (10_000, 1_000_000, 5_000_000)
+    small, big, finished = 10_000, ctx.size(1_000_000, 100_000), ctx.size(5_000_000, 500_000)
     rounds = 20 if ctx.quick else 100
     setups = {f"{small:,} pending": (small, 0), f"{big:,} pending": (big, 0),
               f"{small:,} pending + {finished:,} done": (small, finished)}

@@ -52,7 +52,7 @@ def _fill_raw(dsn: str, n: int) -> None:
 
 
 def run(ctx: Context) -> Section:
-    n = 3000 if ctx.quick else 30000
+    n = ctx.size(30000, 3000)
     peers = os.access(PEERS_PY, os.X_OK)
     cases: dict[str, list[float]] = {"raw SQL ceiling (N = 100)": []}
     cases.update({f"fleetless --per-sandbox {k} (process tier)": [] for k in SIZES})

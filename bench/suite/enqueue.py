@@ -28,7 +28,7 @@ def _raw_copy(dsn: str, n: int) -> None:
 def run(ctx: Context) -> Section:
     import time
 
-    n_one, n_many = (300, 3000) if ctx.quick else (3000, 30000)
+    n_one, n_many = ctx.size(3000, 300), ctx.size(30000, 3000)
     cases = {"raw INSERT, one per transaction": [], "Queue.enqueue, one per transaction": [],
              "raw COPY": [], "Queue.enqueue_many (COPY)": []}
     with scratch_db() as dsn:

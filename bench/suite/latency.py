@@ -34,7 +34,7 @@ def _wait_done(dsn: str, n: int, timeout: float = 300) -> None:
 
 
 def run(ctx: Context) -> Section:
-    n, delayed = (50, 5) if ctx.quick else (1000, 20)
+    n, delayed = ctx.size(1000, 50), ctx.size(20, 5)
     immediate: list[float] = []
     late: list[float] = []
     per_rep: dict[str, list[float]] = {"p50 ms": [], "p99 ms": [], "delayed p50 ms": []}
