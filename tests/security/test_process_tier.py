@@ -236,3 +236,18 @@ def test_log_lines_quoting_a_job_reach_the_terminal_escaped() -> None:
                                None)
     assert PrintableFormatter("fleetless: %(message)s").format(record) == \
         "fleetless: cannot remove \\x1b]0;pwned\\x07"
+
+
+def test_a_root_drainer_refuses_a_work_directory_its_jobs_cannot_reach_before_claiming(
+        dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    need_user(None)
+    h = handlers_dir(shared, **{"ok.py": "print('ok')"})
+    private = shared / "private"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    queue.enqueue("ok", {})
+    r = drain(dsn, h, private / "work")
+    assert r.returncode != 0
+    assert f"{private} is not searchable by others" in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
+        r.stderr
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
