@@ -20,7 +20,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .events import JobFinished
+from .events import JobFinished, NullReporter
 from .insights import age, printable
 from .job import Job
 
@@ -77,20 +77,11 @@ def job_line(e: JobFinished) -> str:
     return printable(line)
 
 
-class LogReporter:
+class LogReporter(NullReporter):
     """One INFO record per finished job (shown with ``-v``), with the event's fields for JSON."""
-
-    def claimed(self, job: Job) -> None:
-        pass
-
-    def started(self, job: Job) -> None:
-        pass
 
     def finished(self, event: JobFinished) -> None:
         log.info("%s", job_line(event), extra={"fields": {"event": "job_finished", **event.as_dict()}})
-
-    def close(self) -> None:
-        pass
 
 
 class LiveReporter:
