@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from collections.abc import Callable, Iterator
@@ -28,6 +29,20 @@ ADMIN_DSN = os.environ.get("FLEETLESS_TEST_PG", "postgresql://postgres@127.0.0.1
 os.environ.setdefault("FLEETLESS_SANDBOX", "process")
 
 
+# -- test directories a root drainer's jobs can reach -------------------------------------------
+# Under a root drainer, jobs run as unprivileged uids, and bwrap (running as one) binds the work
+# directory by path: every directory on the way must be searchable by other users. pytest's default
+# base, /tmp/pytest-of-root, is 0700 and every new pytest session (other checkouts on this host
+# included) resets it to 0700, under the feet of a running one; so a root session gets a base of its
+# own (made searchable by _searchable_basetemp below), removed at the end.
+def pytest_configure(config: pytest.Config) -> None:
+    if config.option.basetemp is None and os.geteuid() == 0:
+        base = tempfile.mkdtemp(prefix="fleetless-pytest-")
+        config.option.basetemp = base
+        config.add_cleanup(lambda: subprocess.run(["rm", "-rf", base], check=False))
+
+
+
 def _dsn_for(dbname: str) -> str:
     info = psycopg.conninfo.conninfo_to_dict(ADMIN_DSN)
     info["dbname"] = dbname
@@ -40,7 +55,7 @@ def _searchable_basetemp(tmp_path_factory: pytest.TempPathFactory) -> None:
     pass through pytest's temporary directories (0700) to the handlers and workspaces in them."""
     base = tmp_path_factory.getbasetemp()
     for folder in (base.parent, base):
-        folder.chmod(folder.stat().st_mode & 0o777 | 0o011)
+        folder.chmod(folder.stat().st_mode & 0o7777 | 0o011)  # (keeps /tmp's sticky bit)
 
 
 def shared_with_jobs(folder: Path) -> Path:

