@@ -8,6 +8,7 @@ system calls are made with arguments that do nothing even where they are allowed
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -117,11 +118,10 @@ def handlers(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def sandboxes() -> Iterator[list[BwrapSandbox]]:
-    made: list[BwrapSandbox] = []
-    yield made
-    for s in made:
-        s.kill()
+def sandboxes() -> Iterator[contextlib.ExitStack]:
+    """Sandboxes entered on it are killed after the test."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 def probe(sbx: BwrapSandbox) -> dict[str, Any]:
@@ -148,13 +148,12 @@ def assert_confined(out: dict[str, Any]) -> None:
 
 @root_only
 def test_a_root_drainers_job_is_an_unprivileged_host_uid_and_confined(
-    handlers: Path, sandboxes: list[BwrapSandbox]
+    handlers: Path, sandboxes: contextlib.ExitStack
 ) -> None:
     """Issue 7 item 1: the job was host uid 0 (it rewrote core_pattern, read root-only /proc files,
     left a setuid-root binary). Now it is a leased uid of the job range, and the seccomp filter,
     ``/proc/1/cmdline`` and nosuid/nodev workspace hold."""
-    sbx = BwrapSandbox.create(Template(handlers, Limits(), ENV))
-    sandboxes.append(sbx)
+    sbx = sandboxes.enter_context(BwrapSandbox.create(Template(handlers, Limits(), ENV)))
     out = probe(sbx)
     assert_confined(out)
     assert sbx.host_workspace is not None
@@ -165,13 +164,12 @@ def test_a_root_drainers_job_is_an_unprivileged_host_uid_and_confined(
 
 @root_only
 def test_a_setuid_file_left_in_a_workspace_runs_for_no_other_user(
-    handlers: Path, sandboxes: list[BwrapSandbox]
+    handlers: Path, sandboxes: contextlib.ExitStack
 ) -> None:
     """The job made its workspace 0777 and left a setuid copy of ``id``: another host user cannot
     reach it (the workspace's parent is root's, group the job's gid, 0710), and root running it
     becomes the job's unprivileged uid, never the reverse."""
-    sbx = BwrapSandbox.create(Template(handlers, Limits(), ENV))
-    sandboxes.append(sbx)
+    sbx = sandboxes.enter_context(BwrapSandbox.create(Template(handlers, Limits(), ENV)))
     probe(sbx)
     assert sbx.host_workspace is not None
     copy = sbx.host_workspace / "id-suid"
@@ -183,10 +181,9 @@ def test_a_setuid_file_left_in_a_workspace_runs_for_no_other_user(
 
 
 @root_only
-def test_concurrent_jobs_have_distinct_host_uids(handlers: Path, sandboxes: list[BwrapSandbox]) -> None:
+def test_concurrent_jobs_have_distinct_host_uids(handlers: Path, sandboxes: contextlib.ExitStack) -> None:
     (handlers / "own.py").write_text("open('/workspace/mine', 'w').write('x')\n")
-    boxes = [BwrapSandbox.create(Template(handlers, Limits(), ENV)) for _ in range(3)]
-    sandboxes.extend(boxes)
+    boxes = [sandboxes.enter_context(BwrapSandbox.create(Template(handlers, Limits(), ENV))) for _ in range(3)]
     owners = []
     for sbx in boxes:
         r = sbx.exec([sbx.python, "/handlers/own.py"], 30)
