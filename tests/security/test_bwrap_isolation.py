@@ -84,10 +84,10 @@ PROBE = textwrap.dedent(r'''
     out["pid1 cmdline"] = open("/proc/1/cmdline", "rb").read().decode().split("\0")
     out["pid1 environ"] = open("/proc/1/environ", "rb").read().decode()
     out["workspace mount"] = [m.split()[5] for m in open("/proc/self/mountinfo") if m.split()[4] == "/workspace"]
-    # a setuid copy of id and a workspace everyone may enter, left for the host to try
+    # a setuid copy of id, left for the host to try, in a workspace it tries to open to everyone
     shutil.copy("/usr/bin/id", "id-suid")
     os.chmod("id-suid", 0o4755)
-    os.chmod(".", 0o777)
+    out["chmod 0777 its workspace"] = attempt(lambda: os.chmod(".", 0o777))
     out["own setuid copy runs as"] = subprocess.run(["./id-suid", "-u"], capture_output=True, text=True).stdout.strip()
     # ordinary work still runs under the filter: threads, fork/exec, a shell script
     box = []
@@ -160,15 +160,16 @@ def test_a_root_drainers_job_is_an_unprivileged_host_uid_and_confined(
     owner = (sbx.host_workspace / "made-by-job").stat().st_uid
     assert owner in _hostuid.configured_range() and owner not in (0, os.getuid()), owner
     assert (sbx.host_workspace / "id-suid").stat().st_uid == owner  # setuid to it grants nothing of root's
+    assert out["chmod 0777 its workspace"] == "ok"  # its own: the parent is what keeps others out
 
 
 @root_only
 def test_a_setuid_file_left_in_a_workspace_runs_for_no_other_user(
     handlers: Path, sandboxes: contextlib.ExitStack
 ) -> None:
-    """The job made its workspace 0777 and left a setuid copy of ``id``: another host user cannot
-    reach it (the workspace's parent is root's, group the job's gid, 0710), and root running it
-    becomes the job's unprivileged uid, never the reverse."""
+    """The job left a setuid copy of ``id`` and made its workspace 0777: another host user cannot
+    reach it (the workspace's parent, outside the sandbox, is root's, group the job's gid, 0710),
+    and root running it becomes the job's unprivileged uid, never the reverse."""
     sbx = sandboxes.enter_context(BwrapSandbox.create(Template(handlers, Limits(), ENV)))
     probe(sbx)
     assert sbx.host_workspace is not None
@@ -228,6 +229,7 @@ def test_a_non_root_drainers_job_is_confined_the_same_way() -> None:
         folder.chmod(0o755)
         (folder / "probe.py").write_text(PROBE)
         os.chown(workdir, 65534, 65534)
+        workdir.chmod(0o711)  # as the default work directory: others may pass, not list
         site = [p for p in sys.path if p.endswith("site-packages")]
         env = {"PYTHONPATH": ":".join([SRC, *site]), "FLEETLESS_WORKDIR": str(workdir), "PATH": "/usr/bin:/bin"}
         code = NONROOT.format(folder=str(folder), calls=DENIED_CALLS)

@@ -103,8 +103,8 @@ def bpf() -> bytes:
 
 
 def write_to(path: str | os.PathLike[str]) -> None:
-    """Write :func:`bpf` to ``path`` (a new file, readable by its owner only)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o400)
+    """Write :func:`bpf` to ``path`` (a new file, read-only for everyone)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o444)
     try:
         os.write(fd, bpf())
     finally:

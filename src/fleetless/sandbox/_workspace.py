@@ -2,8 +2,9 @@
 
 A workspace directory is named ``ws-<drainer pid>-<random>`` under :func:`root`. Beside them live
 per-drainer copies of host files that sandboxes run from or bind (:func:`cached_copy`:
-``hs-…`` handlers snapshots, ``etc-…`` for bwrap). A drainer that was SIGKILLed cannot remove its
-own; :func:`sweep` (run at the start of every drain) removes those whose drainer process is gone.
+``hs-…`` handlers snapshots, ``etc-…`` and ``bpf-…`` (its seccomp filter) for bwrap). A drainer
+that was SIGKILLed cannot remove its own; :func:`sweep` (run at the start of every drain) removes
+those whose drainer process is gone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger("fleetless.sandbox")
 
 #: Prefixes of what :func:`sweep` removes once its drainer process is gone.
-_SWEPT = ("ws", "hs", "etc")
+_SWEPT = ("ws", "hs", "etc", "bpf")
 #: Longest :func:`remove` works on one tree before it moves it aside.
 REMOVE_SECONDS = 60.0
 #: Subdirectory of :func:`root` for what could not be removed (never swept).

@@ -34,7 +34,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -119,17 +118,14 @@ def _probe() -> tuple[str | None, str]:
         options = [*_isolation_args(network=False), *_system_args(network=False)]
         options += ["--ro-bind", str(etc_dir(False)), "/etc", "--size", str(MiB), "--tmpfs", "/tmp"]
         try:
-            with tempfile.TemporaryDirectory(prefix="probe-", dir=_workspace.root()) as folder:
-                seccomp = os.path.join(folder, "seccomp.bpf")
-                _seccomp.write_to(seccomp)
-                lease = _hostuid.lease() if _hostuid.needed() else None
-                try:
-                    uid = None if lease is None else lease.uid
-                    stdin = _launch(binary, uid, options, seccomp, ["/usr/bin/env", "true"])
-                    r = subprocess.run(_SHIM, input=stdin, capture_output=True, env={}, timeout=30)
-                finally:
-                    if lease is not None:
-                        lease.release()
+            lease = _hostuid.lease() if _hostuid.needed() else None
+            try:
+                uid = None if lease is None else lease.uid
+                stdin = _launch(binary, uid, options, str(seccomp_file()), ["/usr/bin/env", "true"], {})
+                r = subprocess.run(_SHIM, input=stdin, capture_output=True, env={}, timeout=30)
+            finally:
+                if lease is not None:
+                    lease.release()
         except SandboxUnavailable as exc:
             _probe_result = (None, str(exc))
             return _probe_result
@@ -206,6 +202,18 @@ def etc_dir(network: bool) -> Path:
         os.chmod(d, 0o755)
 
     return _workspace.cached_copy("etc", network, _workspace.signature(paths), build)
+
+
+def seccomp_file() -> Path:
+    """The seccomp filter as a file the launcher (a job uid under a root drainer) opens for
+    ``bwrap --seccomp``: written once per drainer process, ``bpf-<pid>-*/filter`` in the workspace
+    root, readable by all (it is no secret, and not writable by anyone), swept like ``etc-*``."""
+
+    def build(folder: Path) -> None:
+        _seccomp.write_to(folder / "filter")
+        folder.chmod(0o711)
+
+    return _workspace.cached_copy("bpf", "seccomp", (), build) / "filter"
 
 
 _BOUND_ALREADY = ("/usr/",)
@@ -351,23 +359,51 @@ def _quote(arg: str) -> str:
     return "'" + arg.replace("'", "'\\''").replace("\n", "'\"$nl\"'") + "'"
 
 
-def _launch(binary: str, uid: int | None, options: Sequence[str], seccomp: str, argv: Sequence[str]) -> bytes:
+#: ``ulimit`` flag and unit (bytes per unit) of each rlimit the tier sets.
+_ULIMIT = {"RLIMIT_CPU": ("t", 1), "RLIMIT_FSIZE": ("f", 512), "RLIMIT_NOFILE": ("n", 1), "RLIMIT_CORE": ("c", 512),
+           "RLIMIT_AS": ("v", 1024)}
+
+
+def _ulimits(rlimits: dict[str, int]) -> list[str]:
+    """Shell commands setting ``rlimits`` on the launcher, which bwrap and the job inherit (soft =
+    hard, but CPU: SIGXCPU at the soft limit, reported as such, SIGKILL a second later). Lowering
+    one's own limits needs no privilege, whatever uid the launcher is by then; raising one above the
+    drainer's own hard limit would fail, so a limit is never set above it."""
+    out = []
+    for name, value in rlimits.items():
+        flag, unit = _ULIMIT[name]
+        ceiling = resource.getrlimit(getattr(resource, name))[1]  # the launcher's: the drainer's
+        soft, hard = value, value + 1 if name == "RLIMIT_CPU" else value
+        if ceiling != resource.RLIM_INFINITY:
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        soft, hard = -(-soft // unit), -(-hard // unit)
+        out += [f"ulimit -S -{flag} {soft}", f"ulimit -H -{flag} {hard}"]
+    return out
+
+
+def _launch(
+    binary: str, uid: int | None, options: Sequence[str], seccomp: str, argv: Sequence[str], rlimits: dict[str, int]
+) -> bytes:
     """What the launcher reads on its stdin: one shell line that becomes bwrap, then bwrap's
     ``options`` NUL-separated, which bwrap reads through ``--args`` until EOF.
 
     Nothing of the host shows on bwrap's command line, which the job can read as ``/proc/1/cmdline``:
     it is ``./bwrap --args 3 -- <argv>`` (the line ``cd``-s to bwrap's directory first and unsets
-    the ``PWD`` that sets). With ``uid`` (a root drainer), ``setpriv`` drops the launcher to that uid,
-    the gid of the same number and no supplementary groups before bwrap starts: bwrap then makes an
-    unprivileged user namespace whose only uid, the job's 65534, is that host uid. The seccomp filter
-    is opened before the drop; bwrap's job gets ``/dev/null`` as stdin."""
+    the ``PWD`` that sets), and sets ``rlimits`` (:func:`_ulimits`). With ``uid`` (a root drainer),
+    ``setpriv`` makes the launcher that uid, the gid of the same number and no supplementary groups
+    right before bwrap: bwrap then makes an ordinary unprivileged user namespace whose one uid, the
+    job's 65534, is that host uid. (Spawning the pooled launcher as the uid instead costs a full
+    ``fork()`` of the drainer, about three times the CPU of the extra ``exec``.) The seccomp filter
+    is opened before the drop. bwrap's job gets ``/dev/null`` as stdin."""
     for option in options:
         if "\0" in option:
             raise ValueError(f"argument contains a NUL byte: {option!r}")
     folder, name = os.path.split(binary)
     drop = "" if uid is None else f"setpriv --reuid={uid} --regid={uid} --clear-groups -- "
     words = [
-        f"cd {_quote(folder)} && unset PWD OLDPWD && exec {drop}{_quote('./' + name)} --args {_FD_ARGS} --",
+        " && ".join([f"cd {_quote(folder)}", "unset PWD OLDPWD", *_ulimits(rlimits),
+                     f"exec {drop}{_quote('./' + name)}"]),
+        f"--args {_FD_ARGS} --",
         *(_quote(a) for a in argv),
         f"{_FD_ARGS}<&0 0</dev/null {_FD_SECCOMP}<{_quote(seccomp)}",
     ]
@@ -410,6 +446,11 @@ class _Launcher:
         if self.cgroup is not None:
             self.cgroup.remove()
 
+    @classmethod
+    def fresh(cls, caps: cgroups.CgroupCaps) -> _Launcher:
+        """A launcher in new cgroups (where ``caps`` has any)."""
+        return cls(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
+
 
 class _Pool:
     """Keeps ``size`` launchers ready, made by a daemon thread while jobs run."""
@@ -432,7 +473,7 @@ class _Pool:
             return launcher
         if launcher is not None:
             launcher.discard()
-        return _Launcher(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
+        return _Launcher.fresh(caps)
 
     def _fill(self) -> None:
         while True:
@@ -441,9 +482,8 @@ class _Pool:
                     self._cond.wait()
                 if self._closed:
                     return
-            caps = cgroups.available()
             try:
-                launcher = _Launcher(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
+                launcher = _Launcher.fresh(cgroups.available())
             except (OSError, SandboxUnavailable) as exc:
                 log.warning("bwrap launcher pool: %s", exc)
                 with self._cond:
@@ -506,7 +546,10 @@ class BwrapSandbox(Sandbox):
         limits = template.limits
         self._cgroup: cgroups.JobCgroup | None = None
         self._launcher: _Launcher | None = None
-        self._outer: Path | None = None  # root-only parent of the workspace (and the filter)
+        # The job's workspace is <outer>/workspace. The job owns it and may open it to everyone, but
+        # not <outer> (the drainer's, 0700; a root drainer's: group the job's gid, 0710), which is
+        # outside its sandbox: what it leaves there (a setuid copy) stays out of other users' reach.
+        self._outer: Path | None = None
         self._workspace: Path | None = None
         self._lease: _hostuid.Lease | None = None
         try:
@@ -523,16 +566,14 @@ class BwrapSandbox(Sandbox):
                 # bwrap's monitor and its pid 1 count against pids.max too: the job gets ``pids``
                 pids = None if limits.pids is None else limits.pids + 2
                 self._cgroup.set_limits(limits.memory_bytes, pids, limits.cpus)
+            self._seccomp = str(seccomp_file())
             self._outer = _workspace.create()
             self._workspace = self._outer / "workspace"
             self._workspace.mkdir(mode=0o700)
             if self._lease is not None:
-                # only root and the job's gid may pass the parent: what the job leaves in its
-                # workspace (a setuid copy, a 0777 directory) is out of every other user's reach
-                os.chown(self._outer, -1, self._lease.gid)
+                os.chown(self._outer, -1, self._lease.gid)  # bwrap, as the job's uid, passes it
                 os.chmod(self._outer, 0o710)
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
-            _seccomp.write_to(self._outer / "seccomp.bpf")
         except BaseException:
             self.kill()
             raise
@@ -571,7 +612,13 @@ class BwrapSandbox(Sandbox):
 
     @classmethod
     def describe(cls) -> str:
-        return "enforces: " + "; ".join(enforced_caps())
+        uids = ""
+        if _hostuid.needed():
+            try:
+                uids = f"; jobs run as host uids {_hostuid.configured_range()}, one each"
+            except SandboxUnavailable as exc:
+                uids = f"; {exc}"
+        return "enforces: " + "; ".join(enforced_caps()) + "; seccomp deny-list" + uids
 
     @classmethod
     def create(cls, template: Template, ttl_seconds: float = 900) -> BwrapSandbox:
@@ -629,8 +676,7 @@ class BwrapSandbox(Sandbox):
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
         rlimits = self._rlimits(timeout_seconds)
         uid = None if self._lease is None else self._lease.uid
-        assert self._outer is not None
-        stdin = _launch(self._binary, uid, self._options, str(self._outer / "seccomp.bpf"), argv)
+        stdin = _launch(self._binary, uid, self._options, self._seccomp, argv, rlimits)
         with self._lock:
             if self._destroyed:
                 return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
@@ -642,10 +688,6 @@ class BwrapSandbox(Sandbox):
         if self._cgroup is not None:
             self._cgroup.mark()
         try:
-            for name, value in rlimits.items():
-                # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL a second later
-                hard = value + 1 if name == "RLIMIT_CPU" else value
-                resource.prlimit(proc.pid, getattr(resource, name), (value, hard))
             proc.stdin.write(stdin)
             proc.stdin.close()
         except OSError as exc:
