@@ -10,7 +10,8 @@ from typing import Any
 import psycopg
 
 from fleetless import Queue
-from fleetless.watch import Watcher, sleep_for
+from fleetless.drainer import sleep_for
+from fleetless.watch import Watcher
 
 from proctools import wait_for
 

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import psycopg
 
@@ -39,10 +39,12 @@ from .job import Job, Outcome, Status
 from .queue import Queue
 from .retry import RetryPolicy
 from .sandbox import Limits, Sandbox, SandboxUnavailable, Template, choose_tier, get_backend
-from .watch import Watcher, sleep_for
 
 __all__ = ["DrainConfig", "DrainError", "Drainer", "Summary", "base_env", "describe_failure", "describe_run",
            "job_env"]
+
+if TYPE_CHECKING:
+    from .watch import Watcher
 
 log = logging.getLogger("fleetless.drainer")
 T = TypeVar("T")
@@ -52,6 +54,16 @@ DB_RETRY_SECONDS = 30.0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 #: How often a drain holding jobs asks the table which of them an operator cancelled.
 CANCEL_POLL_SECONDS = 1.0
+
+
+def sleep_for(next_due: float | None, idle_left: float | None, cap: float = 60.0) -> float:
+    """How long the drain loop may sleep: until the next job is due, the idle exit, or ``cap``."""
+    candidates = [cap]
+    if next_due is not None:
+        candidates.append(max(next_due, 0.0))
+    if idle_left is not None:
+        candidates.append(max(idle_left, 0.0))
+    return min(candidates)
 
 
 class DrainError(RuntimeError):
@@ -238,6 +250,8 @@ class Drainer:
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError) as exc:
             raise DrainError(str(exc)) from None
         if c.watch:
+            from .watch import Watcher  # only watch mode pays for it (the cron tick's import time)
+
             self._watcher = Watcher(self.queue.conninfo, schema=self.queue.schema, channel=self.queue.channel,
                                     queues=c.queues, wake=self._wake)
             if not self._db(self._watcher.acquire):

@@ -121,15 +121,3 @@ class Watcher:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
-
-
-def sleep_for(next_due: float | None, idle_left: float | None, cap: float = 60.0) -> float:
-    """How long the drain loop may sleep: until the next job is due, the idle exit, or ``cap``."""
-    candidates = [cap]
-    if next_due is not None:
-        candidates.append(max(next_due, 0.0))
-    if idle_left is not None:
-        candidates.append(max(idle_left, 0.0))
-    return min(candidates)
-
-
