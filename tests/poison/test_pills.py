@@ -42,6 +42,19 @@ def _ctx(o: Outcome) -> Context:
     return ctx
 
 
+def _failed_with(lines: list[str]) -> str:
+    """A pill's last_error when it exits 1 after printing ``lines`` on stderr: the head names the
+    exit code and the last line said, then the stderr itself."""
+    return f"exit code 1: {lines[-1]}\n" + "\n".join(lines)
+
+
+def _said_after_head(text: str) -> list[str]:
+    """The lines a pill printed: a result as it is, or a last_error without its one-line head."""
+    if text.startswith("exit code 1: "):
+        text = text.partition("\n")[2]
+    return text.splitlines()
+
+
 # -- resources ---------------------------------------------------------------------------------
 def test_memory_bomb(tier: str, poison: Poison) -> None:
     """Allocating 4 GiB (every page written) with a 256 MiB limit.
@@ -195,7 +208,7 @@ def test_write_to_usr_and_the_handler_directory(tier: str, poison: Poison) -> No
     o.assert_contained()
     row = o["write_system"]
     ctx = _ctx(o)
-    lines = (row.result or row.last_error or "").removeprefix("exit code 1\n").splitlines()
+    lines = _said_after_head(row.result or row.last_error or "")
     if tier == "process":
         snapshot = Path(lines[2].rsplit(": ", 1)[0]).parent  # where the job's handlers are
         assert snapshot != ctx.handlers.resolve()
@@ -216,7 +229,7 @@ def test_write_to_usr_and_the_handler_directory(tier: str, poison: Poison) -> No
     assert row.status == "dead", row
     assert lines == [f"{ctx.usr_file}: denied ({reason})", f"{planted}: denied ({reason})",
                      f"{own}: denied ({own_reason})"], row
-    assert row.last_error == "exit code 1\n" + "\n".join(lines), row
+    assert row.last_error == _failed_with(lines), row
     assert not Path(ctx.usr_file).exists() and not (ctx.handlers / "planted.py").exists()
     assert (ctx.handlers / "write_system.py").read_text() == textwrap.dedent(HANDLERS["write_system.py"]).lstrip()
 
@@ -240,7 +253,7 @@ def test_read_etc_shadow_and_root(tier: str, poison: Poison) -> None:
         return
     root = "No such file or directory" if tier == "bwrap" else "Permission denied"
     assert lines == ["/etc/shadow: denied (No such file or directory)", f"/root: denied ({root})"], row
-    assert (row.status, row.last_error) == ("dead", "exit code 1\n" + "\n".join(lines)), row
+    assert (row.status, row.last_error) == ("dead", _failed_with(lines)), row
 
 
 def test_read_proc_1_environ_and_the_drainers_environment(tier: str, poison: Poison) -> None:
@@ -276,7 +289,7 @@ def test_read_proc_1_environ_and_the_drainers_environment(tier: str, poison: Poi
         assert lines[1] == "/proc/1/environ: read, variables: none", row
     else:
         assert lines[1] == "/proc/1/environ: denied (Permission denied)", row
-    assert row.last_error == "exit code 1\n" + "\n".join(lines), row
+    assert row.last_error == _failed_with(lines), row
 
 
 def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
@@ -303,7 +316,7 @@ def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
         return
     assert reader.status == "dead" and ctx.secret not in reader.said, reader
     assert reader.last_error is not None and reader.last_error.startswith(
-        "exit code 1\nno sibling workspace visible: nothing matches "), reader
+        "exit code 1: no sibling workspace visible: nothing matches "), reader
     assert (writer.result or "").endswith("no sibling came\n"), writer
 
 
@@ -322,7 +335,7 @@ def test_connect_to_the_hosts_postgresql(tier: str, poison: Poison) -> None:
     if tier == "process":
         assert row.status == "done" and (row.result or "").startswith("127.0.0.1:5432: connected"), row
         return
-    assert (row.status, row.last_error) == ("dead", "exit code 1\n127.0.0.1:5432: denied (Connection refused)"), row
+    assert (row.status, row.last_error) == ("dead", _failed_with(["127.0.0.1:5432: denied (Connection refused)"])), row
 
 
 def _host_network_view(handlers: Path) -> dict[str, object]:
@@ -351,7 +364,7 @@ def test_look_for_a_way_off_the_machine(tier: str, poison: Poison) -> None:
         assert view == _host_network_view(_ctx(o).handlers)
         return
     assert (row.status, row.last_error) == (
-        "dead", "exit code 1\ndenied: no interface but lo, no route off the machine"), row
+        "dead", _failed_with(["denied: no interface but lo, no route off the machine"])), row
     assert view["dev"] == ["lo"] and view["routes"] == [] and view["routes6"] == [], view
     assert view["sys_class_net"] == ("denied (No such file or directory)" if tier == "bwrap" else ["lo"]), view
 
