@@ -5,7 +5,7 @@ listed by `fleetless kinds`, and used by `fleetless enqueue --handlers`."""
 from __future__ import annotations
 
 import json
-import sys
+import os
 import textwrap
 from pathlib import Path
 
@@ -17,6 +17,10 @@ from fleetless.kinds import KindSettings, SettingsError, load
 from fleetless.retry import RetryPolicy
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
+
+#: Not the drain's default (/usr/bin/python3) and usable by the unprivileged uid a root drainer's
+#: jobs run as (a venv under a private home may not be).
+INTERPRETER = os.path.realpath("/usr/bin/python3")
 
 
 def settings_file(folder: Path, text: str) -> Path:
@@ -98,10 +102,10 @@ def test_a_kinds_backoff_beats_the_drains(queue: Queue, sql, handlers) -> None:
 def test_a_kinds_interpreter_and_longer_timeout_are_used_and_its_lease_covers_it(queue: Queue, sql,
                                                                               handlers) -> None:
     h = settings_file(handlers(**{"which.py": "import sys; print(sys.executable)"}),
-                      f"[kinds.which]\ninterpreter = {json.dumps(sys.executable)}\ntimeout = '2h'\nttl = '3h'\n")
+                      f"[kinds.which]\ninterpreter = {json.dumps(INTERPRETER)}\ntimeout = '2h'\nttl = '3h'\n")
     queue.enqueue("which", {})
     Drainer(queue, DrainConfig(handlers_dir=h)).run()
-    assert sql("SELECT status, result FROM fleetless.jobs") == [("done", sys.executable + "\n")]
+    assert sql("SELECT status, result FROM fleetless.jobs") == [("done", INTERPRETER + "\n")]
     queue.enqueue("which", {})
     drainer = Drainer(queue, DrainConfig(handlers_dir=h, timeout=60))
     drainer._kinds = load(h)
