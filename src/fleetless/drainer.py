@@ -241,6 +241,7 @@ class Drainer:
             self._backend.check()
             self._backend.check_template(self._template)
             self._kinds = kinds.load(self._handlers_dir)
+            declared = kinds.load_schedules(self._handlers_dir)
             for kind, ks in sorted(self._kinds.items()):
                 if ks.interpreter is not None:
                     try:
@@ -249,6 +250,8 @@ class Drainer:
                         raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] interpreter: {exc}") from None
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError) as exc:
             raise DrainError(str(exc)) from None
+        if declared:  # periodic jobs declared in fleetless.toml: stored (or updated) in the table
+            self._db(lambda: [self.queue.add_schedule(s) for s in declared])
         if c.watch:
             from .watch import Watcher  # only watch mode pays for it (the cron tick's import time)
 

@@ -31,10 +31,11 @@ from typing import Any
 
 from ._units import parse_duration, parse_size
 from .job import validate_kind
+from .periodic import Schedule
 from .retry import RetryPolicy
 from .sandbox import Limits
 
-__all__ = ["FILENAME", "KindSettings", "SettingsError", "load"]
+__all__ = ["FILENAME", "KindSettings", "SettingsError", "load", "load_schedules"]
 
 FILENAME = "fleetless.toml"
 #: Keys the issue names that this version does not apply per kind yet, with what to use instead.
@@ -140,22 +141,66 @@ _PARSERS: dict[str, Any] = {
 }
 
 
-def load(handlers_dir: Path) -> dict[str, KindSettings]:
-    """Every kind's settings from ``handlers_dir/fleetless.toml`` ({} when there is none)."""
+def _read(handlers_dir: Path) -> tuple[Path, dict[str, Any]]:
     path = handlers_dir / FILENAME
     try:
         text = path.read_bytes()
     except FileNotFoundError:
-        return {}
+        return path, {}
     except OSError as exc:
         raise SettingsError(f"{path}: cannot read: {exc.strerror}") from None
     try:
         data = tomllib.loads(text.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"kinds"}
+    unknown = set(data) - {"kinds", "schedules"}
     if unknown:
-        raise SettingsError(f"{path}: unknown table or key {sorted(unknown)[0]!r} (only [kinds.<kind>] tables)")
+        raise SettingsError(f"{path}: unknown table or key {sorted(unknown)[0]!r}"
+                            " (only [kinds.<kind>] and [schedules.<name>] tables)")
+    return path, data
+
+
+_SCHEDULE_KEYS = {"cron", "kind", "payload", "timezone", "queue", "max_attempts", "priority", "timeout"}
+
+
+def load_schedules(handlers_dir: Path) -> list[Schedule]:
+    """Periodic jobs declared in the file as ``[schedules.<name>]`` tables (cron, kind, and
+    optionally payload, timezone, queue, max_attempts, priority, timeout)."""
+    path, data = _read(handlers_dir)
+    tables = data.get("schedules", {})
+    if not isinstance(tables, dict):
+        raise SettingsError(f"{path}: 'schedules' must be a table of [schedules.<name>] tables")
+    out = []
+    for name, table in tables.items():
+        where = f"{path}: [schedules.{name}]"
+        if not isinstance(table, dict):
+            raise SettingsError(f"{where} must be a table")
+        unknown = set(table) - _SCHEDULE_KEYS
+        if unknown:
+            known = ", ".join(sorted(_SCHEDULE_KEYS))
+            raise SettingsError(f"{where} {sorted(unknown)[0]}: unknown key (known: {known})")
+        for required in ("cron", "kind"):
+            if required not in table:
+                raise SettingsError(f"{where}: needs {required}")
+        priority = table.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) < priority < 2**31:
+            raise SettingsError(f"{where} priority: an integer, not {priority!r}")
+        try:
+            timeout = table.get("timeout")
+            out.append(Schedule(
+                name=name, cron=table["cron"], kind=table["kind"], payload=table.get("payload", {}),
+                timezone=table.get("timezone", "UTC"), queue=table.get("queue", "default"),
+                max_attempts=_positive_int(table.get("max_attempts", 3), 1000),
+                priority=priority,
+                timeout_seconds=None if timeout is None else max(1, round(_duration(timeout)))))
+        except (ValueError, TypeError) as exc:
+            raise SettingsError(f"{where}: {exc}") from None
+    return out
+
+
+def load(handlers_dir: Path) -> dict[str, KindSettings]:
+    """Every kind's settings from ``handlers_dir/fleetless.toml`` ({} when there is none)."""
+    path, data = _read(handlers_dir)
     kinds = data.get("kinds", {})
     if not isinstance(kinds, dict):
         raise SettingsError(f"{path}: 'kinds' must be a table of [kinds.<kind>] tables")
