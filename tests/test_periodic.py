@@ -11,7 +11,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from fleetless import Queue
-from fleetless.drainer import DrainConfig, Drainer
+from fleetless.drainer import DrainConfig, Drainer, DrainError
 from fleetless.maintenance import scheduler
 from fleetless.periodic import Schedule, occurrences
 
@@ -159,3 +159,21 @@ def test_cli_schedule_add_list_remove(dsn: str, queue: Queue, fleetless, sql) ->
     assert fleetless("schedule", "remove", "nightly", dsn=dsn).stdout.strip() == "schedule nightly removed"
     gone = fleetless("schedule", "remove", "nightly", dsn=dsn)
     assert gone.returncode == 1 and gone.stderr.strip() == "fleetless: error: no schedule named 'nightly'"
+
+
+def test_schedules_declared_in_the_settings_file_are_stored_by_a_drain(queue: Queue, handlers) -> None:
+    h = handlers(**{"tick.py": "print('tick')"})
+    (h / "fleetless.toml").write_text(
+        "[schedules.nightly]\ncron = '0 3 * * *'\nkind = 'tick'\ntimezone = 'Europe/Paris'\n"
+        "payload = { scope = 'all' }\nqueue = 'reports'\n")
+    Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    ((sched, _, last),), _ = queue.schedules()
+    assert (sched.name, sched.cron, sched.kind, sched.timezone, sched.payload, sched.queue, last) == (
+        "nightly", "0 3 * * *", "tick", "Europe/Paris", {"scope": "all"}, "reports", None)
+    (h / "fleetless.toml").write_text("[schedules.nightly]\ncron = '0 3 * * *'\n")
+    with pytest.raises(DrainError, match=r"\[schedules.nightly\]: needs kind"):
+        Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    (h / "fleetless.toml").write_text("[schedules.x]\ncron = '99 * * * *'\nkind = 'tick'\n")
+    with pytest.raises(DrainError, match=r"\[schedules.x\]: invalid cron expression"):
+        Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    assert [s.name for s, _, _ in queue.schedules()[0]] == ["nightly"]
