@@ -633,12 +633,20 @@ def microvm() -> None:
 
 @microvm.command("build-image")
 @click.option("--force", is_flag=True, help="Rebuild even if cached.")
-def build_image(force: bool) -> None:
-    """Build and cache the guest kernel + initramfs."""
+@click.option("--apt", "apt", multiple=True, metavar="PACKAGE",
+              help="Add a Debian package (or a .deb file) to the guest, e.g. bash (repeatable).")
+@click.option("--pip", "pip", multiple=True, metavar="REQUIREMENT",
+              help="Add a Python requirement to the guest's python (repeatable).")
+def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...]) -> None:
+    """Build and cache the guest kernel + initramfs. With --apt/--pip: an image of its own,
+    beside the default one."""
     from .sandbox import microvm_image
 
-    path = microvm_image.build_image(force=force)
+    extras = microvm_image.Extras(apt=apt, pip=pip)
+    path = microvm_image.build_image(force=force, extras=extras)
     click.echo(f"microvm image ready: {path}")
+    if extras:
+        click.echo(f"drain with it: FLEETLESS_CACHE={path} fleetless drain --sandbox microvm ...")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -180,6 +180,7 @@ class Drainer:
         self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
         self._fatal: str | None = None
         self._reached_db = False  # "cannot connect" until a call succeeded, "lost" after
+        self._unrunnable: dict[str, str] = {}  # kind -> why its handler cannot start here
         self._handlers_dir = config.handlers_dir
         self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
                                   python=config.python)
@@ -248,10 +249,15 @@ class Drainer:
                         self._backend.check_template(replace(self._template, python=ks.interpreter))
                     except SandboxUnavailable as exc:
                         raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] interpreter: {exc}") from None
-        except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError) as exc:
+            self._unrunnable = handlers.unrunnable(
+                self._handlers_dir, self._backend, self._template,
+                {kind: ks.interpreter for kind, ks in self._kinds.items() if ks.interpreter is not None})
+        except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError, OSError) as exc:
             raise DrainError(str(exc)) from None
         if declared:  # periodic jobs declared in fleetless.toml: stored (or updated) in the table
             self._db(lambda: [self.queue.add_schedule(s) for s in declared])
+        for kind, reason in sorted(self._unrunnable.items()):
+            log.warning("not claiming kind %r: %s", kind, reason)
         if c.watch:
             from .watch import Watcher  # only watch mode pays for it (the cron tick's import time)
 
@@ -332,13 +338,13 @@ class Drainer:
                 idle_left = None if c.idle_exit is None else idle_since + c.idle_exit - now
                 if idle_left is not None and idle_left <= 0:
                     break
-                pause = sleep_for(self._db(lambda: self.queue.next_due(c.queues)), idle_left)
+                pause = sleep_for(self._db(self._next_due), idle_left)
                 if budget_end is not None:
                     pause = min(pause, max(budget_end - now, 0.0))
             else:
                 pause = 0.25
                 if watching and len(running) < c.concurrency:
-                    pause = sleep_for(self._db(lambda: self.queue.next_due(c.queues)), None, cap=0.25)
+                    pause = sleep_for(self._db(self._next_due), None, cap=0.25)
             if self._stop_at is not None and now >= self._stop_at:
                 self._abort(running.values())
             if running:
@@ -383,12 +389,15 @@ class Drainer:
         ttl = max([c.ttl, *(k.ttl for k in self._kinds.values() if k.ttl)])
         return timeout, ttl
 
+    def _next_due(self) -> float | None:
+        return self.queue.next_due(self.config.queues, sorted(self._unrunnable))
+
     def _claim(self, n: int, *, one_kind: bool = False) -> list[Job]:
         c = self.config
         timeout, ttl = self._lease_bounds()
         return self._db(lambda: self.queue.claim(
             n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
-            claimed_by=self._claimed_by, tier=c.sandbox))
+            claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable)))
 
     def _retry_of(self, job: Job) -> RetryPolicy:
         return self._kinds.get(job.kind, kinds.KindSettings()).retry(self.config.retry)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from .job import validate_kind
+from .sandbox import Sandbox, Template
 
-__all__ = ["Handler", "HandlersDirError", "resolve", "check_dir"]
+__all__ = ["Handler", "HandlersDirError", "check_dir", "resolve", "unrunnable"]
 
 
 class HandlersDirError(RuntimeError):
@@ -71,3 +73,87 @@ def resolve(handlers_dir: Path, kind: str) -> Handler | None:
     if program.is_file() and os.access(program, os.X_OK):
         return Handler(kind, program.name, python=False)
     return None
+
+
+def _all(handlers_dir: Path) -> list[Handler]:
+    """Every handler in the directory (files named ``<kind>.py`` or ``<kind>``, kind valid)."""
+    found: dict[str, Handler] = {}
+    for entry in sorted(handlers_dir.iterdir()):
+        kind = entry.name.removesuffix(".py")
+        try:
+            validate_kind(kind)
+        except ValueError:
+            continue
+        handler = resolve(handlers_dir, kind)
+        if handler is not None:
+            found[kind] = handler
+    return list(found.values())
+
+
+def _shebang(path: Path) -> tuple[str, str] | None:
+    """(interpreter, its argument) of a ``#!`` line, ("", "") for an ELF program, None for neither."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return ("", "")  # unreadable: the sandbox will say so; nothing to check here
+    if head.startswith(b"\x7fELF"):
+        return ("", "")
+    if not head.startswith(b"#!"):
+        return None
+    line = head[2:].split(b"\n", 1)[0].decode(errors="replace").strip()
+    interpreter, _, arg = line.partition(" ")
+    return interpreter, arg.strip()
+
+
+def _find(backend: type[Sandbox], template: Template, program: str) -> str | None:
+    """Where ``program`` (a path, or a name looked up on the job's PATH) is in the sandbox."""
+    if "/" in program:
+        return program if backend.has_program(template, program) else None
+    for folder in template.env.get("PATH", os.defpath).split(":"):
+        if folder.startswith("/") and backend.has_program(template, f"{folder.rstrip('/')}/{program}"):
+            return f"{folder.rstrip('/')}/{program}"
+    return None
+
+
+def _why_not(handler: Handler, handlers_dir: Path, backend: type[Sandbox], template: Template) -> str | None:
+    where = f"in the {backend.name} sandbox"
+    if handler.python:
+        python = backend.handler_python(template)
+        if _find(backend, template, python) is None:
+            return f"its interpreter {python} (for .py handlers) does not exist {where}"
+        return None
+    shebang = _shebang(handlers_dir / handler.filename)
+    if shebang is None:
+        return f"{handler.filename} has no #! line and is not a program"
+    interpreter, arg = shebang
+    if not interpreter:
+        return None
+    if not interpreter.startswith("/"):
+        return f"its #! line names {interpreter!r}, not an absolute path"
+    if not backend.has_program(template, interpreter):
+        return f"its interpreter {interpreter} (#!{interpreter}{' ' + arg if arg else ''}) does not exist {where}"
+    if os.path.basename(interpreter) == "env":
+        words = [w for w in arg.split() if not w.startswith("-") and "=" not in w]
+        if words and _find(backend, template, words[0]) is None:
+            path = template.env.get("PATH", os.defpath)
+            return f"its interpreter {words[0]} (#!{interpreter} {arg}) is not on PATH {path} {where}"
+    return None
+
+
+def unrunnable(handlers_dir: Path, backend: type[Sandbox], template: Template,
+               interpreters: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Kinds whose handler cannot start where the job would run, each with the reason: a ``.py``
+    handler whose interpreter (``interpreters[kind]``, else the template's) is not in the sandbox,
+    a ``#!`` interpreter (or ``env``'s program) that is not there, a file that is neither script
+    nor program. A drain checks this before it claims, and claims none of these kinds: running
+    them would fail every attempt."""
+    out: dict[str, str] = {}
+    for handler in _all(handlers_dir):
+        python = (interpreters or {}).get(handler.kind)
+        kind_template = template if python is None else replace(template, python=python)
+        reason = _why_not(handler, handlers_dir, backend, kind_template)
+        if reason is not None:
+            hint = backend.missing_program_hint
+            out[handler.kind] = reason + (f" ({hint})" if hint and "not a program" not in reason else "")
+    return out

@@ -358,17 +358,19 @@ class Queue:
         one_kind: bool = False,
         claimed_by: str | None = None,
         tier: str | None = None,
+        skip_kinds: Sequence[str] = (),
     ) -> list[Job]:
         """Claim up to ``n`` due jobs (priority first, then due time) and mark them running.
 
         ``one_kind``: all of the kind of the first due job (batch mode: one sandbox per batch).
         ``claimed_by`` (the drainer's ``host:pid``) and ``tier`` are recorded on the rows so an
-        operator can see where each running job is."""
+        operator can see where each running job is.
+        ``skip_kinds``: never these (a drain that cannot run them leaves them to one that can)."""
         if n <= 0:
             return []
         rows = self._run(
             "claim_kind" if one_kind else "claim",
-            {"n": n, "queues": list(queues) if queues else None,
+            {"n": n, "queues": list(queues) if queues else None, "skip_kinds": list(skip_kinds) or None,
              "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
              "claimed_by": claimed_by, "tier": tier},
         )
@@ -419,9 +421,11 @@ class Queue:
         )
         return bool(rows)
 
-    def next_due(self, queues: Sequence[str] | None = None) -> float | None:
-        """Seconds until the next pending job of ``queues`` is due (<= 0: due now); None: none."""
-        rows = self._run("next_due", {"queues": list(queues) if queues else None})
+    def next_due(self, queues: Sequence[str] | None = None, skip_kinds: Sequence[str] = ()) -> float | None:
+        """Seconds until the next pending job of ``queues`` (not of ``skip_kinds``) is due (<= 0: due
+        now); None: none."""
+        rows = self._run("next_due", {"queues": list(queues) if queues else None,
+                                      "skip_kinds": list(skip_kinds) or None})
         seconds = rows[0]["seconds"] if rows else None
         return None if seconds is None else float(seconds)
 

@@ -121,6 +121,20 @@ class Sandbox(ABC):
         before a drain claims anything, so an operator's mistake spends no job's attempts)."""
         return None
 
+    #: How to add a program this tier lacks, said when a kind is not claimed for want of one.
+    missing_program_hint: ClassVar[str] = ""
+
+    @classmethod
+    def handler_python(cls, template: Template) -> str:
+        """The interpreter ``*.py`` handlers run with in this tier."""
+        return template.python or default_python()
+
+    @classmethod
+    def has_program(cls, template: Template, path: str) -> bool:
+        """Whether an executable file is at the absolute ``path`` where this tier's jobs run (the
+        drain's check, before claiming, that a handler's interpreter is there)."""
+        return os.path.isfile(path) and os.access(path, os.X_OK)
+
     @classmethod
     def describe(cls) -> str:
         """One line for ``fleetless doctor``: what this backend enforces here."""

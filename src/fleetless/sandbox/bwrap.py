@@ -542,7 +542,7 @@ class BwrapSandbox(Sandbox):
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._destroyed = False
-        self.python = template.python or default_python()
+        self.python = self.handler_python(template)
         limits = template.limits
         self._cgroup: cgroups.JobCgroup | None = None
         self._launcher: _Launcher | None = None
@@ -609,6 +609,22 @@ class BwrapSandbox(Sandbox):
     @classmethod
     def sweep(cls) -> int:
         return sweep()
+
+    missing_program_hint: ClassVar[str] = (
+        "a job sees the host's /usr, /bin, /sbin and /lib only, plus the handler interpreter's prefix")
+
+    @classmethod
+    def has_program(cls, template: Template, path: str) -> bool:
+        """On the host, inside what the sandbox binds (the system paths, or the paths of the
+        ``.py`` handlers' interpreter) and, under a root drainer, reachable by the job's uid."""
+        if not super().has_program(template, path):
+            return False
+        visible = [p for p in _SYSTEM_PATHS if os.path.lexists(p)]
+        try:
+            visible += interpreter_paths(cls.handler_python(template))
+        except SandboxUnavailable:
+            pass
+        return _covered(path, visible) and _covered(os.path.realpath(path), visible)
 
     @classmethod
     def describe(cls) -> str:

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fleetless.sandbox import ExecResult, MiB, Sandbox, SandboxUnavailable, Template
-from fleetless.sandbox.microvm_image import CpioWriter, ImageInfo, load_image
+from fleetless.sandbox.microvm_image import CpioWriter, ImageInfo, guest_has_program, load_image
 from fleetless.sandbox.process import rlimit_kill_reason
 
 __all__ = ["MIN_MEMORY_MIB", "GuestJob", "MicroVMSandbox", "accel", "boot", "network_mode"]
@@ -473,7 +473,7 @@ class MicroVMSandbox(Sandbox):
         self.template = template
         self.ttl_seconds = ttl_seconds
         self.image = image
-        self.python = template.python or GUEST_PYTHON
+        self.python = self.handler_python(template)
         self.created = time.monotonic()
         self.files: dict[str, bytes] = {}
         self.last_boot: BootOutcome | None = None
@@ -490,6 +490,18 @@ class MicroVMSandbox(Sandbox):
             raise SandboxUnavailable(
                 "qemu-system-x86_64 not found: apt-get install -y qemu-system-x86")
         load_image()
+
+    missing_program_hint: ClassVar[str] = (
+        "add it to the guest: fleetless microvm build-image --apt PACKAGE or --pip REQUIREMENT")
+
+    @classmethod
+    def handler_python(cls, template: Template) -> str:
+        return template.python or GUEST_PYTHON
+
+    @classmethod
+    def has_program(cls, template: Template, path: str) -> bool:
+        """Looked up in the guest image's initramfs (the per-boot archive adds no programs)."""
+        return guest_has_program(load_image(), path)
 
     @classmethod
     def describe(cls) -> str:

@@ -14,6 +14,13 @@ a second archive appended at every boot (see :mod:`fleetless.sandbox.microvm`), 
 built once per host, with ``fleetless microvm build-image`` or
 ``python -m fleetless.sandbox.microvm_image``.
 
+Handlers may need more than busybox and the standard library: ``build-image --apt bash --pip
+requests`` adds Debian packages (their files, plus the host's copies of the shared libraries
+they link, per ``ldd``; dependencies are not followed, name them too) and Python requirements
+(``pip install --target`` into the guest's ``dist-packages``, plus the standard-library modules
+they import). Such an image has a cache directory of its own, ``extras-<hash>`` beside the
+default image, which it leaves alone; drains use it with ``FLEETLESS_CACHE=<that directory>``.
+
 Host packages needed: ``qemu-system-x86 busybox-static lz4`` and a ``python3`` at
 ``/usr/bin/python3`` (run ``apt-get update`` once so that ``apt-get download`` finds the kernel).
 """
@@ -21,6 +28,7 @@ Host packages needed: ``qemu-system-x86 busybox-static lz4`` and a ``python3`` a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -31,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,9 +48,12 @@ from fleetless.sandbox import SandboxUnavailable
 __all__ = [
     "IMAGE_FORMAT",
     "CpioWriter",
+    "Extras",
     "ImageInfo",
     "build_image",
     "default_cache_dir",
+    "extras_cache_dir",
+    "guest_has_program",
     "load_image",
 ]
 
@@ -87,6 +98,7 @@ STDLIB_EXCLUDE = re.compile(r"^(_ssl|ssl|_hashlib|_tkinter|tkinter|idlelib|test|
 _COLLECT_SCRIPT = r"""
 import importlib, json, sys, sysconfig
 seeds = json.loads(sys.argv[1])
+sys.path[1:1] = json.loads(sys.argv[2]) if len(sys.argv) > 2 else []
 failed = []
 for name in seeds:
     try:
@@ -120,6 +132,30 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "fleetless" / "microvm"
 
 
+#: Where pip puts requirements in the guest: the first of the guest python's site directories.
+GUEST_SITE_PACKAGES = "usr/local/lib/{python}/dist-packages"
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What an image holds beyond busybox and the standard library."""
+
+    apt: tuple[str, ...] = ()  # Debian packages, by name
+    pip: tuple[str, ...] = ()  # Python requirements, as pip takes them
+
+    def __bool__(self) -> bool:
+        return bool(self.apt or self.pip)
+
+    def key(self) -> str:
+        text = json.dumps({"format": IMAGE_FORMAT, "apt": sorted(set(self.apt)), "pip": sorted(set(self.pip))})
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def extras_cache_dir(extras: Extras, base: Path | None = None) -> Path:
+    """The directory of an image with ``extras``: beside the default image, never the same one."""
+    return (base or default_cache_dir()) / f"extras-{extras.key()}"
+
+
 @dataclass(frozen=True)
 class ImageInfo:
     """A built guest: where its parts are and what is in it."""
@@ -146,6 +182,62 @@ def load_image(cache_dir: Path | None = None) -> ImageInfo:
     if not (kernel.is_file() and initramfs.is_file()):
         raise SandboxUnavailable(f"microvm image in {directory} is incomplete: {hint}")
     return ImageInfo(directory, kernel, initramfs, manifest)
+
+
+_entries_cache: dict[str, tuple[dict[str, int], dict[str, str]]] = {}
+
+
+def _entries(image: ImageInfo) -> tuple[dict[str, int], dict[str, str]]:
+    """(mode of every path, target of every symlink) in the image's initramfs, read once per
+    process and image."""
+    key = str(image.manifest.get("initramfs_sha256") or image.initramfs)
+    cached = _entries_cache.get(key)
+    if cached is not None:
+        return cached
+    modes: dict[str, int] = {}
+    links: dict[str, str] = {}
+    for name, mode, body in read_cpio(image.initramfs.read_bytes()):
+        modes[name] = mode
+        if stat.S_ISLNK(mode):
+            links[name] = bytes(body).decode(errors="replace")
+    _entries_cache[key] = (modes, links)
+    return modes, links
+
+
+def read_cpio(data: bytes) -> Iterator[tuple[str, int, memoryview]]:
+    """(absolute path, mode, content) of each entry of a newc archive, up to its trailer."""
+    view = memoryview(data)
+    pos = 0
+    while data[pos:pos + 6] == b"070701":
+        mode, size, namesize = (int(data[pos + 6 + 8 * i: pos + 14 + 8 * i], 16) for i in (1, 6, 11))
+        name_end = pos + 110 + namesize
+        name = "/" + data[pos + 110: name_end - 1].decode(errors="replace").strip("/")
+        body = (name_end + 3) & ~3
+        if name == "/TRAILER!!!":
+            return
+        yield name, mode, view[body: body + size]
+        pos = (body + size + 3) & ~3
+
+
+def guest_has_program(image: ImageInfo, path: str) -> bool:
+    """Whether ``path`` (absolute) is, in the guest, an executable file or a symlink that resolves
+    to one: what a handler's shebang or ``--python`` can name."""
+    modes, links = _entries(image)
+    parts = [p for p in os.path.normpath(path).split("/") if p]
+    current = ""
+    hops = 0
+    while parts:
+        current = f"{current}/{parts.pop(0)}"
+        if current in links:
+            hops += 1
+            if hops > 40:
+                return False
+            target = links[current]
+            base = "/" if target.startswith("/") else os.path.dirname(current)
+            parts = [p for p in os.path.normpath(os.path.join(base, target)).split("/") if p] + parts
+            current = ""
+    mode = modes.get(current)
+    return mode is not None and stat.S_ISREG(mode) and bool(mode & 0o111)
 
 
 # --------------------------------------------------------------------------- cpio (newc) writer
@@ -306,6 +398,20 @@ def _fetch_kernel(work: Path) -> tuple[bytes, str]:
     return vmlinux, deb.name
 
 
+def _kernel_of(image: ImageInfo, work: Path) -> tuple[bytes, str]:
+    """The kernel (and its NET_MODULES, into ``work/modules``) of an image already built here, so
+    that an image with extras needs no second download of the same kernel."""
+    wanted = {f"/{GUEST_MODULES}/{os.path.basename(rel)}" for rel in NET_MODULES}
+    (work / "modules").mkdir(exist_ok=True)
+    for name, _mode, body in read_cpio(image.initramfs.read_bytes()):
+        if name in wanted:
+            (work / "modules" / os.path.basename(name)).write_bytes(body)
+            wanted.discard(name)
+    if wanted:
+        raise SandboxUnavailable(f"microvm image in {image.directory} lacks {sorted(wanted)[0]}")
+    return image.kernel.read_bytes(), str(image.manifest.get("kernel_package", ""))
+
+
 def _ldd(paths: Iterable[str]) -> set[str]:
     """The shared libraries (and the loader) that ``paths`` need, as absolute host paths."""
     libs: set[str] = set()
@@ -332,9 +438,11 @@ def _add_host_file(cpio: CpioWriter, path: str, mode: int | None = None) -> int:
     return len(data)
 
 
-def _add_python(cpio: CpioWriter, work: Path) -> dict[str, object]:
+def _add_python(cpio: CpioWriter, work: Path, extra_seeds: Iterable[str] = (),
+                extra_path: Iterable[str] = ()) -> dict[str, object]:
     exe = os.path.realpath(HOST_PYTHON)
-    out = _run([exe, "-E", "-s", "-c", _COLLECT_SCRIPT, json.dumps(STDLIB_SEEDS)])
+    seeds = [*STDLIB_SEEDS, *extra_seeds]
+    out = _run([exe, "-E", "-s", "-c", _COLLECT_SCRIPT, json.dumps(seeds), json.dumps(list(extra_path))])
     info = json.loads(out)
     stdlib: str = info["stdlib"]
     dynload: str = info["dynload"]
@@ -393,7 +501,87 @@ def _add_busybox(cpio: CpioWriter) -> list[str]:
     return applets
 
 
-def _base_initramfs(work: Path) -> tuple[bytes, dict[str, object]]:
+def _elf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def _add_debs(cpio: CpioWriter, work: Path, packages: Sequence[str]) -> dict[str, object]:
+    """The named Debian packages' files, at their paths, plus the host's copies of the shared
+    libraries their programs link (``ldd``); ``/bin/x`` links for a package's ``/usr/bin/x``
+    (and sbin) so shebangs of either form work, as on a merged-/usr host."""
+    debs = work / "debs"
+    debs.mkdir()
+    os.chmod(debs, 0o755)  # apt's _apt user downloads into it where it can
+    names = [p for p in packages if not p.endswith(".deb")]
+    for local in (p for p in packages if p.endswith(".deb")):  # a .deb file of your own
+        shutil.copyfile(local, debs / os.path.basename(local))
+    if names:
+        _run(["apt-get", "download", "-q", *names], cwd=debs,
+             what=" (a Debian package name? run `apt-get update`?)")
+    root = work / "apt-root"
+    for deb in sorted(debs.glob("*.deb")):
+        _run(["dpkg", "-x", str(deb), str(root)])
+    elves: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        guest_dir = "" if rel == "." else rel
+        if guest_dir:
+            cpio.dirs(guest_dir)
+        for name in sorted(dirnames):
+            if os.path.islink(os.path.join(dirpath, name)):
+                cpio.symlink(f"{guest_dir}/{name}".strip("/"), os.readlink(os.path.join(dirpath, name)))
+        for name in sorted(filenames):
+            host = Path(dirpath, name)
+            guest = f"{guest_dir}/{name}".strip("/")
+            st = host.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                cpio.symlink(guest, os.readlink(host))
+            elif stat.S_ISREG(st.st_mode):
+                cpio.file(guest, host.read_bytes(), stat.S_IMODE(st.st_mode) & 0o755)
+                if _elf(host):
+                    elves.append(str(host))
+    for usr_dir, top in (("usr/bin", "bin"), ("usr/sbin", "sbin")):
+        for program in sorted((root / usr_dir).glob("*")) if (root / usr_dir).is_dir() else []:
+            cpio.symlink(f"{top}/{program.name}", f"/{usr_dir}/{program.name}")
+    missing = set()
+    for elf in elves:
+        proc = subprocess.run(["ldd", elf], capture_output=True, text=True, check=False)
+        missing |= {line.split()[0] for line in proc.stdout.splitlines() if "not found" in line}
+    if missing:
+        raise SandboxUnavailable("cannot build the microvm image: the packages' programs need libraries "
+                                 f"this host does not have: {', '.join(sorted(missing))} (add their packages "
+                                 "with --apt)")
+    for lib in sorted(_ldd(elves)):
+        _add_host_file(cpio, lib)
+    return {"apt": list(packages), "apt_debs": sorted(d.name for d in debs.glob("*.deb"))}
+
+
+def _pip_install(work: Path, requirements: Sequence[str]) -> tuple[Path, list[str]]:
+    """``pip install --target`` for the guest's python; returns the directory and the top-level
+    import names it now holds."""
+    target = work / "site"
+    guest_version = _run([HOST_PYTHON, "-c", "import sys; print(*sys.version_info[:2], sep='.')"]).strip()
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-input",
+            "--target", str(target), "--no-warn-script-location"]
+    if guest_version != f"{sys.version_info[0]}.{sys.version_info[1]}":
+        argv += ["--python-version", guest_version, "--only-binary=:all:"]
+    _run([*argv, "--", *requirements], what=" (a requirement pip can install?)")
+    names = set()
+    for entry in target.iterdir():
+        if entry.name.endswith((".dist-info", ".egg-info")) or entry.name in ("bin", "__pycache__"):
+            continue
+        if entry.is_dir() and ((entry / "__init__.py").exists() or any(entry.glob("*.py"))):
+            names.add(entry.name)
+        elif entry.suffix == ".py" or entry.name.endswith(".so"):
+            names.add(entry.name.split(".")[0])
+    return target, sorted(names)
+
+
+def _base_initramfs(work: Path, extras: Extras = Extras()) -> tuple[bytes, dict[str, object]]:
     cpio = CpioWriter()
     for d in ("bin", "sbin", "usr", "usr/bin", "usr/sbin", "lib", "etc", "proc", "sys", "dev",
               "run", "var", "fleetless"):
@@ -411,18 +599,31 @@ def _base_initramfs(work: Path) -> tuple[bytes, dict[str, object]]:
     for rel in NET_MODULES:
         name = os.path.basename(rel)
         cpio.file(f"{GUEST_MODULES}/{name}", (work / "modules" / name).read_bytes(), 0o600)
+    added: dict[str, object] = {}
+    if extras.apt:  # before busybox: a package's program wins over the applet of that name
+        added.update(_add_debs(cpio, work, extras.apt))
     applets = _add_busybox(cpio)
-    python = _add_python(cpio, work)
-    return cpio.finish(), {"busybox_applets": len(applets), **python}
+    site: Path | None = None
+    modules: list[str] = []
+    if extras.pip:
+        site, modules = _pip_install(work, extras.pip)
+    python = _add_python(cpio, work, modules, [str(site)] if site else [])
+    if site is not None:
+        guest_site = GUEST_SITE_PACKAGES.format(python=python["python"])
+        cpio.dirs(guest_site)
+        cpio.tree(site, guest_site)
+        added.update({"pip": list(extras.pip), "pip_modules": modules})
+    return cpio.finish(), {"busybox_applets": len(applets), **python, **added}
 
 
-def build_image(cache_dir: Path | None = None, force: bool = False) -> Path:
+def build_image(cache_dir: Path | None = None, force: bool = False, extras: Extras = Extras()) -> Path:
     """Build the guest (kernel + base initramfs) into ``cache_dir``; returns that directory.
 
+    With ``extras``, the directory defaults to :func:`extras_cache_dir` (not the default image's).
     Does nothing when an image of the current format is there already, unless ``force``.
     Raises :class:`SandboxUnavailable` with a one-line reason when a host tool is missing.
     """
-    directory = cache_dir or default_cache_dir()
+    directory = cache_dir or (extras_cache_dir(extras) if extras else default_cache_dir())
     if not force:
         try:
             load_image(directory)
@@ -435,8 +636,12 @@ def build_image(cache_dir: Path | None = None, force: bool = False) -> Path:
     with tempfile.TemporaryDirectory(prefix="fleetless-image-", dir=directory) as tmp:
         work = Path(tmp)
         os.chmod(work, 0o755)  # apt's _apt user downloads into it where it can
-        vmlinux, kernel_deb = _fetch_kernel(work)  # also leaves NET_MODULES in work/modules
-        initramfs, contents = _base_initramfs(work)
+        kernel: tuple[bytes, str] | None = None
+        if extras:  # an image with extras takes the default image's kernel when there is one
+            with contextlib.suppress(SandboxUnavailable):
+                kernel = _kernel_of(load_image(), work)
+        vmlinux, kernel_deb = kernel or _fetch_kernel(work)  # both leave NET_MODULES in work/modules
+        initramfs, contents = _base_initramfs(work, extras)
         (work / "vmlinux").write_bytes(vmlinux)
         (work / "initramfs.cpio").write_bytes(initramfs)
         manifest: dict[str, object] = {

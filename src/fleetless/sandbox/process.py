@@ -116,7 +116,7 @@ class ProcessSandbox(Sandbox):
         self.handlers_path = str(handlers_snapshot(template.handlers_dir))  # may fail: nothing made yet
         self._workspace = _workspace.create()
         self.workspace_path = str(self._workspace)
-        self.python = template.python or default_python()
+        self.python = self.handler_python(template)
         try:
             if _hostuid.needed():  # a root drainer's job runs as a uid of its own, never as root
                 self._lease = _hostuid.lease()

@@ -66,6 +66,8 @@ FROM STDIN;
 -- name: claim
 -- The seed's claim: one statement marks a batch running and returns it, so a crash between claim
 -- and execution leaves rows visibly claimed (and reapable) rather than silently lost.
+-- skip_kinds: kinds this drain found it cannot run (a handler's interpreter is missing in its
+-- sandbox); left pending for a drain that can, never charged an attempt.
 -- SKIP LOCKED lets any number of drainers on any number of hosts take distinct rows without
 -- waiting on each other. Every claim sets a fresh claim_token: all later writes for this run of
 -- the job are fenced on it. The lease covers the job's timeout (bounded by the sandbox TTL) plus
@@ -85,6 +87,7 @@ WHERE j.id IN (
   SELECT id FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+    AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT %(n)s
@@ -381,6 +384,7 @@ WITH head AS (
   SELECT kind FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+    AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT 1
@@ -421,9 +425,11 @@ SELECT pg_try_advisory_lock(hashtext(%(key)s)) AS got;
 -- name: next_due
 -- Watch mode sleeps until the next pending job of its queues is due (not a poll every second);
 -- seconds from now, or NULL when nothing is pending. Served by the partial index on run_after.
+-- Kinds the drain does not claim (skip_kinds) do not wake it.
 SELECT extract(epoch FROM min(run_after) - now())::float8 AS seconds
 FROM {schema}.jobs
-WHERE status = 'pending' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]));
+WHERE status = 'pending' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]));
 
 -- The read service (fleetless.insights): what the CLI's reports, the dashboard and /metrics show.
 

@@ -1,0 +1,164 @@
+"""Before claiming, a drain checks that each handler's interpreter (the ``#!`` line's, or the
+``.py`` handlers' python) exists where its jobs would run. A kind that cannot run is not claimed,
+is named in one line, and spends no attempt; the microVM guest can be given what it lacks."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def drain(queue: Queue, handlers_dir: Path, **options: object) -> Drainer:
+    options.setdefault("concurrency", 2)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=handlers_dir, **options))  # type: ignore[arg-type]
+    drainer.run()
+    return drainer
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_a_kind_whose_interpreter_is_missing_is_not_claimed_and_spends_no_attempt(
+        tier: str, queue: Queue, handlers, sql, require_tier, caplog: pytest.LogCaptureFixture) -> None:
+    require_tier(tier)
+    h = handlers(**{
+        "ok.py": "print('fine')",
+        "nobash": "#!/opt/nowhere/bash\necho never\n",
+        "noenv": "#!/usr/bin/env no-such-interpreter-here\nprint('never')\n",
+        "notascript": "echo no shebang line\n",
+        "sh": "#!/bin/sh\necho shell\n",
+        "envsh": "#!/usr/bin/env sh\necho env-shell\n",
+    })
+    ids = {kind: queue.enqueue(kind, {}, max_attempts=1)
+           for kind in ("ok", "nobash", "noenv", "notascript", "sh", "envsh")}
+    with caplog.at_level(logging.WARNING, logger="fleetless.drainer"):
+        drainer = drain(queue, h, sandbox=tier)
+    rows = {kind: sql("SELECT status, attempts, last_error FROM fleetless.jobs WHERE id = %s", i)[0]
+            for kind, i in ids.items()}
+    for kind in ("ok", "sh", "envsh"):
+        assert rows[kind][:2] == ("done", 1), (kind, rows[kind])
+    for kind in ("nobash", "noenv", "notascript"):
+        assert rows[kind] == ("pending", 0, None), (kind, rows[kind])
+    assert drainer.summary.claimed == 3
+    lines = {r.getMessage() for r in caplog.records if r.getMessage().startswith("not claiming")}
+    assert any(line.startswith("not claiming kind 'nobash': its interpreter /opt/nowhere/bash "
+                               f"(#!/opt/nowhere/bash) does not exist in the {tier} sandbox") for line in lines), lines
+    assert any(line.startswith("not claiming kind 'noenv': its interpreter no-such-interpreter-here "
+                               "(#!/usr/bin/env no-such-interpreter-here) is not on PATH ") for line in lines), lines
+    assert "not claiming kind 'notascript': notascript has no #! line and is not a program" in lines
+    assert len(lines) == 3
+
+
+def test_the_cli_names_each_kind_it_does_not_claim_in_one_line(dsn: str, queue: Queue, handlers, fleetless,
+                                                               sql) -> None:
+    h = handlers(**{"nobash": "#!/opt/nowhere/bash\necho never\n"})
+    queue.enqueue("nobash", {}, max_attempts=1)
+    r = fleetless("drain", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert [line for line in r.stderr.splitlines() if "nobash" in line] == [
+        "fleetless: not claiming kind 'nobash': its interpreter /opt/nowhere/bash (#!/opt/nowhere/bash) "
+        "does not exist in the process sandbox"]
+    assert "claimed 0" in r.stdout
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
+
+
+def _wheel(folder: Path) -> Path:
+    """A pure-Python wheel of an "app" package, made here (no index is asked)."""
+    files = {
+        "invoicing/__init__.py": "def total(lines):\n    return sum(lines)\n",
+        "invoicing-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: invoicing\nVersion: 1.0\n",
+        "invoicing-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                         "Tag: py3-none-any\n",
+    }
+    path = folder / "invoicing-1.0-py3-none-any.whl"
+    record = []
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+            record.append(f"{name},sha256={digest},{len(text)}")
+        record.append("invoicing-1.0.dist-info/RECORD,,")
+        z.writestr("invoicing-1.0.dist-info/RECORD", "\n".join(record) + "\n")
+    return path
+
+
+def _bash_deb(folder: Path) -> Path:
+    """A Debian package holding this host's /bin/bash, made here (no mirror is asked)."""
+    root = folder / "deb"
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "bin").mkdir()
+    shutil.copy2(shutil.which("bash") or "/bin/bash", root / "bin" / "bash")
+    (root / "DEBIAN" / "control").write_text(
+        "Package: test-bash\nVersion: 1.0\nArchitecture: amd64\nMaintainer: t <t@example.org>\nDescription: t\n")
+    out = folder / "test-bash.deb"
+    subprocess.run(["dpkg-deb", "-b", str(root), str(out)], check=True, capture_output=True)
+    return out
+
+
+def test_microvm_does_not_claim_bash_or_a_host_venv_python_until_the_image_has_them(
+        queue: Queue, handlers, sql, require_tier, caplog: pytest.LogCaptureFixture) -> None:
+    """The default guest has busybox's sh and the standard library only: a #!/bin/bash handler,
+    and .py handlers under --python of the host's venv, are not claimed (one line each, naming
+    build-image); nothing boots, nothing is charged."""
+    require_tier("microvm")
+    h = handlers(**{"script": "#!/bin/bash\necho ${BASH_VERSINFO[0]}\n", "app.py": "print(1)"})
+    script = queue.enqueue("script", {}, max_attempts=1)
+    app = queue.enqueue("app", {}, max_attempts=1)
+    with caplog.at_level(logging.WARNING, logger="fleetless.drainer"):
+        drainer = drain(queue, h, sandbox="microvm", python=sys.executable)
+    assert drainer.summary.claimed == 0
+    assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
+        (script, "pending", 0), (app, "pending", 0)]
+    lines = sorted(r.getMessage() for r in caplog.records if r.getMessage().startswith("not claiming"))
+    assert lines == [
+        f"not claiming kind 'app': its interpreter {sys.executable} (for .py handlers) does not exist in the "
+        "microvm sandbox (add it to the guest: fleetless microvm build-image --apt PACKAGE or --pip REQUIREMENT)",
+        "not claiming kind 'script': its interpreter /bin/bash (#!/bin/bash) does not exist in the microvm "
+        "sandbox (add it to the guest: fleetless microvm build-image --apt PACKAGE or --pip REQUIREMENT)",
+    ]
+
+
+def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
+        dsn: str, queue: Queue, handlers, sql, require_tier, fleetless, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fleetless microvm build-image --apt ... --pip ...` makes an image of its own (the default
+    one is untouched); drains with it run a #!/bin/bash handler and a .py handler importing the
+    app's package."""
+    require_tier("microvm")
+    from fleetless.sandbox.microvm_image import default_cache_dir, load_image
+
+    default_before = load_image().manifest["initramfs_sha256"]
+    deb, wheel = _bash_deb(tmp_path), _wheel(tmp_path)
+    built = fleetless("microvm", "build-image", "--apt", str(deb), "--pip", str(wheel),
+                      env={"PIP_NO_INDEX": "1"}, timeout=600)
+    assert built.returncode == 0, built.stderr
+    image_dir = Path(built.stdout.split("microvm image ready: ", 1)[1].split()[0])
+    assert image_dir.parent == default_cache_dir() and image_dir.name.startswith("extras-")
+    assert f"FLEETLESS_CACHE={image_dir} fleetless drain --sandbox microvm" in built.stdout
+    assert load_image().manifest["initramfs_sha256"] == default_before
+    h = handlers(**{"script": "#!/bin/bash\necho \"bash ${BASH_VERSINFO[0]}\"\n",
+                    "bill.py": "import invoicing, json, sys\n"
+                               "print(invoicing.total(json.load(open(sys.argv[1]))['lines']))\n"})
+    script = queue.enqueue("script", {}, max_attempts=1)
+    bill = queue.enqueue("bill", {"lines": [1, 2, 39]}, max_attempts=1)
+    monkeypatch.setenv("FLEETLESS_CACHE", str(image_dir))
+    drain(queue, h, sandbox="microvm", timeout=120, ttl=300)
+    rows = dict((i, (s, r)) for i, s, r in sql("SELECT id, status, coalesce(result, last_error) FROM fleetless.jobs"))
+    assert rows[script] == ("done", f"bash {subprocess.run(['bash', '-c', 'echo ${BASH_VERSINFO[0]}'], capture_output=True, text=True).stdout}"), rows  # noqa: E501
+    assert rows[bill] == ("done", "42\n"), rows
