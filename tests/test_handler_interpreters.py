@@ -162,3 +162,21 @@ def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
     rows = dict((i, (s, r)) for i, s, r in sql("SELECT id, status, coalesce(result, last_error) FROM fleetless.jobs"))
     assert rows[script] == ("done", f"bash {subprocess.run(['bash', '-c', 'echo ${BASH_VERSINFO[0]}'], capture_output=True, text=True).stdout}"), rows  # noqa: E501
     assert rows[bill] == ("done", "42\n"), rows
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_py_handlers_run_under_the_apps_interpreter_and_import_its_packages(
+        tier: str, queue: Queue, handlers, sql, require_tier) -> None:
+    """With no --python, .py handlers run under the interpreter fleetless runs under (this test's
+    virtual environment): they import its installed packages (psycopg) and the app's own package
+    installed in it (fleetless, editable: its source tree is bound read-only under bwrap)."""
+    require_tier(tier)
+    h = handlers(**{"uses_app.py": """
+        import sys, psycopg, fleetless.job
+        print(sys.executable, psycopg.__name__, fleetless.job.__name__)
+    """})
+    job = queue.enqueue("uses_app", {}, max_attempts=1)
+    drain(queue, h, sandbox=tier)
+    (status, result, error), = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", job)
+    assert (status, error) == ("done", None), error
+    assert result == f"{sys.executable} psycopg fleetless.job\n"

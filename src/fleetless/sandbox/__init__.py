@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -217,8 +218,10 @@ def get_backend(name: str) -> type[Sandbox]:
 
 
 def default_python() -> str:
-    """The interpreter handlers run with by default: the system's python3."""
-    for candidate in ("/usr/bin/python3", shutil.which("python3", path=os.defpath)):
+    """The interpreter ``.py`` handlers run with by default on the host's tiers: the one fleetless
+    itself runs under (``sys.executable``: the app's virtual environment, so a handler imports
+    what the app imports), else the system's python3."""
+    for candidate in (sys.executable, "/usr/bin/python3", shutil.which("python3", path=os.defpath)):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise SandboxUnavailable("no python3 found for handlers (set --python)")

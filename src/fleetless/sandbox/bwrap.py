@@ -227,7 +227,9 @@ def _covered(path: str, prefixes: Sequence[str]) -> bool:
 def interpreter_paths(python: str) -> list[str]:
     """Paths to bind read-only (same path inside) that make ``python`` run in the sandbox: none for
     an interpreter under /usr; its ``sys.prefix``/``sys.base_prefix`` for a venv or pyenv build
-    elsewhere (asked of the interpreter once, cached)."""
+    elsewhere, and the directories its ``sys.path`` reaches outside them (an editable install's
+    source tree, a ``.pth`` entry), so handlers import what the app imports (asked of the
+    interpreter once, with its site packages but no user site or environment; cached)."""
     cached = _prefix_cache.get(python)
     if cached is not None:
         return cached
@@ -236,11 +238,14 @@ def interpreter_paths(python: str) -> list[str]:
     if not (_covered(python, _BOUND_ALREADY) and _covered(real, _BOUND_ALREADY)):
         try:
             out = subprocess.run(
-                [python, "-I", "-c", "import sys, json; print(json.dumps(sorted({sys.prefix, "
-                 "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})))"],
-                capture_output=True, env={}, timeout=30, check=True, stdin=subprocess.DEVNULL,
+                [python, "-E", "-s", "-c", "import sys, json; print(json.dumps(sorted({sys.prefix, "
+                 "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix} | {p for p in sys.path if "
+                 "p.startswith('/')})))"],
+                capture_output=True, env={}, timeout=30, check=True, stdin=subprocess.DEVNULL, cwd="/",
             ).stdout  # fmt: skip
-            prefixes = [p for p in json.loads(out) if p and not _covered(p, _BOUND_ALREADY)]
+            found = [p for p in json.loads(out) if p and os.path.exists(p)]
+            prefixes = [p for p in found if not _covered(p, _BOUND_ALREADY)]
+            prefixes = [p for p in prefixes if not any(q != p and _covered(p, [q]) for q in prefixes)]
         except (OSError, subprocess.SubprocessError, ValueError) as exc:
             raise SandboxUnavailable(f"cannot use {python} as the handler interpreter: {exc}") from exc
         prefixes = [p for p in prefixes if p != "/"]
