@@ -7,23 +7,22 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
 
+import fleetless
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
+from fleetless.sandbox import jobs_cannot_reach
 
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
+pytestmark = pytest.mark.usefixtures("private_workdir")
 
 
 def drain(queue: Queue, handlers_dir: Path, **options: object) -> Drainer:
@@ -164,19 +163,79 @@ def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
     assert rows[bill] == ("done", "42\n"), rows
 
 
+def _app_venv(base: Path) -> Path:
+    """A virtual environment every user can reach (made from the system python3), holding an app
+    package of its own in its site-packages; returns its python."""
+    venv = base / "venv"
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], check=True, capture_output=True)
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    (site / "invoicing").mkdir()
+    (site / "invoicing" / "__init__.py").write_text("def total(lines):\n    return sum(lines)\n")
+    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+    return venv / "bin" / "python"
+
+
+def _drain_under(python: Path | str, dsn: str, handlers_dir: Path, work: Path, tier: str,
+                 ) -> subprocess.CompletedProcess[str]:
+    """`fleetless drain` run by ``python`` (fleetless and its dependencies found through PYTHONPATH,
+    which no job inherits)."""
+    src = str(Path(fleetless.__file__).resolve().parent.parent)
+    path = [src, *(p for p in sys.path if p.endswith("site-packages"))]
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn,
+           "FLEETLESS_WORKDIR": str(work), "PYTHONPATH": ":".join(path)}
+    return subprocess.run([str(python), "-m", "fleetless.cli", "drain", "--handlers", str(handlers_dir),
+                           "--sandbox", tier], env=env, text=True, capture_output=True, timeout=300)
+
+
 @pytest.mark.parametrize("tier", ["process", "bwrap"])
 def test_py_handlers_run_under_the_apps_interpreter_and_import_its_packages(
-        tier: str, queue: Queue, handlers, sql, require_tier) -> None:
-    """With no --python, .py handlers run under the interpreter fleetless runs under (this test's
-    virtual environment): they import its installed packages (psycopg) and the app's own package
-    installed in it (fleetless, editable: its source tree is bound read-only under bwrap)."""
+        tier: str, dsn: str, queue: Queue, sql, require_tier, tmp_path: Path) -> None:
+    """With no --python, .py handlers run under the interpreter fleetless runs under (the app's
+    virtual environment) and import the app's packages from it; bwrap binds it read-only. Under
+    a root drainer the jobs' unprivileged uids reach it (it is where they can)."""
     require_tier(tier)
-    h = handlers(**{"uses_app.py": """
-        import sys, psycopg, fleetless.job
-        print(sys.executable, psycopg.__name__, fleetless.job.__name__)
-    """})
-    job = queue.enqueue("uses_app", {}, max_attempts=1)
-    drain(queue, h, sandbox=tier)
-    (status, result, error), = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", job)
-    assert (status, error) == ("done", None), error
-    assert result == f"{sys.executable} psycopg fleetless.job\n"
+    base = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
+    try:
+        base.chmod(0o755)
+        python = _app_venv(base)
+        h = base / "handlers"
+        h.mkdir(mode=0o755)
+        (h / "bill.py").write_text("import invoicing, json, sys\n"
+                                   "print(sys.executable, invoicing.total(json.load(open(sys.argv[1]))['lines']))\n")
+        (h / "bill.py").chmod(0o644)
+        job = queue.enqueue("bill", {"lines": [1, 2, 39]}, max_attempts=1)
+        work = base / "work"
+        work.mkdir(mode=0o711)
+        r = _drain_under(python, dsn, h, work, tier)
+        assert r.returncode == 0, r.stderr
+        (status, result, error), = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", job)
+        assert (status, error, result) == ("done", None, f"{python} 42\n")
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the unprivileged job uids exist under a root drainer only")
+def test_a_root_drainer_whose_interpreter_jobs_cannot_reach_says_so_and_uses_the_system_python(
+        dsn: str, queue: Queue, sql, tmp_path: Path) -> None:
+    """fleetless under a Python only root can reach (here: a pyenv under /root, if that is where
+    this test runs): one line says .py handlers run under /usr/bin/python3 instead, and why;
+    jobs run (not charged for a missing interpreter)."""
+    if jobs_cannot_reach(sys.executable) is None:
+        pytest.skip(f"{sys.executable} is reachable by other users here")
+    base = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
+    try:
+        base.chmod(0o755)
+        h = base / "handlers"
+        h.mkdir(mode=0o755)
+        (h / "which.py").write_text("import sys; print(sys.executable)\n")
+        (h / "which.py").chmod(0o644)
+        job = queue.enqueue("which", {}, max_attempts=1)
+        work = base / "work"
+        work.mkdir(mode=0o711)
+        r = _drain_under(sys.executable, dsn, h, work, "process")
+        assert r.returncode == 0, r.stderr
+        notes = [line for line in r.stderr.splitlines() if "handlers run under /usr/bin/python3" in line]
+        assert len(notes) == 1 and f"not {sys.executable} (fleetless's own)" in notes[0], r.stderr
+        assert sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", job) == [("done", "/usr/bin/python3\n")]
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -15,6 +15,7 @@ with :func:`get_backend`. A backend module is imported only when it is asked for
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import shutil
 import sys
@@ -217,11 +218,39 @@ def get_backend(name: str) -> type[Sandbox]:
     return cls
 
 
+def jobs_cannot_reach(path: str) -> str | None:
+    """Under a root drainer, whose jobs run as unprivileged uids: the first directory on the way to
+    ``path`` (or to what it links to) that other users cannot search; None when they can, and
+    always for a non-root drainer, whose jobs are its own uid."""
+    if os.geteuid() != 0:
+        return None
+    from .process import untraversable
+
+    for p in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
+        blocked = untraversable(Path(p))
+        if blocked is not None:
+            return str(blocked)
+    return None
+
+
+_passed_over: set[str] = set()
+
+
 def default_python() -> str:
     """The interpreter ``.py`` handlers run with by default on the host's tiers: the one fleetless
     itself runs under (``sys.executable``: the app's virtual environment, so a handler imports
-    what the app imports), else the system's python3."""
-    for candidate in (sys.executable, "/usr/bin/python3", shutil.which("python3", path=os.defpath)):
+    what the app imports), else the system's python3. Under a root drainer, an own interpreter
+    the unprivileged job uids cannot reach (a virtual environment under /root) is passed over,
+    said once in a log line."""
+    own = sys.executable
+    blocked = jobs_cannot_reach(own) if own else None
+    if own and blocked is not None and own not in _passed_over:
+        _passed_over.add(own)
+        logging.getLogger("fleetless.sandbox").warning(
+            "handlers run under /usr/bin/python3, not %s (fleetless's own): the unprivileged job uids "
+            "cannot reach it, %s is not searchable by others (move the environment, chmod o+x, or "
+            "pass --python)", own, blocked)
+    for candidate in (own if blocked is None else "", "/usr/bin/python3", shutil.which("python3", path=os.defpath)):
         if candidate and os.access(candidate, os.X_OK):
             return candidate
     raise SandboxUnavailable("no python3 found for handlers (set --python)")

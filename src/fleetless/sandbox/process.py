@@ -27,7 +27,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from . import ExecResult, Sandbox, SandboxUnavailable, Template, _capture, _hostuid, _workspace, cgroups, default_python
+from . import (
+    ExecResult,
+    Sandbox,
+    SandboxUnavailable,
+    Template,
+    _capture,
+    _hostuid,
+    _workspace,
+    cgroups,
+    default_python,
+    jobs_cannot_reach,
+)
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
@@ -128,6 +139,11 @@ class ProcessSandbox(Sandbox):
         except BaseException:
             self.kill()
             raise
+
+    @classmethod
+    def has_program(cls, template: Template, path: str) -> bool:
+        """On the host, and (under a root drainer) reachable by the job's unprivileged uid."""
+        return super().has_program(template, path) and jobs_cannot_reach(path) is None
 
     @classmethod
     def check_template(cls, template: Template) -> None:
