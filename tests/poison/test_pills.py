@@ -266,9 +266,9 @@ def _interpreter_entries(top: str) -> set[str]:
     """What of ``top`` a bwrap job sees: the first step towards each path bound for the default
     handler interpreter (its prefixes, its virtual environment, an editable install's source)."""
     from fleetless.sandbox import default_python
-    from fleetless.sandbox.bwrap import interpreter_binds
+    from fleetless.sandbox.bwrap import interpreter_paths
 
-    return {p[len(top) + 1:].split("/")[0] for p in interpreter_binds(default_python())[1::3]
+    return {p[len(top) + 1:].split("/")[0] for p in interpreter_paths(default_python())
             if p.startswith(top + "/")}
 
 

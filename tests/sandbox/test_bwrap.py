@@ -24,7 +24,7 @@ import pytest
 
 from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, cgroups, default_python
 from fleetless.sandbox import bwrap as bw
-from fleetless.sandbox.bwrap import BwrapSandbox, interpreter_binds
+from fleetless.sandbox.bwrap import BwrapSandbox, interpreter_paths
 
 from proctools import pids_with, wait_for
 
@@ -216,7 +216,7 @@ def test_cannot_read_host_secrets_or_drainer_environment(
     # Of /root, /home and /work a job sees at most the way to the handlers' interpreter (its
     # prefix, its virtual environment, the source of an editable install), bound read-only.
     for top in ("/root", "/home", "/work"):
-        shown = sorted({p[len(top) + 1:].split("/")[0] for p in interpreter_binds(default_python())[1::3]
+        shown = sorted({p[len(top) + 1:].split("/")[0] for p in interpreter_paths(default_python())
                         if p.startswith(top + "/")})
         assert out[top] == (f"listed: {','.join(shown)}" if shown else "FileNotFoundError"), (top, out[top])
     assert out["/etc/shadow"] == "FileNotFoundError"

@@ -51,6 +51,7 @@ from . import (
     _workspace,
     cgroups,
     default_python,
+    jobs_cannot_reach,
 )
 from .process import describe_signal, handlers_snapshot, rlimit_kill_reason, rlimits_for
 
@@ -622,7 +623,7 @@ class BwrapSandbox(Sandbox):
     def has_program(cls, template: Template, path: str) -> bool:
         """On the host, inside what the sandbox binds (the system paths, or the paths of the
         ``.py`` handlers' interpreter) and, under a root drainer, reachable by the job's uid."""
-        if not super().has_program(template, path):
+        if not super().has_program(template, path) or jobs_cannot_reach(path) is not None:
             return False
         visible = [p for p in _SYSTEM_PATHS if os.path.lexists(p)]
         try:
