@@ -186,7 +186,9 @@ class Drainer:
                                   python=config.python)
         self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
         self._batched = config.per_sandbox > 1
-        self._completer = Completer(queue, config.retry, flush_size=config.flush_size,
+        # Batch mode: the completer writes on a connection of its own, beside the loop's claims.
+        self._completer = Completer(Queue(queue.conninfo, schema=queue.schema) if self._batched else queue,
+                                    config.retry, flush_size=config.flush_size,
                                     flush_interval=config.flush_interval, on_written=self._written,
                                     retry_of=self._retry_of)
         self._wake = threading.Event()  # set by a finished unit, a NOTIFY, or stop()
@@ -294,7 +296,7 @@ class Drainer:
         c = self.config
         budget_end = started + c.max_runtime if c.max_runtime else None
         idle_since: float | None = None
-        next_beat = time.monotonic()
+        next_beat = float("inf")  # the next lease renewal (batch mode): set by the claims themselves
         while True:
             self._maintenance()  # a no-op until the maintenance interval has passed
             claiming = (
@@ -319,6 +321,8 @@ class Drainer:
                                 self._claimed_at[job.id] = time.monotonic()
                                 self.reporter.claimed(job)
                             fut = pool.submit(self._run_unit, runner, jobs, slot)
+                            if self._batched:  # leases run from the claim: renew within a third of one
+                                next_beat = min(next_beat, time.monotonic() + self._lease_beat(jobs))
                             fut.add_done_callback(lambda _: self._wake.set())
                             running[fut] = (jobs, slot)
                     self.summary.claimed += got
@@ -350,11 +354,10 @@ class Drainer:
             if running:
                 self._poll_cancels(running.values())
                 pause = min(pause, CANCEL_POLL_SECONDS)
-            if self._batched:
-                beat = self._lease_beat(running)
+            if self._batched and running:
                 if now >= next_beat:
                     self._extend_leases(running)
-                    next_beat = now + beat
+                    next_beat = now + self._lease_beat([j for jobs, _ in running.values() for j in jobs])
                 pause = min(pause, max(next_beat - now, 0.0))
             if self._stop_at is not None:
                 pause = min(pause, max(self._stop_at - now, 0.0) + 0.01)
@@ -380,6 +383,8 @@ class Drainer:
         finally:
             if self._watcher is not None:
                 self._watcher.close()
+            if self._completer.queue is not self.queue:
+                self._completer.queue.close()
             self._take_counts()
 
     def _lease_bounds(self) -> tuple[float, float]:
@@ -463,11 +468,11 @@ class Drainer:
         if flush and not self._batched:
             self._db(self._completer.flush)
 
-    def _lease_beat(self, running: dict[Future[_Result], _Unit]) -> float:
-        """How often to renew leases: a third of the shortest lease held, at least 0.2 s."""
+    def _lease_beat(self, jobs: Iterable[Job]) -> float:
+        """How often to renew leases: a third of the shortest lease of ``jobs``, at least 0.2 s."""
         c = self.config
-        shortest = min((min(float(j.timeout_seconds or c.timeout), c.ttl) for jobs, _ in running.values()
-                        for j in jobs), default=min(c.timeout, c.ttl))
+        shortest = min((min(float(j.timeout_seconds or c.timeout), c.ttl) for j in jobs),
+                       default=min(c.timeout, c.ttl))
         return max((shortest + self._grace) / 3, 0.2)
 
     def _extend_leases(self, running: dict[Future[_Result], _Unit]) -> None:
