@@ -105,6 +105,7 @@ def _bash_deb(folder: Path) -> Path:
     shutil.copy2(shutil.which("bash") or "/bin/bash", root / "bin" / "bash")
     (root / "DEBIAN" / "control").write_text(
         "Package: test-bash\nVersion: 1.0\nArchitecture: amd64\nMaintainer: t <t@example.org>\nDescription: t\n")
+    subprocess.run(["chmod", "-R", "go-w", str(root)], check=True)  # dpkg-deb refuses a 0777 DEBIAN (tmp ACL)
     out = folder / "test-bash.deb"
     subprocess.run(["dpkg-deb", "-b", str(root), str(out)], check=True, capture_output=True)
     return out
@@ -135,7 +136,7 @@ def test_microvm_does_not_claim_bash_or_a_host_venv_python_until_the_image_has_t
 
 def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
         dsn: str, queue: Queue, handlers, sql, require_tier, fleetless, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     """`fleetless microvm build-image --apt ... --pip ...` makes an image of its own (the default
     one is untouched); drains with it run a #!/bin/bash handler and a .py handler importing the
     app's package."""
@@ -149,6 +150,7 @@ def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
     assert built.returncode == 0, built.stderr
     image_dir = Path(built.stdout.split("microvm image ready: ", 1)[1].split()[0])
     assert image_dir.parent == default_cache_dir() and image_dir.name.startswith("extras-")
+    request.addfinalizer(lambda: shutil.rmtree(image_dir, ignore_errors=True))  # ~70 MB, keyed on tmp paths
     assert f"FLEETLESS_CACHE={image_dir} fleetless drain --sandbox microvm" in built.stdout
     assert load_image().manifest["initramfs_sha256"] == default_before
     h = handlers(**{"script": "#!/bin/bash\necho \"bash ${BASH_VERSINFO[0]}\"\n",
