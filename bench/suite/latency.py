@@ -17,7 +17,6 @@ from fleetless import Queue
 
 from . import VENV_PY, Context, Section, scratch_db
 
-
 #: Mean gap between enqueues (exponential): slower than the drain serves them, so what is measured
 #: is pickup, not a queue building up.
 GAP = 0.2
