@@ -75,7 +75,13 @@ def test_run_after_needs_a_zone(dsn: str, queue: Queue, fleetless, sql) -> None:
         (["cancel", "999"], "no job with id 999"),
         (["jobs", "--status", "weird"], "unknown status 'weird'"),
         (["drain", "--handlers", "/nonexistent"], "handlers directory /nonexistent does not exist"),
-        (["drain", "--handlers", "/tmp", "--concurrency", "0"], "--concurrency must be at least 1"),
+        (["drain", "--handlers", "/tmp", "--concurrency", "0"], "--concurrency must be from 1 to 4096"),
+        # Out of range for PostgreSQL's timestamps: refused before anything is claimed (issue 14).
+        (["drain", "--handlers", "/tmp", "--max-jitter", "1000000000d"], "jitter must be from 0 to 365 days"),
+        (["drain", "--handlers", "/tmp", "--backoff-base", "1000000000d"], "backoff base must be from 0"),
+        (["drain", "--handlers", "/tmp", "--ttl", "1000000000d"], "--ttl must be from 0 to 3650 days"),
+        (["drain", "--handlers", "/tmp", "--lease-grace", "0"], "--lease-grace must be at least 3 s"),
+        (["drain", "--handlers", "/tmp", "--batch", "100000"], "--batch must be from 1 to 10000"),
         (["drain", "--handlers", "/tmp", "--sandbox", "docker"], "'docker' is not one of"),
         (["drain", "--handlers", "/tmp", "--memory", "lots"], "invalid size 'lots'"),
         (["drain", "--handlers", "/tmp", "--pass-env", "1BAD"], "invalid --pass-env '1BAD'"),
@@ -176,3 +182,32 @@ def test_show_prints_a_handle_result_as_json(dsn: str, queue: Queue, fleetless) 
     assert 'result_json: {"names": ["a"], "total": 3}' in out
     shown = json.loads(fleetless("show", str(job.id), "--json", dsn=dsn).stdout)
     assert shown["result_json"] == {"names": ["a"], "total": 3} and shown["result"] is None
+
+
+def test_retry_of_a_job_at_the_attempts_ceiling_is_refused_alone(dsn: str, queue: Queue, fleetless, sql) -> None:
+    """GREATEST(max_attempts, attempts + 1) would break the table's CHECK (at most 1000) and make
+    `retry --all-dead` retry nothing; the job at the ceiling is named instead, the others proceed."""
+    stuck = queue.enqueue("a", {}, max_attempts=1000)
+    other = queue.enqueue("a", {}, max_attempts=1)
+    sql("UPDATE fleetless.jobs SET status = 'dead', attempts = max_attempts")
+    r = fleetless("retry", str(stuck), dsn=dsn)
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"fleetless: error: job {stuck} already used 1000 attempts, the most a job can have (1000);"
+        " enqueue it again instead"]
+    r = fleetless("retry", "--all-dead", dsn=dsn)
+    assert r.returncode == 0 and r.stdout.strip() == f"retried 1 job(s): {other}", r
+    assert f"job {stuck} not retried" in r.stderr
+    assert sql("SELECT id, status FROM fleetless.jobs ORDER BY id") == [(stuck, "dead"), (other, "pending")]
+
+
+def test_jobs_pages_with_a_cursor(dsn: str, queue: Queue, fleetless) -> None:
+    ids = queue.enqueue_many([("a", {"i": i}) for i in range(7)])
+    seen = []
+    before: list[str] = []
+    while True:
+        page = json.loads(fleetless("jobs", "--limit", "3", "--json", *before, dsn=dsn).stdout)
+        if not page:
+            break
+        seen += [row["id"] for row in page]
+        before = ["--before", str(page[-1]["id"])]
+    assert seen == ids[::-1]

@@ -288,7 +288,7 @@ def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(ds
         print("recovered")
     """})
     queue.enqueue("work", {}, timeout=3)
-    proc = _start_drain(dsn, h, "--lease-grace", "0")
+    proc = _start_drain(dsn, h, "--lease-grace", "3")
     started = wait_for(lambda: len(list(pids.iterdir())) >= 2, timeout=20, what="job and grandchild")
     assert started
     proc.kill()

@@ -78,7 +78,7 @@ def test_sigkill_of_a_bwrap_drainer_leaves_no_process_and_the_next_drain_sweeps_
     queue.enqueue("sleeper", {}, timeout=3)
     env = {**os.environ, "DATABASE_URL": dsn, "FLEETLESS_WORKDIR": str(private_workdir)}
     proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
-                             "--sandbox", "bwrap", "--lease-grace", "0"], env=env)
+                             "--sandbox", "bwrap", "--lease-grace", "3"], env=env)
     deadline = time.monotonic() + 30
     while len(pids_with("sleeper.py")) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

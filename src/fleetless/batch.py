@@ -218,7 +218,7 @@ class Runner:
         except _Aborted:
             return job, self._stopped(None)
         try:
-            sbx.write("payload.json", json.dumps(job.payload))
+            sbx.write("payload.json", job.payload_json)
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
             r = sbx.exec(argv, self.timeout_of(job))
         except Exception as exc:

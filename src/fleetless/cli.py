@@ -19,7 +19,7 @@ from .drainer import DrainConfig, Drainer, DrainError
 from .events import NullReporter, Reporter
 from .insights import Insights, age, printable
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json, validate_kind
-from .queue import JobNotFound, Queue, result_was_cut
+from .queue import MAX_ATTEMPTS_CEILING, JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
 from .sandbox import AUTO, Limits, SandboxUnavailable, available_backends
 from .sandbox import _hostuid as hostuid
@@ -77,7 +77,6 @@ def _uid_range(_: click.Context | None, param: click.Parameter | None, value: st
         raise click.BadParameter(str(exc)) from None
 
 
-_current_schema = [db.DEFAULT_SCHEMA]  # for the error message when the schema was never created
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
@@ -102,7 +101,6 @@ def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool
         raise click.BadParameter(str(exc), param_hint="--schema") from None
     configure_logging(verbose=verbose, log_format=log_format)
     ctx.obj = {"dsn": database_url, "schema": schema, "verbose": verbose, "log_format": log_format}
-    _current_schema[0] = schema
 
 
 @cli.command()
@@ -418,6 +416,9 @@ def retry(ctx: click.Context, job_id: int | None, all_dead: bool, as_json: bool)
     q = _queue(ctx)
     if all_dead:
         ids = q.retry_all_dead()
+        for stuck in q.dead_at_the_ceiling():
+            click.echo(f"fleetless: job {stuck} not retried: it already used the most attempts a job can"
+                       f" have ({MAX_ATTEMPTS_CEILING}); enqueue it again instead", err=True)
     else:
         assert job_id is not None
         q.retry(job_id)
@@ -666,25 +667,12 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         click.echo(f"fleetless: error: {exc.format_message()}", err=True)
         sys.exit(1)
-    except (ValueError, JobNotFound, ConnectionError, DrainError, SandboxUnavailable) as exc:
+    except (ValueError, JobNotFound, ConnectionError, DrainError, SandboxUnavailable, db.DatabaseError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, JobNotFound):
             message = str(exc.args[0])
         click.echo(f"fleetless: error: {message}", err=True)
         sys.exit(3 if isinstance(exc, DrainError) else 1)
-    except Exception as exc:  # psycopg errors and the like: still one line
-        from psycopg import Error as PgError
-        from psycopg.errors import InvalidSchemaName, UndefinedTable
-
-        if isinstance(exc, UndefinedTable | InvalidSchemaName):
-            schema = _current_schema[0]
-            click.echo(f"fleetless: error: schema {schema} is not initialised: run 'fleetless init'", err=True)
-            sys.exit(1)
-        if isinstance(exc, PgError):
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            click.echo(f"fleetless: error: database: {first}", err=True)
-            sys.exit(1)
-        raise
 
 
 if __name__ == "__main__":

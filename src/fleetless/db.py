@@ -14,8 +14,21 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 __all__ = [
-    "DEFAULT_SCHEMA", "PoolerError", "atomic", "connect", "migrate", "queries", "require_session",
-    "shares_server_sessions", "validate_schema_name",
+    "DEFAULT_SCHEMA",
+    "DatabaseError",
+    "DatabaseUnavailable",
+    "DuplicateValue",
+    "PoolerError",
+    "SchemaNotInitialised",
+    "ValueNotStorable",
+    "atomic",
+    "connect",
+    "errors_translated",
+    "migrate",
+    "queries",
+    "require_session",
+    "shares_server_sessions",
+    "validate_schema_name",
 ]
 
 DEFAULT_SCHEMA = "fleetless"
@@ -23,6 +36,52 @@ _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # fullmatch: "$" matches befo
 _NAME_RE = re.compile(r"^-- name: (\S+)\s*$", re.MULTILINE)
 # Any number; fixed so that concurrent `init`s serialise instead of racing on CREATE.
 _MIGRATION_LOCK = 0x666C656574
+
+
+#: The only server encoding fleetless runs on: payloads, results and errors are any Unicode text.
+SUPPORTED_ENCODING = "UTF8"
+
+
+class DatabaseError(RuntimeError):
+    """A database error, said in one line. Driver errors become these here and nowhere else."""
+
+
+class DatabaseUnavailable(DatabaseError, ConnectionError):
+    """The connection is lost, refused or was terminated: the same call may work after a retry."""
+
+
+class SchemaNotInitialised(DatabaseError):
+    """The schema or its table does not exist."""
+
+
+class ValueNotStorable(DatabaseError, ValueError):
+    """The database refused a value (out of range, not encodable, a constraint)."""
+
+
+class DuplicateValue(ValueNotStorable):
+    """A unique index refused the row (a job key already held, ...)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+@contextmanager
+def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
+    """The one boundary where psycopg's errors become fleetless's (as Procrastinate's
+    ``wrap_exceptions``): callers above ``db`` and ``queue`` never see the driver."""
+    try:
+        yield
+    except psycopg.OperationalError as exc:  # includes terminated backends and admin shutdown
+        raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
+    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+        raise SchemaNotInitialised(f"schema {schema} is not initialised: run 'fleetless init'") from exc
+    except psycopg.errors.UniqueViolation as exc:
+        raise DuplicateValue(f"database refused a duplicate: {_first_line(exc)}") from exc
+    except (psycopg.DataError, psycopg.IntegrityError) as exc:
+        raise ValueNotStorable(f"database refused a value: {_first_line(exc)}") from exc
+    except psycopg.Error as exc:
+        raise DatabaseError(f"database: {_first_line(exc)}") from exc
 
 
 def validate_schema_name(schema: str) -> str:
@@ -80,8 +139,7 @@ def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
     try:
         return psycopg.connect(dsn, **kwargs)
     except psycopg.OperationalError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConnectionError(f"cannot connect to the database: {first}") from None
+        raise DatabaseUnavailable(f"cannot connect to the database: {_first_line(exc)}") from None
 
 
 @contextmanager
@@ -142,7 +200,16 @@ def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list
     Returns the versions applied by this call."""
     quoted = _quoted(schema)
     applied: list[int] = []
-    with conn.transaction():
+    with errors_translated(schema), conn.transaction():
+        encoding = conn.execute(_raw_queries()["server_encoding"]).fetchone()
+        found = encoding[0] if encoding else "unknown"
+        if isinstance(found, bytes):  # SQL_ASCII: text arrives as bytes
+            found = found.decode("ascii", "replace")
+        if found != SUPPORTED_ENCODING:
+            raise DatabaseError(
+                f"database encoding is {found}; fleetless needs {SUPPORTED_ENCODING}"
+                " (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+            )
         conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
         conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
         conn.execute(

@@ -21,6 +21,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -28,9 +29,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
-import psycopg
-
-from . import handlers, kinds, maintenance
+from . import db, handlers, kinds, maintenance
 from .batch import Runner, Slot, describe_failure, describe_run, job_env
 from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
@@ -54,6 +53,14 @@ DB_RETRY_SECONDS = 30.0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 #: How often a drain holding jobs asks the table which of them an operator cancelled.
 CANCEL_POLL_SECONDS = 1.0
+#: The least --lease-grace: the grace pays for creating the sandbox and for tearing it down and
+#: writing the outcome, so that a lease does not expire under a live drainer.
+MIN_LEASE_GRACE = 3.0
+#: Upper bound of every duration option: far beyond any real use, and inside what PostgreSQL's
+#: timestamps can hold when added to now().
+MAX_SECONDS = 10 * 365 * 86400.0
+MAX_BATCH = 10_000
+MAX_CONCURRENCY = 4096
 
 
 def sleep_for(next_due: float | None, idle_left: float | None, cap: float = 60.0) -> float:
@@ -100,14 +107,21 @@ class DrainConfig:
             raise ValueError("--idle-exit must be positive")
         if self.idle_exit is not None and not self.watch:
             raise ValueError("--idle-exit needs --watch")
-        for name in ("batch", "concurrency"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1")
-        for name in ("timeout", "ttl"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name} must be positive")
-        if self.max_runtime is not None and self.max_runtime <= 0:
-            raise ValueError("--max-runtime must be positive")
+        # Every value is checked here, before anything is claimed: a value PostgreSQL cannot add
+        # to now() would otherwise surface as an error in the middle of a drain.
+        for name, most in (("batch", MAX_BATCH), ("concurrency", MAX_CONCURRENCY)):
+            if not 1 <= getattr(self, name) <= most:
+                raise ValueError(f"--{name} must be from 1 to {most}")
+        for name in ("timeout", "ttl", "max_runtime", "lease_grace", "shutdown_grace"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_SECONDS:
+                raise ValueError(f"--{name.replace('_', '-')} must be from 0 to {MAX_SECONDS / 86400:.0f} days")
+        for name in ("timeout", "ttl", "max_runtime"):
+            if getattr(self, name) == 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive")
+        if self.lease_grace < MIN_LEASE_GRACE:
+            raise ValueError(f"--lease-grace must be at least {MIN_LEASE_GRACE:g} s: it pays for creating"
+                             " and tearing down each sandbox inside the lease")
 
 
 @dataclass
@@ -232,6 +246,8 @@ class Drainer:
         at once with ``watching_elsewhere`` set (the cron tick that finds one costs one query)."""
         try:
             return self._run()
+        except db.DatabaseError as exc:  # a database error it has no rule for: one line, exit 3
+            raise DrainError(f"unexpected database error: {exc}") from exc
         finally:
             self.reporter.close()
 
@@ -398,11 +414,26 @@ class Drainer:
         return self.queue.next_due(self.config.queues, sorted(self._unrunnable))
 
     def _claim(self, n: int, *, one_kind: bool = False) -> list[Job]:
+        """One claim statement, with a token of its own: if its reply is lost after it committed,
+        the retry first takes back what it claimed instead of stranding it until the lease ends."""
         c = self.config
         timeout, ttl = self._lease_bounds()
-        return self._db(lambda: self.queue.claim(
-            n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
-            claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable)))
+        token = uuid.uuid4()
+        tries = 0
+
+        def claim() -> list[Job]:
+            nonlocal tries
+            tries += 1
+            if tries > 1:
+                held = self.queue.claimed_with(token)
+                if held:
+                    log.warning("took back %d job(s) from a claim whose reply was lost", len(held))
+                    return held
+            return self.queue.claim(
+                n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
+                claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable), token=token)
+
+        return self._db(claim)
 
     def _retry_of(self, job: Job) -> RetryPolicy:
         return self._kinds.get(job.kind, kinds.KindSettings()).retry(self.config.retry)
@@ -513,9 +544,9 @@ class Drainer:
                 out = call()
                 self._reached_db = True
                 return out
-            except (psycopg.OperationalError, ConnectionError) as exc:
+            except ConnectionError as exc:  # db.DatabaseUnavailable, and connect's own
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                first = first.removeprefix("cannot connect to the database: ")
+                first = first.removeprefix("cannot connect to the database: ").removeprefix("database unavailable: ")
                 if time.monotonic() + delay > deadline:
                     what = "lost the database connection" if self._reached_db else "cannot connect to the database"
                     self._fatal = f"{what}: {first}"

@@ -17,7 +17,7 @@ from pathlib import Path
 from .job import validate_kind
 from .sandbox import Sandbox, Template
 
-__all__ = ["Handler", "HandlersDirError", "check_dir", "resolve", "unrunnable"]
+__all__ = ["Handler", "HandlersDirError", "check_dir", "kinds", "resolve", "unrunnable"]
 
 
 class HandlersDirError(RuntimeError):
@@ -53,14 +53,28 @@ class Handler:
 
 
 def check_dir(handlers_dir: Path) -> Path:
-    """The directory, resolved, or a one-line error when it is not usable."""
+    """The directory as configured (absolute, symlinks *not* resolved: a deploy that swaps a
+    ``current`` symlink mid-drain is followed), or a one-line error when it is not usable."""
     if not handlers_dir.exists():
         raise HandlersDirError(f"handlers directory {handlers_dir} does not exist")
     if not handlers_dir.is_dir():
         raise HandlersDirError(f"handlers directory {handlers_dir} is not a directory")
     if not os.access(handlers_dir, os.R_OK | os.X_OK):
         raise HandlersDirError(f"handlers directory {handlers_dir} is not readable")
-    return handlers_dir.resolve()
+    return Path(os.path.abspath(handlers_dir))
+
+
+def kinds(handlers_dir: Path) -> frozenset[str]:
+    """The kinds that have a handler in the directory now."""
+    found = set()
+    for entry in handlers_dir.iterdir():
+        kind = entry.name.removesuffix(".py")
+        try:
+            if resolve(handlers_dir, kind) is not None:
+                found.add(kind)
+        except ValueError:  # not a kind name: not a handler
+            pass
+    return frozenset(found)
 
 
 def resolve(handlers_dir: Path, kind: str) -> Handler | None:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 __all__ = [
     "MAX_PAYLOAD_BYTES",
+    "MAX_PAYLOAD_DEPTH",
     "Job",
     "Outcome",
     "Run",
@@ -22,6 +23,9 @@ __all__ = [
 
 #: Default cap on an encoded payload. Payloads are arguments, not data: put blobs elsewhere.
 MAX_PAYLOAD_BYTES = 1024 * 1024
+#: Deepest nesting of arrays and objects a payload may have (checked without recursion, so the
+#: answer does not depend on the caller's stack).
+MAX_PAYLOAD_DEPTH = 100
 
 # Used with fullmatch: a "$" would also match before a trailing newline ("abc\n").
 _KIND_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
@@ -45,13 +49,19 @@ class Job:
 
     id: int
     kind: str
-    payload: Any
+    payload_json: str  # as the table stores it; handed to the sandbox as it is
     attempts: int
     max_attempts: int
     claim_token: uuid.UUID
     timeout_seconds: int | None = None
     queue: str = "default"
     priority: int = 0
+    lease_seconds: float | None = None  # the lease left when the claim returned, by the database's clock
+
+    @property
+    def payload(self) -> Any:
+        """The payload, parsed (the drainer itself never needs to)."""
+        return json.loads(self.payload_json)
 
 
 @dataclass(frozen=True)
@@ -110,8 +120,8 @@ def encode_payload(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> str:
     except (TypeError, ValueError) as exc:
         raise ValueError(f"payload is not JSON-serialisable: {exc}") from None
     except RecursionError:
-        raise ValueError("payload is nested too deeply to encode") from None
-    _check_keys(payload)
+        raise ValueError(f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels") from None
+    _check_structure(payload)  # after json.dumps, which refuses cycles
     if "\x00" in text or _NUL_ESCAPE.search(text):
         raise ValueError("payload contains a NUL character (\\u0000), which jsonb cannot store")
     try:
@@ -125,19 +135,35 @@ def encode_payload(payload: Any, max_bytes: int = MAX_PAYLOAD_BYTES) -> str:
     return text
 
 
-def _check_keys(payload: Any) -> None:
-    """json.dumps turns the keys 1, None and True into "1", "null" and "true" without a word: the
-    payload would not read back as written, and {1: "a", "1": "b"} would silently lose a value."""
-    stack = [payload]
+def _check_structure(payload: Any) -> None:
+    """What json.dumps would accept but the payload would not read back as written.
+
+    - keys 1, None and True become "1", "null" and "true" without a word, and {1: "a", "1": "b"}
+      would silently lose a value;
+    - jsonb keeps a number as numeric without its exponent, so a float written with one (1e16,
+      1.5e300) reads back as an integer; refused here so that payloads are stored exactly;
+    - nesting deeper than MAX_PAYLOAD_DEPTH."""
+    stack: list[tuple[Any, int]] = [(payload, 0)]
     while stack:
-        value = stack.pop()
+        value, depth = stack.pop()
+        if isinstance(value, float):
+            if "e+" in repr(value):
+                raise ValueError(
+                    f"payload number {value!r} would read back as an integer (jsonb keeps no exponent):"
+                    " pass it as an int or a string"
+                )
+            continue
+        if not isinstance(value, dict | list | tuple):
+            continue
+        if depth >= MAX_PAYLOAD_DEPTH:
+            raise ValueError(f"payload is nested deeper than {MAX_PAYLOAD_DEPTH} levels")
         if isinstance(value, dict):
             for key, item in value.items():
                 if not isinstance(key, str):
                     raise ValueError(f"payload keys must be strings, not {type(key).__name__} {key!r}")
-                stack.append(item)
-        elif isinstance(value, list | tuple):
-            stack.extend(value)
+                stack.append((item, depth + 1))
+        else:
+            stack.extend((item, depth + 1) for item in value)
 
 
 def parse_payload_json(text: str) -> Any:

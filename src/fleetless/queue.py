@@ -7,6 +7,7 @@ import itertools
 import os
 import socket
 import threading
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, cast
@@ -37,6 +38,10 @@ MAX_RESULT_CHARS = 64 * 1024
 ENQUEUE_CHUNK = 5000
 #: Ends a ``result`` of which only the head was kept, so no reader takes it for the whole output.
 RESULT_CUT_MARKER = "\n[fleetless: output cut here; only the first 64 KiB of stdout are kept]\n"
+#: The most attempts a job can have (the table's CHECK); an operator retry cannot go past it.
+MAX_ATTEMPTS_CEILING = 1000
+#: Every this-many-th release of a job in a row is charged as a failed attempt (see ``release``).
+MAX_RELEASES = 5
 _PG_INT = 2**31 - 1
 
 
@@ -149,7 +154,7 @@ class Queue:
                 self._conn = db.connect(self._dsn, autocommit=True)
             try:
                 yield self._conn
-            except psycopg.OperationalError:
+            except psycopg.OperationalError:  # errors_translated, around this, names it
                 if self._owns_conn:  # a broken connection: the next call reconnects
                     self._conn.close()
                 raise
@@ -158,7 +163,8 @@ class Queue:
         self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None,
         *, prepare: bool | None = None,
     ) -> list[dict[str, Any]]:
-        with self._connection(conn) as c, c.cursor(row_factory=dict_row) as cur:
+        with (db.errors_translated(self.schema), self._connection(conn) as c,
+              c.cursor(row_factory=dict_row) as cur):
             cur.execute(self._q[name], params, prepare=prepare)
             return cur.fetchall() if cur.description else []
 
@@ -209,8 +215,9 @@ class Queue:
         if on_duplicate not in _ON_DUPLICATE:
             raise ValueError(f"on_duplicate must be one of {', '.join(_ON_DUPLICATE)}, not {on_duplicate!r}")
         validate_queue_name(queue)
-        if isinstance(max_attempts, bool) or not isinstance(max_attempts, int) or not 1 <= max_attempts <= 1000:
-            raise ValueError(f"max_attempts must be an integer from 1 to 1000, not {max_attempts!r}")
+        if (isinstance(max_attempts, bool) or not isinstance(max_attempts, int)
+                or not 1 <= max_attempts <= MAX_ATTEMPTS_CEILING):
+            raise ValueError(f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_CEILING}, not {max_attempts!r}")
         if isinstance(priority, bool) or not isinstance(priority, int) or not -_PG_INT <= priority <= _PG_INT:
             raise ValueError(f"priority must be an integer from {-_PG_INT} to {_PG_INT}, not {priority!r}")
         if run_after is not None and delay is not None:
@@ -319,7 +326,7 @@ class Queue:
             return []
         ids: list[int] = []
         queues: set[str] = set()
-        with self._connection(conn) as c, db.atomic(c), c.cursor() as cur:
+        with db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c), c.cursor() as cur:
             pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
             while chunk := [self._item_params(i, item) for i, item in itertools.islice(pending, ENQUEUE_CHUNK)]:
                 plain = [r for r in chunk if r["key"] is None]
@@ -359,29 +366,36 @@ class Queue:
         claimed_by: str | None = None,
         tier: str | None = None,
         skip_kinds: Sequence[str] = (),
+        token: uuid.UUID | None = None,
     ) -> list[Job]:
         """Claim up to ``n`` due jobs (priority first, then due time) and mark them running.
 
         ``one_kind``: all of the kind of the first due job (batch mode: one sandbox per batch).
         ``claimed_by`` (the drainer's ``host:pid``) and ``tier`` are recorded on the rows so an
         operator can see where each running job is.
-        ``skip_kinds``: never these (a drain that cannot run them leaves them to one that can)."""
+        ``skip_kinds``: never these (a drain that cannot run them leaves them to one that can).
+        ``token`` (default: a new one) becomes every claimed job's claim token: a caller that lost
+        the reply finds what the claim took with :meth:`claimed_with` and the same token."""
         if n <= 0:
             return []
         rows = self._run(
             "claim_kind" if one_kind else "claim",
             {"n": n, "queues": list(queues) if queues else None, "skip_kinds": list(skip_kinds) or None,
+             "token": token or uuid.uuid4(),
              "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
              "claimed_by": claimed_by, "tier": tier},
         )
-        jobs = [
-            Job(id=r["id"], kind=r["kind"], payload=r["payload"], attempts=r["attempts"],
-                max_attempts=r["max_attempts"], claim_token=r["claim_token"],
-                timeout_seconds=r["timeout_seconds"], queue=r["queue"], priority=r["priority"])
-            for r in rows
-        ]
-        jobs.sort(key=lambda j: (-j.priority, j.id))
-        return jobs
+        return _jobs(rows)
+
+    def claimed_with(self, token: uuid.UUID) -> list[Job]:
+        """The jobs a claim with this token took and still holds."""
+        return _jobs(self._run("claimed_with", {"token": token}))
+
+    def _own_outcome(self, job: Job) -> Status | None:
+        """After a fenced write matched nothing: the status this claim's own earlier write left,
+        when that is what happened (its reply was lost and the call retried); else None."""
+        rows = self._run("outcome_of", {"id": job.id, "token": job.claim_token})
+        return Status(rows[0]["status"]) if rows else None
 
     @staticmethod
     def _run_params(job: Job, run: Run | None) -> dict[str, Any]:
@@ -395,9 +409,10 @@ class Queue:
                  result_cut: bool = False) -> bool:
         """Mark done, and record the attempt (``run``: how it ran). False if this claim no longer
         holds the job (fenced out): then nothing is written. ``result_cut``: the sandbox dropped
-        the rest of stdout (the stored result then says so)."""
+        the rest of stdout (the stored result then says so). A retry whose first reply was lost
+        recognises its own earlier write (True)."""
         rows = self._run("complete", {**self._run_params(job, run), "result": result_text(result, cut=result_cut)})
-        return bool(rows)
+        return bool(rows) or self._own_outcome(job) is Status.DONE
 
     def fail(
         self, job: Job, error: str, *, delay: float, permanent: bool = False, result: str | None = None,
@@ -411,15 +426,21 @@ class Queue:
              "error": clean_text(error, MAX_ERROR_CHARS, keep="tail"),
              "result": result_text(result, cut=result_cut)},
         )
-        return Status(rows[0]["status"]) if rows else None
+        return Status(rows[0]["status"]) if rows else self._own_outcome(job)
 
-    def release(self, job: Job, reason: str, *, run: Run | None = None) -> bool:
-        """Give the claim back without charging an attempt (shutdown, broken sandbox)."""
+    def release(self, job: Job, reason: str, *, run: Run | None = None, delay: float = 0) -> Status | None:
+        """Give the claim back without charging an attempt (shutdown, broken sandbox).
+
+        Bounded: the ``MAX_RELEASES``-th release in a row is charged as a failed attempt instead
+        (pending again after ``delay`` seconds, or dead when no attempt is left), so a job that
+        breaks its sandbox every time cannot block its queue forever. Returns the new status, or
+        None if fenced out."""
         rows = self._run(
             "release",
-            {**self._run_params(job, run), "error": clean_text(reason, MAX_ERROR_CHARS, keep="tail")},
+            {**self._run_params(job, run), "max_releases": MAX_RELEASES, "delay": delay,
+             "error": clean_text(reason, MAX_ERROR_CHARS, keep="tail")},
         )
-        return bool(rows)
+        return Status(rows[0]["status"]) if rows else self._own_outcome(job)
 
     def next_due(self, queues: Sequence[str] | None = None, skip_kinds: Sequence[str] = ()) -> float | None:
         """Seconds until the next pending job of ``queues`` (not of ``skip_kinds``) is due (<= 0: due
@@ -461,7 +482,7 @@ class Queue:
             cols["exit_codes"].append(run.exit_code)
             cols["signals"].append(run.signal)
             cols["kill_reasons"].append(clean_text(run.kill_reason, 500))
-        cols["host"], cols["pid"] = socket.gethostname(), os.getpid()
+        cols["host"], cols["pid"], cols["max_releases"] = socket.gethostname(), os.getpid(), MAX_RELEASES
         return {r["id"]: Status(r["status"]) for r in self._run("finish_many", cols)}
 
     def extend_leases(
@@ -485,24 +506,32 @@ class Queue:
 
     # -- operators ---------------------------------------------------------------------------
 
-    def _status_of(self, job_id: int) -> str:
+    def _status_of(self, job_id: int) -> dict[str, Any]:
         rows = self._run("status_of", {"id": job_id})
         if not rows:
             raise JobNotFound(f"no job with id {job_id}")
-        return str(rows[0]["status"])
+        return rows[0]
 
     def retry(self, job_id: int) -> None:
         """Make a dead or cancelled job pending and due now, with at least one attempt left."""
         try:
             retried = self._run("retry", {"id": _job_id(job_id)})
-        except psycopg.errors.UniqueViolation:
+        except db.DuplicateValue:
             raise ValueError(f"job {job_id} has a key that a pending or running job holds now") from None
         if not retried:
-            status = self._status_of(job_id)
-            raise ValueError(f"job {job_id} is {status}; only dead or cancelled jobs can be retried")
+            row = self._status_of(job_id)
+            if row["status"] in (Status.DEAD, Status.CANCELLED):
+                raise ValueError(f"job {job_id} already used {row['attempts']} attempts, the most a job"
+                                 f" can have ({MAX_ATTEMPTS_CEILING}); enqueue it again instead")
+            raise ValueError(f"job {job_id} is {row['status']}; only dead or cancelled jobs can be retried")
 
     def retry_all_dead(self) -> list[int]:
+        """Retry every dead job that can have one more attempt (see :meth:`dead_at_the_ceiling`)."""
         return [r["id"] for r in self._run("retry_all_dead", {})]
+
+    def dead_at_the_ceiling(self) -> list[int]:
+        """Dead jobs that already used the most attempts a job can have: no retry can help them."""
+        return [r["id"] for r in self._run("dead_at_the_ceiling", {})]
 
     def cancel(self, job_id: int) -> Status:
         """Cancel a job. A pending one is cancelled at once (returns CANCELLED). A running one is
@@ -510,7 +539,7 @@ class Queue:
         and the job ends cancelled, with no further attempt; if it finishes first, it is done."""
         rows = self._run("cancel", {"id": _job_id(job_id)})
         if not rows:
-            status = self._status_of(job_id)
+            status = self._status_of(job_id)["status"]
             raise ValueError(f"job {job_id} is {status}; only pending or running jobs can be cancelled")
         return Status(rows[0]["status"])
 
@@ -522,14 +551,14 @@ class Queue:
     def delete(self, job_id: int) -> None:
         """Delete a finished (done, dead or cancelled) job and its attempt history."""
         if not self._run("delete", {"id": _job_id(job_id)}):
-            status = self._status_of(job_id)
+            status = self._status_of(job_id)["status"]
             raise ValueError(f"job {job_id} is {status}; only done, dead or cancelled jobs can be deleted"
                              " (cancel it first)")
 
     def run_now(self, job_id: int) -> None:
         """Make a pending job due now (it keeps its attempts)."""
         if not self._run("run_now", {"id": _job_id(job_id)}):
-            status = self._status_of(job_id)
+            status = self._status_of(job_id)["status"]
             raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
 
     # -- periodic jobs -----------------------------------------------------------------------
@@ -634,6 +663,18 @@ class Queue:
         assert seconds is not None
         statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
         return self.prune_batch(dict.fromkeys(statuses, seconds))
+
+def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
+    jobs = [
+        Job(id=r["id"], kind=r["kind"], payload_json=r["payload_json"], attempts=r["attempts"],
+            max_attempts=r["max_attempts"], claim_token=r["claim_token"],
+            timeout_seconds=r["timeout_seconds"], queue=r["queue"], priority=r["priority"],
+            lease_seconds=r["lease_seconds"])
+        for r in rows
+    ]
+    jobs.sort(key=lambda j: (-j.priority, j.id))
+    return jobs
+
 
 def _job_id(job_id: object) -> int:
     if isinstance(job_id, bool) or not isinstance(job_id, int) or not 1 <= job_id < 2**63:

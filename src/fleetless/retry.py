@@ -9,6 +9,8 @@ __all__ = ["MAX_ERROR_CHARS", "RetryPolicy"]
 
 #: last_error keeps at most this many characters (the tail, where the traceback's cause is).
 MAX_ERROR_CHARS = 2000
+#: The largest backoff base, jitter or maximum delay accepted, in seconds (a year).
+MAX_DELAY_OPTION = 365 * 86400.0
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,12 @@ class RetryPolicy:
     max_delay_seconds: float = 7 * 24 * 3600.0
 
     def __post_init__(self) -> None:
-        if self.base_seconds < 0 or self.max_jitter_seconds < 0:
-            raise ValueError("backoff base and jitter must not be negative")
+        # Bounded so that now() + the delay is always a timestamp PostgreSQL can hold: a value out
+        # of range is refused here, before a drain claims anything, not in the middle of one.
+        for what, value in (("backoff base", self.base_seconds), ("jitter", self.max_jitter_seconds),
+                            ("maximum delay", self.max_delay_seconds)):
+            if not 0 <= value <= MAX_DELAY_OPTION:
+                raise ValueError(f"{what} must be from 0 to {MAX_DELAY_OPTION / 86400:.0f} days, not {value:g} s")
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""

@@ -69,7 +69,7 @@ def test_terminated_backends_are_reconnected_and_every_job_finishes_once(
         echo "$FLEETLESS_JOB_ID"
     """)
     queue.enqueue_many([("nap", {"i": i}) for i in range(40)])
-    drain = start_drain(dsn, h, "--concurrency", "3", "--lease-grace", "0", "--timeout", "10")
+    drain = start_drain(dsn, h, "--concurrency", "3", "--lease-grace", "3", "--timeout", "10")
     wait_for(lambda: log.exists(), what="the first job to start")
     terminated = 0
     for _ in range(8):
@@ -121,7 +121,7 @@ def test_an_outcome_written_after_reconnect_is_fenced_when_the_claim_was_reaped_
         echo "attempt $FLEETLESS_ATTEMPT"
     """)
     job_id = queue.enqueue("slow", {}, timeout=2)  # lease: 2 s (+ grace 0)
-    drain = start_drain(dsn, h, "--concurrency", "1", "--lease-grace", "0")
+    drain = start_drain(dsn, h, "--concurrency", "1", "--lease-grace", "3")
     wait_for(lambda: log.exists(), what="the job to start")
     database_away()
     # While the drainer cannot write, its lease runs out and an operator (connected already) reaps.
@@ -157,7 +157,7 @@ def test_a_drainer_that_cannot_reach_the_database_exits_3_in_one_line_and_kills_
     """)
     job_id = queue.enqueue("hang", {}, timeout=3)
     # Concurrency 2 with one job: the free slot keeps claiming, so the loss is noticed at once.
-    drain = start_drain(dsn, h, "--concurrency", "2", "--lease-grace", "0", prefix=SHORT_DB_RETRY)
+    drain = start_drain(dsn, h, "--concurrency", "2", "--lease-grace", "3", prefix=SHORT_DB_RETRY)
     wait_for(lambda: (pids / "job").exists(), what="the job to start")
     job_pid = int((pids / "job").read_text())
     database_away()

@@ -24,7 +24,7 @@ JOBS = int(os.environ.get("FLEETLESS_CHAOS_JOBS", 2_000 if SOAK else 1_000))
 KILLS = int(os.environ.get("FLEETLESS_CHAOS_KILLS", 20))
 DRAINERS, CONCURRENCY = 3, 2
 DRAIN_ARGS = ("--concurrency", str(CONCURRENCY), "--batch", str(CONCURRENCY), "--timeout", "5",
-              "--lease-grace", "0", "--backoff-base", "0", "--max-jitter", "0")
+              "--lease-grace", "3", "--backoff-base", "0", "--max-jitter", "0")
 
 
 def test_drainers_sigkilled_at_random_lose_no_job_and_every_rerun_is_a_counted_attempt(

@@ -38,7 +38,7 @@ def test_sigterm_to_three_busy_drainers_finishes_or_returns_every_job_and_exits_
     queue.enqueue_many([{"kind": "work", "payload": {"seconds": 3}, "priority": 1}] * 9
                        + [{"kind": "work", "payload": {"seconds": round(rng.uniform(0.1, 1.0), 2)}}
                           for _ in range(n - 9)])
-    drains = [start_drain(dsn, h, "--concurrency", "3", "--shutdown-grace", "1", "--lease-grace", "0")
+    drains = [start_drain(dsn, h, "--concurrency", "3", "--shutdown-grace", "1", "--lease-grace", "3")
               for _ in range(3)]
     wait_for(lambda: sum(len(r) for r in executions(starts).values()) >= 9, what="jobs to be running")
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'running'")[0][0] >= 6

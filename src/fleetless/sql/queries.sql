@@ -47,6 +47,11 @@ WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 
 -- enqueue_many's one NOTIFY, after its COPY, in its transaction (payload: the queues, comma-separated).
 SELECT pg_notify(%(channel)s, %(queues)s);
 
+-- name: server_encoding
+-- init refuses a database whose text is not UTF-8: under LATIN1 a job's non-Latin-1 output
+-- cannot be stored, and under SQL_ASCII text comes back as bytes.
+SELECT current_setting('server_encoding');
+
 -- name: open_transaction
 -- db.atomic: starts the caller's implicit transaction, so that the block after it is a savepoint
 -- inside it rather than a transaction psycopg would commit on its own.
@@ -69,13 +74,15 @@ FROM STDIN;
 -- skip_kinds: kinds this drain found it cannot run (a handler's interpreter is missing in its
 -- sandbox); left pending for a drain that can, never charged an attempt.
 -- SKIP LOCKED lets any number of drainers on any number of hosts take distinct rows without
--- waiting on each other. Every claim sets a fresh claim_token: all later writes for this run of
--- the job are fenced on it. The lease covers the job's timeout (bounded by the sandbox TTL) plus
--- a grace period; the reaper returns the claim once it has passed.
+-- waiting on each other. Every claim sets a fresh claim_token, made by the drainer for this one
+-- statement: all later writes for this run of the job are fenced on it (id and token), and when
+-- the reply to a committed claim is lost the drainer finds its rows again by it (claimed_with).
+-- The lease covers the job's timeout (bounded by the sandbox TTL) plus a grace period; the reaper
+-- returns the claim once it has passed.
 UPDATE {schema}.jobs AS j
 SET status = 'running',
     attempts = j.attempts + 1,
-    claim_token = gen_random_uuid(),
+    claim_token = %(token)s,
     locked_at = now(),
     started_at = now(),
     finished_at = NULL,
@@ -92,8 +99,27 @@ WHERE j.id IN (
   FOR UPDATE SKIP LOCKED
   LIMIT %(n)s
 )
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.claim_token, j.timeout_seconds,
-          j.queue, j.priority;
+RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
+          j.timeout_seconds, j.queue, j.priority,
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds;
+
+-- name: claimed_with
+-- The rows one claim statement took, found by its token: the reply to a committed claim was lost
+-- (connection dropped) and the drainer retries. The payload travels as text: the drainer hands it
+-- to the sandbox as it is and never has to parse it (a payload another producer nested 2,000
+-- levels deep cannot crash a drain).
+SELECT j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
+       j.timeout_seconds, j.queue, j.priority,
+       extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds
+FROM {schema}.jobs AS j
+WHERE j.status = 'running' AND j.claim_token = %(token)s;
+
+-- name: outcome_of
+-- After a finish found nothing to update: did this claim's own earlier write land (its reply was
+-- lost and the call retried)? complete, fail and release keep the token; a reap clears it and a
+-- new claim replaces it, so a row still carrying this token and no longer running is our write.
+SELECT status FROM {schema}.jobs
+WHERE id = %(id)s AND claim_token = %(token)s AND status <> 'running';
 
 -- name: complete
 -- Fenced: matches only while this claim still holds the job. A drainer whose lease was reaped
@@ -129,7 +155,7 @@ WITH finished AS (
                        THEN now() + make_interval(secs => %(delay)s) ELSE run_after END,
       finished_at = CASE WHEN cancel_requested_at IS NULL AND attempts < max_attempts AND NOT %(permanent)s
                          THEN NULL ELSE now() END,
-      last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL
+      last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL, releases = 0
   WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
   RETURNING id, attempts, started_at, status, tier
 ), history AS (
@@ -144,24 +170,41 @@ SELECT status FROM finished;
 
 -- name: release
 -- Give a claim back without charging the job an attempt: the drainer is shutting down or its
--- sandbox broke, which is not the job's fault. Fenced like complete. The history row keeps the
--- attempt's number and start as they were before the give-back (read from "was").
+-- sandbox broke, which is not the job's fault. Fenced like complete; the token stays (outcome_of).
+-- Bounded: the max_releases-th release in a row is charged as a failed attempt instead (pending
+-- after the backoff delay, or dead when none is left), so a job that breaks its sandbox every
+-- time cannot block a queue forever. The history row keeps the attempt's number and start as
+-- they were before the give-back (read from "was").
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
 -- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
 WITH finished AS (
   UPDATE {schema}.jobs AS j
-  SET status = CASE WHEN j.cancel_requested_at IS NULL THEN 'pending' ELSE 'cancelled' END,
-      attempts = CASE WHEN j.cancel_requested_at IS NULL THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
-      finished_at = CASE WHEN j.cancel_requested_at IS NULL THEN NULL ELSE now() END,
-      last_error = %(error)s,
-      locked_at = NULL, lease_expires_at = NULL, claim_token = NULL, started_at = NULL
+  SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
+                    WHEN j.releases + 1 < %(max_releases)s OR j.attempts < j.max_attempts THEN 'pending'
+                    ELSE 'dead' END,
+      attempts = CASE WHEN j.cancel_requested_at IS NULL AND j.releases + 1 < %(max_releases)s
+                      THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
+      run_after = CASE WHEN j.cancel_requested_at IS NULL AND j.releases + 1 >= %(max_releases)s
+                       THEN now() + make_interval(secs => %(delay)s) ELSE j.run_after END,
+      finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now()
+                         WHEN j.releases + 1 < %(max_releases)s OR j.attempts < j.max_attempts THEN NULL
+                         ELSE now() END,
+      last_error = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.releases + 1 < %(max_releases)s
+                        THEN %(error)s
+                        ELSE 'released ' || (j.releases + 1) || ' times in a row; charged as an attempt: '
+                             || %(error)s END,
+      releases = CASE WHEN j.releases + 1 < %(max_releases)s THEN j.releases + 1 ELSE 0 END,
+      locked_at = NULL, lease_expires_at = NULL, started_at = NULL
   FROM (SELECT id, attempts, started_at FROM {schema}.jobs WHERE id = %(id)s) AS was
   WHERE j.id = was.id AND j.claim_token = %(token)s AND j.status = 'running'
-  RETURNING j.id, was.attempts, was.started_at, j.status, j.tier
+  RETURNING j.id, was.attempts, was.started_at, j.status, j.tier, j.releases = 0 AS charged
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      kill_reason, duration_seconds, error_head)
-  SELECT id, attempts, CASE status WHEN 'cancelled' THEN 'cancelled' ELSE 'released' END, %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(kill_reason)s,
+  SELECT id, attempts,
+         CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN NOT charged THEN 'released'
+              WHEN status = 'dead' THEN 'dead' ELSE 'retry' END,
+         %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
 )
@@ -206,10 +249,12 @@ SELECT id, status FROM reaped;
 
 -- name: retry
 -- Operator retry of a dead or cancelled job: due now, and at least one more attempt (as Oban).
+-- A job that already used the most attempts the table allows (1000) cannot get one more: it is
+-- left alone (and the caller says why) instead of failing the CHECK for everyone.
 UPDATE {schema}.jobs
 SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(max_attempts, attempts + 1)
-WHERE id = %(id)s AND status IN ('dead', 'cancelled')
+WHERE id = %(id)s AND status IN ('dead', 'cancelled') AND attempts < 1000
 RETURNING id;
 
 -- name: retry_all_dead
@@ -218,11 +263,15 @@ RETURNING id;
 UPDATE {schema}.jobs AS j
 SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(j.max_attempts, j.attempts + 1)
-WHERE j.status = 'dead'
+WHERE j.status = 'dead' AND j.attempts < 1000
   AND (j.key IS NULL OR (
     NOT EXISTS (SELECT 1 FROM {schema}.jobs o WHERE o.key = j.key AND o.status IN ('pending', 'running'))
     AND j.id = (SELECT max(d.id) FROM {schema}.jobs d WHERE d.key = j.key AND d.status = 'dead')))
 RETURNING j.id;
+
+-- name: dead_at_the_ceiling
+-- The dead jobs retry_all_dead leaves alone, to name them.
+SELECT id FROM {schema}.jobs WHERE status = 'dead' AND attempts >= 1000 ORDER BY id;
 
 -- name: cancel
 -- A pending job is cancelled at once. A running one is marked (cancel_requested_at): the drainer
@@ -255,7 +304,7 @@ SELECT attempt, outcome, host, pid, tier, started_at, finished_at, exit_code, si
 FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id;
 
 -- name: status_of
-SELECT status FROM {schema}.jobs WHERE id = %(id)s;
+SELECT status, attempts FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: get
 SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
@@ -313,7 +362,8 @@ RETURNING id;
 -- Each row is still fenced on (id, claim_token, status = 'running'): a drainer whose claim was
 -- reaped and taken over matches nothing and learns it from the rows not returned.
 -- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
--- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault).
+-- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault),
+-- bounded as in release: the max_releases-th in a row is charged as a failure instead.
 -- Each written row's attempt gets its history row in the same statement (a data-modifying CTE);
 -- "was" is the row before this update, for the number and start of an attempt given back, and
 -- the tier its claim recorded when the outcome does not say (batch mode).
@@ -322,35 +372,46 @@ RETURNING id;
 WITH finished AS (
 UPDATE {schema}.jobs AS j
 SET status = CASE
-      WHEN o.action = 'done' THEN 'done'
+      WHEN o.act = 'done' THEN 'done'
       WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
-      WHEN o.action = 'release' THEN 'pending'
+      WHEN o.act = 'release' THEN 'pending'
       WHEN j.attempts < j.max_attempts AND NOT o.permanent THEN 'pending'
       ELSE 'dead' END,
-    attempts = CASE WHEN o.action = 'release' AND j.cancel_requested_at IS NULL THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
-    run_after = CASE WHEN o.action = 'fail' AND j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts AND NOT o.permanent
+    attempts = CASE WHEN o.act = 'release' AND j.cancel_requested_at IS NULL THEN GREATEST(j.attempts - 1, 0)
+                    ELSE j.attempts END,
+    run_after = CASE WHEN o.act = 'fail' AND j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts
+                          AND NOT o.permanent
                      THEN now() + make_interval(secs => o.delay) ELSE j.run_after END,
     finished_at = CASE
-      WHEN o.action = 'done' THEN now()
+      WHEN o.act = 'done' THEN now()
       WHEN j.cancel_requested_at IS NOT NULL THEN now()
-      WHEN o.action = 'fail' AND NOT (j.attempts < j.max_attempts AND NOT o.permanent) THEN now()
+      WHEN o.act = 'fail' AND NOT (j.attempts < j.max_attempts AND NOT o.permanent) THEN now()
       ELSE NULL END,
-    last_error = o.error,
-    result = CASE WHEN o.action = 'release' THEN j.result ELSE o.result END,
-    result_json = CASE WHEN o.action = 'release' THEN j.result_json ELSE o.result_json::jsonb END,
-    claim_token = CASE WHEN o.action = 'release' THEN NULL ELSE j.claim_token END,
-    started_at = CASE WHEN o.action = 'release' THEN NULL ELSE j.started_at END,
+    last_error = o.err,
+    releases = CASE WHEN o.act = 'release' THEN j.releases + 1 WHEN o.act = 'fail' THEN 0 ELSE j.releases END,
+    result = CASE WHEN o.act = 'release' THEN j.result ELSE o.result END,
+    result_json = CASE WHEN o.act = 'release' THEN j.result_json ELSE o.result_json::jsonb END,
+    claim_token = CASE WHEN o.act = 'release' THEN NULL ELSE j.claim_token END,
+    started_at = CASE WHEN o.act = 'release' THEN NULL ELSE j.started_at END,
     locked_at = NULL, lease_expires_at = NULL
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(actions)s::text[], %(permanent)s::bool[],
-            %(delays)s::float8[], %(errors)s::text[], %(results)s::text[], %(results_json)s::text[],
-            %(tiers)s::text[], %(exit_codes)s::int[], %(signals)s::text[], %(kill_reasons)s::text[])
-     AS o(id, token, action, permanent, delay, error, result, result_json, tier, exit_code, signal,
-          kill_reason)
+FROM (SELECT u.*,
+             -- a release that is the max_releases-th in a row is charged: it becomes a failure
+             CASE WHEN u.action = 'release' AND b.releases + 1 >= %(max_releases)s THEN 'fail'
+                  ELSE u.action END AS act,
+             CASE WHEN u.action = 'release' AND b.releases + 1 >= %(max_releases)s
+                  THEN 'released ' || (b.releases + 1) || ' times in a row; charged as an attempt: ' || u.error
+                  ELSE u.error END AS err
+      FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(actions)s::text[], %(permanent)s::bool[],
+                  %(delays)s::float8[], %(errors)s::text[], %(results)s::text[], %(results_json)s::text[],
+                  %(tiers)s::text[], %(exit_codes)s::int[], %(signals)s::text[], %(kill_reasons)s::text[])
+           AS u(id, token, action, permanent, delay, error, result, result_json, tier, exit_code, signal,
+                kill_reason)
+           JOIN {schema}.jobs AS b ON b.id = u.id) AS o
      JOIN {schema}.jobs AS was ON was.id = o.id
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
-RETURNING j.id, j.status, o.action, was.attempts, was.started_at, COALESCE(o.tier, was.tier) AS tier,
+RETURNING j.id, j.status, o.act AS action, was.attempts, was.started_at, COALESCE(o.tier, was.tier) AS tier,
           o.exit_code, o.signal,
-          o.kill_reason, o.error
+          o.kill_reason, o.err AS error
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
@@ -392,7 +453,7 @@ WITH head AS (
 UPDATE {schema}.jobs AS j
 SET status = 'running',
     attempts = j.attempts + 1,
-    claim_token = gen_random_uuid(),
+    claim_token = %(token)s,
     locked_at = now(),
     started_at = now(),
     finished_at = NULL,
@@ -409,8 +470,9 @@ WHERE j.id IN (
   FOR UPDATE SKIP LOCKED
   LIMIT %(n)s
 )
-RETURNING j.id, j.kind, j.payload, j.attempts, j.max_attempts, j.claim_token, j.timeout_seconds,
-          j.queue, j.priority;
+RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
+          j.timeout_seconds, j.queue, j.priority,
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds;
 
 -- name: listen
 -- Watch mode: enqueue NOTIFYs this channel ({channel}: the queue's, quoted) in its transaction.

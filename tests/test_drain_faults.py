@@ -1,0 +1,270 @@
+"""What a drain does when something other than the job goes wrong (issue 14): an error nobody
+planned for, a payload or outcome the database or Python cannot handle, a deploy swapping the
+handlers under it, a sandbox that keeps breaking, a reaper running beside it. Real PostgreSQL,
+real drains; outcomes read from the table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from fleetless import Queue, RetryPolicy
+from fleetless.drainer import DrainConfig, Drainer, DrainError
+from fleetless.queue import MAX_RELEASES
+
+from conftest import ADMIN_DSN, _dsn_for, _fleetless
+from proctools import wait_for
+
+
+@pytest.fixture(autouse=True)
+def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    work = tmp_path / "work"
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
+    return work
+
+
+def drain(queue: Queue, handlers_dir: Path, **options: object) -> Drainer:
+    options.setdefault("concurrency", 2)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=handlers_dir, **options))  # type: ignore[arg-type]
+    drainer.run()
+    return drainer
+
+
+def _cli_drain(dsn: str, h: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), *extra],
+        env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, timeout=300)
+
+
+# -- an error nobody planned for ------------------------------------------------------------------
+
+def test_an_unexpected_error_mid_drain_releases_every_held_claim_and_exits_3_in_one_line(
+        dsn: str, queue: Queue, handlers, sql) -> None:
+    # The application's own trigger refuses to let one job be marked done: an error the drainer
+    # has no rule for, raised in the middle of a drain that holds other claims.
+    sql("""CREATE OR REPLACE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+             IF NEW.status = 'done' AND NEW.payload ? 'refuse' THEN RAISE EXCEPTION 'audit log is full'; END IF;
+             RETURN NEW;
+           END $$""")
+    sql("CREATE TRIGGER refuse_done BEFORE UPDATE ON fleetless.jobs FOR EACH ROW EXECUTE FUNCTION refuse_done()")
+    try:
+        h = handlers(**{"ok.py": "print('ok')", "slow.py": """
+            import json, os, sys, time
+            flag = json.load(open(sys.argv[1]))["until"]
+            while not os.path.exists(flag):
+                time.sleep(0.05)
+            """})
+        flag = h.parent / "go"
+        refused = queue.enqueue("ok", {"refuse": True}, priority=9)
+        held = [queue.enqueue("slow", {"until": str(flag)}, priority=5) for _ in range(2)]
+        queue.enqueue_many([("ok", {})] * 3)
+        threading.Thread(target=lambda: (wait_for(lambda: sql(
+            "SELECT count(*) FROM fleetless.jobs WHERE status = 'running' AND kind = 'slow'") == [(2,)],
+            what="both slow jobs claimed"), flag.touch()), daemon=True).start()
+        r = _cli_drain(dsn, h, "--concurrency", "3", "--batch", "3")
+        assert r.returncode == 3, r
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("fleetless: error: unexpected error") and "audit log is full" in last, r.stderr
+        assert "held claim(s) released" in last and "Traceback" not in r.stderr
+        # Nothing is left running until its lease ends; what was held is pending, uncharged.
+        assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(0,)]
+        rows = {r[0]: r[1:] for r in sql("SELECT id, status, attempts FROM fleetless.jobs WHERE id = ANY(%s)",
+                                         [refused, *held])}
+        assert set(rows.values()) <= {("pending", 0), ("done", 1)}, rows
+        assert rows[refused] == ("pending", 0)
+    finally:
+        sql("DROP TRIGGER refuse_done ON fleetless.jobs")
+
+
+# -- payloads and outcomes that cannot be handled -------------------------------------------------
+
+def test_a_payload_nested_2000_levels_by_another_producer_fails_alone(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"ok.py": "import json, sys; json.load(open(sys.argv[1])); print('ok')"})
+    deep = "[" * 2000 + "]" * 2000  # valid jsonb, written with plain SQL: no enqueue() check on the way
+    sql("INSERT INTO fleetless.jobs (kind, payload, max_attempts, priority) VALUES ('ok', %s::jsonb, 1, 9)", deep)
+    queue.enqueue_many([("ok", {"i": i}) for i in range(4)])
+    summary = drain(queue, h).summary
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1 ORDER BY 1") == [("dead", 1), ("done", 4)]
+    (error,) = sql("SELECT last_error FROM fleetless.jobs WHERE status = 'dead'")[0]
+    assert "RecursionError" in str(error)  # the handler's own failure: the drain never parsed it
+    assert (summary.claimed, summary.done, summary.dead) == (5, 4, 1)
+
+
+def test_an_outcome_the_database_refuses_fails_that_job_alone_permanently(queue: Queue, handlers, sql) -> None:
+    sql("ALTER TABLE fleetless.jobs ADD CONSTRAINT no_poison CHECK (result NOT LIKE '%%poison%%')")
+    try:
+        h = handlers(**{"echo.py": "import json, sys; print(json.load(open(sys.argv[1]))['say'])"})
+        bad = queue.enqueue("echo", {"say": "poison"}, max_attempts=3)
+        queue.enqueue_many([("echo", {"say": f"fine {i}"}) for i in range(3)])
+        summary = drain(queue, h).summary
+        assert sql("SELECT status, attempts, last_error FROM fleetless.jobs WHERE id = %s", bad) == [
+            ("dead", 1, 'its outcome cannot be stored: database refused a value: new row for relation "jobs"'
+             ' violates check constraint "no_poison"')]
+        assert sql("SELECT status, count(*) FROM fleetless.jobs WHERE id <> %s GROUP BY 1", bad) == [("done", 3)]
+        assert (summary.done, summary.dead) == (3, 1)
+    finally:
+        sql("ALTER TABLE fleetless.jobs DROP CONSTRAINT no_poison")
+
+
+@pytest.fixture
+def odd_encoding_dsn(request: pytest.FixtureRequest) -> Iterator[str]:
+    name = f"fleetless_t_enc_{request.param.lower()}_{os.getpid()}"
+    with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}" ENCODING \'{request.param}\' TEMPLATE template0'
+                      " LC_COLLATE 'C' LC_CTYPE 'C'")
+    try:
+        yield _dsn_for(name)
+    finally:
+        with psycopg.connect(ADMIN_DSN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.mark.parametrize("odd_encoding_dsn", ["LATIN1", "SQL_ASCII"], indirect=True)
+def test_init_refuses_a_database_that_is_not_utf8_in_one_line(odd_encoding_dsn: str) -> None:
+    r = _fleetless("init", dsn=odd_encoding_dsn)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"fleetless: error: database encoding is {'SQL_ASCII' if 'sql_ascii' in odd_encoding_dsn else 'LATIN1'};"
+        " fleetless needs UTF8 (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"]
+    with psycopg.connect(odd_encoding_dsn) as c:  # and nothing was created
+        assert c.execute("SELECT count(*) FROM pg_namespace WHERE nspname = 'fleetless'").fetchone() == (0,)
+
+
+# -- a deploy swaps the handlers mid-drain ---------------------------------------------------------
+
+def _release(root: Path, name: str, *, with_kind: bool = True) -> Path:
+    folder = root / name
+    folder.mkdir()
+    folder.chmod(0o755)
+    (folder / "first.py").write_text(
+        "import json, os, sys, time\n"
+        "flag = json.load(open(sys.argv[1]))['until']\n"
+        "while not os.path.exists(flag):\n    time.sleep(0.05)\n"
+        f"print({name!r})\n")
+    if with_kind:
+        (folder / "later.py").write_text(f"print({name!r})\n")
+    return folder
+
+
+def _swap_while_first_runs(sql, root: Path, current: Path, new: Path) -> None:  # type: ignore[no-untyped-def]
+    wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE kind = 'first'") == [("running",)],
+             what="the first job running")
+    tmp = root / "current.new"
+    tmp.symlink_to(new)
+    tmp.replace(current)  # atomic, as deploy tools do it
+    for leftover in (root / "v1").iterdir():
+        leftover.unlink()
+    (root / "v1").rmdir()
+    (root / "go").touch()
+
+
+def test_a_deploy_that_swaps_the_handlers_symlink_mid_drain_is_followed(queue: Queue, sql, tmp_path: Path) -> None:
+    root = tmp_path / "app"
+    root.mkdir()
+    root.chmod(0o755)
+    current = root / "current"
+    current.symlink_to(_release(root, "v1"))
+    v2 = _release(root, "v2")
+    queue.enqueue("first", {"until": str(root / "go")}, priority=9)
+    queue.enqueue_many([("later", {})] * 3)
+    threading.Thread(target=_swap_while_first_runs, args=(sql, root, current, v2), daemon=True).start()
+    drain(queue, current, concurrency=1, batch=1)
+    assert sql("SELECT kind, status, result, count(*) FROM fleetless.jobs GROUP BY 1, 2, 3 ORDER BY 1") == [
+        ("first", "done", "v1\n", 1),
+        ("later", "done", "v2\n", 3)]
+
+
+def test_a_kind_whose_handler_vanishes_mid_drain_is_retried_not_dead(queue: Queue, sql, tmp_path: Path) -> None:
+    root = tmp_path / "app"
+    root.mkdir()
+    root.chmod(0o755)
+    current = root / "current"
+    current.symlink_to(_release(root, "v1"))
+    v2 = _release(root, "v2", with_kind=False)
+    queue.enqueue("first", {"until": str(root / "go")}, priority=9)
+    later = queue.enqueue("later", {})
+    threading.Thread(target=_swap_while_first_runs, args=(sql, root, current, v2), daemon=True).start()
+    drain(queue, current, concurrency=1, batch=1)
+    ((status, attempts, error),) = sql("SELECT status, attempts, last_error FROM fleetless.jobs WHERE id = %s", later)
+    assert (status, attempts) == ("pending", 1)
+    assert "no handler for kind 'later'" in str(error) and "it had one when the drain started" in str(error)
+
+
+# -- a sandbox that breaks every time ---------------------------------------------------------------
+
+def test_a_job_whose_sandbox_breaks_every_time_is_charged_after_a_bounded_number_of_releases(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless.sandbox import _workspace
+
+    def broken() -> Path:
+        raise OSError(28, "No space left on device")
+
+    h = handlers(**{"a.py": "print(1)"})
+    job = queue.enqueue("a", {}, max_attempts=2)
+    monkeypatch.setattr(_workspace, "create", broken)
+    rows = []
+    for _ in range(2 * MAX_RELEASES):
+        with pytest.raises(DrainError, match="sandbox error"):
+            drain(queue, h, concurrency=1, retry=RetryPolicy(0, 0))
+        rows.append(sql("SELECT status, attempts, releases FROM fleetless.jobs WHERE id = %s", job)[0])
+    # Released (uncharged) MAX_RELEASES - 1 times, then charged; after the second charge, dead.
+    assert rows[MAX_RELEASES - 2] == ("pending", 0, MAX_RELEASES - 1)
+    assert rows[MAX_RELEASES - 1] == ("pending", 1, 0)
+    assert rows[-1] == ("dead", 2, 0)
+    (error,) = sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", job)[0]
+    assert str(error).startswith(f"released {MAX_RELEASES} times in a row; charged as an attempt: sandbox error")
+
+
+# -- a reaper beside live drains ----------------------------------------------------------------------
+
+def test_a_reaper_in_a_tight_loop_beside_long_drains_never_takes_a_live_drainers_job(
+        dsn: str, queue: Queue, handlers, sql) -> None:
+    """The lease covers creating the sandbox, the whole timeout, the teardown and the outcome's
+    write, even with the least grace allowed: eight jobs that overrun their 2 s timeout, two
+    drains, and a reaper returning expired claims as fast as it can the whole time."""
+    h = handlers(**{"long.py": "import time; time.sleep(30)"})
+    queue.enqueue_many({"kind": "long", "payload": {}, "max_attempts": 1} for _ in range(8))
+    stop = threading.Event()
+    reaped: list[int] = []
+
+    def reaper() -> None:
+        q = Queue(dsn)
+        while not stop.is_set():
+            reaped.extend(q.reap())
+        q.close()
+
+    t = threading.Thread(target=reaper)
+    t.start()
+    try:
+        drains = [subprocess.Popen(
+            [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--concurrency", "2",
+             "--batch", "1", "--timeout", "2", "--lease-grace", "3"],
+            env={**os.environ, "DATABASE_URL": dsn}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)]
+        outs = [d.communicate(timeout=300) for d in drains]
+    finally:
+        stop.set()
+        t.join()
+    assert [d.returncode for d in drains] == [0, 0], outs
+    assert reaped == []
+    assert "fenced out" not in "".join(o for o, _ in outs)
+    rows = sql("SELECT status, attempts, last_error FROM fleetless.jobs")
+    assert len(rows) == 8 and all(r[0] == "dead" and r[1] == 1 for r in rows), rows
+    assert all(str(r[2]).startswith("killed: timeout after") for r in rows), rows
+
+
+def test_payload_json_reaches_the_handler_as_stored(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"raw.py": "import sys; print(open(sys.argv[1]).read())"})
+    job = queue.enqueue("raw", {"b": [1, 2.5, "é"], "a": None})
+    drain(queue, h)
+    (result,) = sql("SELECT result FROM fleetless.jobs WHERE id = %s", job)[0]
+    assert json.loads(str(result)) == {"a": None, "b": [1, 2.5, "é"]}
