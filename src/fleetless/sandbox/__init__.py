@@ -28,6 +28,7 @@ from typing import ClassVar
 
 __all__ = [
     "AUTO",
+    "OWN_DEADLINE_SLACK",
     "ExecResult",
     "Limits",
     "Sandbox",
@@ -39,6 +40,11 @@ __all__ = [
 ]
 
 MiB = 1024 * 1024
+#: Every tier also enforces an exec's timeout by itself, outside the drainer (the process tier's
+#: supervisor, bwrap's per-drainer watchdog, the microVM's guest), at most this much later than
+#: the drainer would: a drainer that is stopped (SIGSTOP, a frozen VM) cannot make a job outlive
+#: its lease, whose grace keeps more than this for the teardown.
+OWN_DEADLINE_SLACK = 0.5
 
 
 class SandboxUnavailable(RuntimeError):
@@ -157,7 +163,11 @@ class Sandbox(ABC):
 
     @abstractmethod
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
-        """Run ``argv`` with the workspace as cwd; never raises for the job's own failures."""
+        """Run ``argv`` with the workspace as cwd; never raises for the job's own failures.
+
+        The job is killed at ``timeout_seconds`` (or the TTL) even if the calling thread or the
+        whole drainer is stopped: the tier enforces it by itself, at most ``OWN_DEADLINE_SLACK``
+        later."""
 
     @abstractmethod
     def kill(self) -> None:

@@ -5,14 +5,16 @@ called setsid() and double-forked, is re-parented to it and can be found and kil
 with the drainer (parent-death signal), and then kills the job's whole tree and removes the
 workspace on its way out. It reports the job's wait status on a pipe (STATUS_FD) as one line,
 ``status N``; the drainer treats anything else there as the job's own failure (a job running as
-the drainer's uid can write into that pipe through /proc).
+the drainer's uid can write into that pipe through /proc). It also kills the job DEADLINE seconds
+after its start by itself, so a job never outlives its lease even when the drainer is stopped
+(SIGSTOP, a frozen VM) and cannot kill it at its timeout.
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
-    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT -- ARGV...
+    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE -- ARGV...
 where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"), CREDS is "UID:GID" for the job to run as
-(or "-": the supervisor's own), and WAIT is "wait" when the supervisor must first read one byte on
-its stdin (the drainer puts it into the job's cgroups meanwhile) or "-". The job gets this
-process's environment and working directory, and /dev/null as its stdin.
+(or "-": the supervisor's own), WAIT is "wait" when the supervisor must first read one byte on
+its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", and DEADLINE a number of
+seconds. The job gets this process's environment and working directory, and /dev/null as its stdin.
 """
 
 import ctypes
@@ -93,8 +95,8 @@ def _remove_workspace(workspace: str) -> None:
 
 
 def main() -> None:
-    status_fd, workspace, rlimits_arg, creds, wait, sep, *argv = sys.argv[1:]
-    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT -- ARGV..."
+    status_fd, workspace, rlimits_arg, creds, wait, deadline, sep, *argv = sys.argv[1:]
+    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE -- ARGV..."
     rlimits = [item.split("=") for item in rlimits_arg.split(",")] if rlimits_arg != "-" else []
     uid, gid = (int(x) for x in creds.split(":")) if creds != "-" else (-1, -1)
 
@@ -147,6 +149,15 @@ def main() -> None:
         except BaseException as exc:  # report an exec failure the shell's way
             os.write(2, f"fleetless: cannot run {argv[0]}: {exc}\n".encode())
             os._exit(127)
+
+    def overdue(signum: int, frame: object) -> None:  # the wait below then reports the kill
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGALRM, overdue)
+    signal.setitimer(signal.ITIMER_REAL, max(float(deadline), 0.001))
     while True:
         try:
             _, status = os.waitpid(pid, 0)

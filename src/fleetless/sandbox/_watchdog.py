@@ -1,5 +1,7 @@
 """One watchdog per drainer process: when the drainer dies, by any signal, kill and remove what its
-sandboxes left (per-job cgroups, their processes, workspaces).
+sandboxes left (per-job cgroups, their processes, workspaces). While the drainer lives, it also
+kills each job's cgroups at the job's deadline, so a job never outlives its lease even when the
+drainer is stopped (SIGSTOP, a frozen VM) and cannot kill it itself.
 
 The drainer holds the write end of a pipe whose read end is this process's stdin; the kernel closes
 it however the drainer ends, so EOF here means "the drainer is gone". Parent-death signals are not
@@ -7,25 +9,51 @@ enough on their own: the kernel clears them when a process changes credentials, 
 sandbox does (uid 65534), so a sandbox's pid 1 can outlive its monitor. The cgroups cannot.
 
     python -m fleetless.sandbox._watchdog DRAINER_PID
+
+The drainer writes one line per exec on the pipe: ``DEADLINE\tDIR\tDIR...\n``, DEADLINE in
+CLOCK_MONOTONIC seconds (the same clock in every process), the DIRs the job's cgroups. Groups
+already removed by then (the job ended) are skipped.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
+import select
 import sys
 import time
+from pathlib import Path
 
-from . import _workspace, bwrap
+from . import _workspace, bwrap, cgroups
+
+
+def _enforce(due: list[tuple[float, list[str]]]) -> None:
+    now = time.monotonic()
+    while due and due[0][0] <= now:
+        _, dirs = heapq.heappop(due)
+        live = [Path(d) for d in dirs if os.path.isdir(d)]
+        if live:
+            cgroups.kill_paths(live)
 
 
 def main() -> None:
     owner = int(sys.argv[1])
+    due: list[tuple[float, list[str]]] = []  # (deadline, cgroup dirs), a heap
+    pending = b""
     while True:
-        try:
-            if not os.read(0, 4096):
+        wait = max(due[0][0] - time.monotonic(), 0.0) if due else None
+        if select.select([0], [], [], wait)[0]:
+            data = os.read(0, 4096)
+            if not data:
                 break
-        except InterruptedError:
-            continue
+            *lines, pending = (pending + data).split(b"\n")
+            for line in lines:
+                try:
+                    when, *dirs = line.decode().split("\t")
+                    heapq.heappush(due, (float(when), dirs))
+                except ValueError:  # never let a bad line end the watchdog: it also cleans up
+                    continue
+        _enforce(due)
     deadline = time.monotonic() + 10
     while _workspace.pid_alive(owner) and time.monotonic() < deadline:
         time.sleep(0.01)

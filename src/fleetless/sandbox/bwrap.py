@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from . import (
+    OWN_DEADLINE_SLACK,
     ExecResult,
     Sandbox,
     SandboxUnavailable,
@@ -535,6 +536,17 @@ def _ensure_watchdog() -> None:
         _watchdog = (os.getpid(), write_end, proc)
 
 
+def _kill_at(deadline: float, cgroup: cgroups.JobCgroup | None) -> None:
+    """Have the watchdog kill the job's cgroups at ``deadline`` (CLOCK_MONOTONIC) by itself: the
+    job's own timeout then holds even when this drainer is stopped. Without cgroups there is no
+    group to kill from outside, and the drainer's own timer is all there is."""
+    if cgroup is None or not cgroup.dirs or _watchdog is None:
+        return
+    line = "\t".join([f"{deadline:.3f}", *map(str, cgroup.dirs)]) + "\n"
+    with contextlib.suppress(OSError):  # a dead watchdog: the drainer's timer still holds
+        os.write(_watchdog[1], line.encode())
+
+
 class BwrapSandbox(Sandbox):
     name: ClassVar[str] = "bwrap"
 
@@ -709,6 +721,7 @@ class BwrapSandbox(Sandbox):
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         if self._cgroup is not None:
             self._cgroup.mark()
+        _kill_at(started + budget + OWN_DEADLINE_SLACK, self._cgroup)
         try:
             proc.stdin.write(stdin)
             proc.stdin.close()

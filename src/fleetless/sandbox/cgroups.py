@@ -462,6 +462,18 @@ def _pids_of(dirs: list[Path]) -> set[int]:
     return out
 
 
+def kill_paths(dirs: list[Path]) -> None:
+    """SIGKILL every process in these groups, from a process other than the one that made them
+    (bwrap's watchdog at a job's deadline). Never raises."""
+    try:
+        for d in dirs:
+            if (d / "cgroup.kill").exists():
+                _write(d / "cgroup.kill", "1")
+        _kill_groups(dirs, None, None)  # what is left (v1 hierarchies, no cgroup.kill)
+    except OSError as exc:
+        log.debug("killing cgroups %s: %s", dirs, exc)
+
+
 def _kill_groups(dirs: list[Path], kill_dir: Path | None, how: str | None) -> None:
     if kill_dir is not None and how == "cgroup.kill":
         _write(kill_dir / "cgroup.kill", "1")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from . import (
+    OWN_DEADLINE_SLACK,
     ExecResult,
     Sandbox,
     SandboxUnavailable,
@@ -217,7 +218,8 @@ class ProcessSandbox(Sandbox):
             self._proc = proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
                  f"{self._lease.uid}:{self._lease.gid}" if self._lease is not None else "-",
-                 "wait" if cgroup is not None else "-", "--", *argv],
+                 "wait" if cgroup is not None else "-", f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}",
+                 "--", *argv],
                 stdin=subprocess.PIPE if cgroup is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
