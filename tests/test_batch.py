@@ -22,7 +22,7 @@ TIERS = ["process", "bwrap", "microvm"]
 
 
 def jobs(kind: str, payloads: list[object], timeout: int | None = None) -> list[Job]:
-    return [Job(id=i + 1, kind=kind, payload=p, attempts=1, max_attempts=3, claim_token=uuid.uuid4(),
+    return [Job(id=i + 1, kind=kind, payload_json=json.dumps(p), attempts=1, max_attempts=3, claim_token=uuid.uuid4(),
                 timeout_seconds=timeout) for i, p in enumerate(payloads)]
 
 
