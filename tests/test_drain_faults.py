@@ -268,3 +268,22 @@ def test_payload_json_reaches_the_handler_as_stored(queue: Queue, handlers, sql)
     drain(queue, h)
     (result,) = sql("SELECT result FROM fleetless.jobs WHERE id = %s", job)[0]
     assert json.loads(str(result)) == {"a": None, "b": [1, 2.5, "é"]}
+
+
+@pytest.mark.parametrize("path", ["release", "finish_many"])
+def test_releases_are_bounded_through_either_write_path(queue: Queue, sql, path: str) -> None:
+    from fleetless.job import Outcome
+
+    job_id = queue.enqueue("a", {}, max_attempts=1)
+    statuses = []
+    for _ in range(MAX_RELEASES):
+        (job,) = queue.claim(1)
+        if path == "release":
+            statuses.append(queue.release(job, "sandbox broke"))
+        else:
+            statuses.append(queue.finish_many([(job, Outcome("release", error="sandbox broke"))])[job.id])
+    assert [str(s) for s in statuses] == ["pending"] * (MAX_RELEASES - 1) + ["dead"]
+    assert sql("SELECT status, attempts, releases, last_error FROM fleetless.jobs WHERE id = %s", job_id) == [
+        ("dead", 1, 0, f"released {MAX_RELEASES} times in a row; charged as an attempt: sandbox broke")]
+    assert sql("SELECT outcome, count(*) FROM fleetless.job_attempts GROUP BY 1 ORDER BY 1") == [
+        ("dead", 1), ("released", MAX_RELEASES - 1)]
