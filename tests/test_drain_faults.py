@@ -15,27 +15,14 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from test_drainer import drain, private_workdir  # noqa: F401  (the autouse fixture, and the helper)
 
 from fleetless import Queue, RetryPolicy
-from fleetless.drainer import DrainConfig, Drainer, DrainError
+from fleetless.drainer import DrainError
 from fleetless.queue import MAX_RELEASES
 
 from conftest import ADMIN_DSN, _dsn_for, _fleetless
 from proctools import wait_for
-
-
-@pytest.fixture(autouse=True)
-def private_workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    work = tmp_path / "work"
-    monkeypatch.setenv("FLEETLESS_WORKDIR", str(work))
-    return work
-
-
-def drain(queue: Queue, handlers_dir: Path, **options: object) -> Drainer:
-    options.setdefault("concurrency", 2)
-    drainer = Drainer(queue, DrainConfig(handlers_dir=handlers_dir, **options))  # type: ignore[arg-type]
-    drainer.run()
-    return drainer
 
 
 def _cli_drain(dsn: str, h: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -148,6 +135,7 @@ def _release(root: Path, name: str, *, with_kind: bool = True) -> Path:
     (folder / "first.py").write_text(
         "import json, os, sys, time\n"
         "flag = json.load(open(sys.argv[1]))['until']\n"
+        "open(flag + '.started', 'w').close()\n"
         "while not os.path.exists(flag):\n    time.sleep(0.05)\n"
         f"print({name!r})\n")
     if with_kind:
@@ -155,45 +143,43 @@ def _release(root: Path, name: str, *, with_kind: bool = True) -> Path:
     return folder
 
 
-def _swap_while_first_runs(sql, root: Path, current: Path, new: Path) -> None:  # type: ignore[no-untyped-def]
-    wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE kind = 'first'") == [("running",)],
-             what="the first job running")
+def _swap_while_first_runs(root: Path, current: Path, new: Path) -> None:
+    wait_for(lambda: (root / "signals" / "go.started").exists(), what="the first job's handler running")
     tmp = root / "current.new"
     tmp.symlink_to(new)
     tmp.replace(current)  # atomic, as deploy tools do it
     for leftover in (root / "v1").iterdir():
         leftover.unlink()
     (root / "v1").rmdir()
-    (root / "go").touch()
+    (root / "signals" / "go").touch()
 
 
-def test_a_deploy_that_swaps_the_handlers_symlink_mid_drain_is_followed(queue: Queue, sql, tmp_path: Path) -> None:
+def _drain_across_a_deploy(queue: Queue, sql, tmp_path: Path, *, v2_has_later: bool) -> None:  # type: ignore[no-untyped-def]
+    """handlers/current -> v1; the first job runs; the deploy points current at v2 and deletes v1."""
     root = tmp_path / "app"
     root.mkdir()
     root.chmod(0o755)
     current = root / "current"
     current.symlink_to(_release(root, "v1"))
-    v2 = _release(root, "v2")
-    queue.enqueue("first", {"until": str(root / "go")}, priority=9)
-    queue.enqueue_many([("later", {})] * 3)
-    threading.Thread(target=_swap_while_first_runs, args=(sql, root, current, v2), daemon=True).start()
+    v2 = _release(root, "v2", with_kind=v2_has_later)
+    (root / "signals").mkdir()
+    (root / "signals").chmod(0o777)  # the job may run as another uid (a root drainer's process tier)
+    queue.enqueue("first", {"until": str(root / "signals" / "go")}, priority=9)
+    threading.Thread(target=_swap_while_first_runs, args=(root, current, v2), daemon=True).start()
     drain(queue, current, concurrency=1, batch=1)
+
+
+def test_a_deploy_that_swaps_the_handlers_symlink_mid_drain_is_followed(queue: Queue, sql, tmp_path: Path) -> None:
+    queue.enqueue_many([("later", {})] * 3)
+    _drain_across_a_deploy(queue, sql, tmp_path, v2_has_later=True)
     assert sql("SELECT kind, status, result, count(*) FROM fleetless.jobs GROUP BY 1, 2, 3 ORDER BY 1") == [
         ("first", "done", "v1\n", 1),
         ("later", "done", "v2\n", 3)]
 
 
 def test_a_kind_whose_handler_vanishes_mid_drain_is_retried_not_dead(queue: Queue, sql, tmp_path: Path) -> None:
-    root = tmp_path / "app"
-    root.mkdir()
-    root.chmod(0o755)
-    current = root / "current"
-    current.symlink_to(_release(root, "v1"))
-    v2 = _release(root, "v2", with_kind=False)
-    queue.enqueue("first", {"until": str(root / "go")}, priority=9)
     later = queue.enqueue("later", {})
-    threading.Thread(target=_swap_while_first_runs, args=(sql, root, current, v2), daemon=True).start()
-    drain(queue, current, concurrency=1, batch=1)
+    _drain_across_a_deploy(queue, sql, tmp_path, v2_has_later=False)
     ((status, attempts, error),) = sql("SELECT status, attempts, last_error FROM fleetless.jobs WHERE id = %s", later)
     assert (status, attempts) == ("pending", 1)
     assert "no handler for kind 'later'" in str(error) and "it had one when the drain started" in str(error)
