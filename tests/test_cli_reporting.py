@@ -85,9 +85,9 @@ def test_the_live_view_shows_counts_and_each_running_jobs_kind() -> None:
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100, color_system=None)
     live = LiveReporter(console, tier="bwrap")
-    job = Job(id=7, kind="render-invoice", payload={}, attempts=1, max_attempts=3, claim_token=None)  # type: ignore[arg-type]
+    job = Job(id=7, kind="render-invoice", payload_json="{}", attempts=1, max_attempts=3, claim_token=None)  # type: ignore[arg-type]
     live.claimed(job)
-    live.claimed(Job(id=8, kind="thumbnail", payload={}, attempts=1, max_attempts=3, claim_token=None))  # type: ignore[arg-type]
+    live.claimed(Job(id=8, kind="thumbnail", payload_json="{}", attempts=1, max_attempts=3, claim_token=None))  # type: ignore[arg-type]
     live.finished(JobFinished(id=8, kind="thumbnail", queue="default", attempt=1, outcome="dead",
                               duration=0.5, tier="bwrap", error_head="exit code 1: \x1b[2Jboom"))
     snapshot = io.StringIO()
