@@ -33,24 +33,6 @@ def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: 
     assert (summary.claimed, summary.done, summary.fenced_out) == (5, 5, 0)
 
 
-@pytest.mark.parametrize(("marker", "source", "status", "counted"), [
-    (COMPLETE, "print('ok')", "done", "done"),
-    (FAIL, "import sys; sys.exit(1)", "pending", "retried"),
-])
-def test_a_finish_whose_reply_is_lost_is_recognised_as_the_drainers_own(
-        dsn: str, queue: Queue, handlers, sql, marker: bytes, source: str, status: str, counted: str) -> None:
-    h = handlers(**{"job.py": source})
-    queue.enqueue("job", {})
-    with pg_proxy(dsn) as proxy:
-        proxy.drop_reply_to(marker)
-        through = Queue(proxy.dsn)
-        summary = Drainer(through, DrainConfig(handlers_dir=h, concurrency=1)).run()
-        through.close()
-    assert proxy.dropped == [marker]
-    assert sql("SELECT status, attempts FROM fleetless.jobs") == [(status, 1)]
-    assert getattr(summary, counted) == 1 and summary.fenced_out == 0, summary
-
-
 def test_every_fenced_write_retried_after_a_lost_reply_reports_its_own_outcome(dsn: str, queue: Queue,
                                                                                 sql) -> None:
     for _ in range(3):
