@@ -17,7 +17,7 @@ from pathlib import Path
 from .job import validate_kind
 from .sandbox import Sandbox, Template
 
-__all__ = ["Handler", "HandlersDirError", "check_dir", "kinds", "resolve", "unrunnable"]
+__all__ = ["Handler", "HandlersDirError", "check_dir", "resolve", "unrunnable"]
 
 
 class HandlersDirError(RuntimeError):
@@ -63,18 +63,6 @@ def check_dir(handlers_dir: Path) -> Path:
         raise HandlersDirError(f"handlers directory {handlers_dir} is not readable")
     return Path(os.path.abspath(handlers_dir))
 
-
-def kinds(handlers_dir: Path) -> frozenset[str]:
-    """The kinds that have a handler in the directory now."""
-    found = set()
-    for entry in handlers_dir.iterdir():
-        kind = entry.name.removesuffix(".py")
-        try:
-            if resolve(handlers_dir, kind) is not None:
-                found.add(kind)
-        except ValueError:  # not a kind name: not a handler
-            pass
-    return frozenset(found)
 
 
 def resolve(handlers_dir: Path, kind: str) -> Handler | None:
