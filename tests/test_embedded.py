@@ -221,10 +221,11 @@ def test_root_with_private_package_dir(
     fake = embedded._Install(private / real.root.relative_to(site))
     monkeypatch.setattr(embedded, "_find_install", lambda: fake)
 
-    parent = Path(tempfile.mkdtemp()) if public_parent else tmp_path
+    # the parent comes from tempfile, not tmp_path: root test sessions make tmp_path reachable by
+    # every uid (the sandboxes' job uids need it), which would make the "private" case public
+    parent = Path(tempfile.mkdtemp())
     try:
-        if public_parent:
-            parent.chmod(0o755)
+        parent.chmod(0o755 if public_parent else 0o700)
         pg = EmbeddedPostgres(parent / "pg")
         with pg as dsn, psycopg.connect(dsn) as conn:
             assert conn.execute("SELECT 1").fetchone() == (1,)
@@ -238,5 +239,4 @@ def test_root_with_private_package_dir(
             assert not exe.exists()  # a per-run copy in /tmp, removed at stop
         assert postgres_pids(parent / "pg") == []
     finally:
-        if public_parent:
-            shutil.rmtree(parent)
+        shutil.rmtree(parent)
