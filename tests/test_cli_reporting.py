@@ -24,7 +24,7 @@ def test_verbose_drain_logs_one_line_per_finished_job(dsn: str, queue: Queue, fl
     h = handlers(**HANDLERS)
     ok, bad = queue.enqueue("ok", {}), queue.enqueue("bad", {}, max_attempts=1)
     quiet = fleetless("drain", "--handlers", str(h), dsn=dsn)
-    assert quiet.returncode == 0 and "job " not in quiet.stderr, quiet.stderr  # quiet without -v
+    assert quiet.returncode == 0 and "fleetless: job " not in quiet.stderr, quiet.stderr  # quiet without -v
     ok2, bad2 = queue.enqueue("ok", {}), queue.enqueue("bad", {}, max_attempts=1)
     r = fleetless("-v", "drain", "--handlers", str(h), dsn=dsn)
     assert r.returncode == 0, r.stderr

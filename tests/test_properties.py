@@ -442,7 +442,7 @@ def test_a_handler_writing_1_gib_to_stderr_fails_with_its_tail_and_flat_drainer_
     assert max_rss_mib < 200
     ((status_, error),) = sql("SELECT status, last_error FROM fleetless.jobs")
     assert status_ == "dead" and len(str(error)) == 2000
-    assert str(error).startswith("exit code 4: the real cause\n")
+    assert str(error).startswith("exit code 4: noisthe real cause\n")  # the last line stderr said
     assert str(error).endswith("noise\nnoisthe real cause")  # 2**30 % 6 = 4
 
 

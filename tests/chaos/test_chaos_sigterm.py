@@ -46,7 +46,9 @@ def test_sigterm_to_three_busy_drainers_finishes_or_returns_every_job_and_exits_
         d.proc.send_signal(signal.SIGTERM)
     for d in drains:
         assert d.wait(timeout=30) == 0, d.stderr
-        assert d.stderr.strip().splitlines() == ["fleetless: SIGTERM: stopping; running jobs get 1 s"], d.stderr
+        # (a root drainer whose own interpreter its job uids cannot reach says once which one it uses)
+        said = [ln for ln in d.stderr.strip().splitlines() if not ln.startswith("fleetless: handlers run under")]
+        assert said == ["fleetless: SIGTERM: stopping; running jobs get 1 s"], d.stderr
     # Nothing held (a released row keeps its last token: a retried release recognises its own write).
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'running' OR locked_at IS NOT NULL"
                " OR lease_expires_at IS NOT NULL") == [(0,)]
