@@ -141,8 +141,8 @@ def running(cluster: Cluster) -> dict[int, object]:
 
 def test_a_cut_off_hosts_jobs_are_rerun_elsewhere_after_the_lease_and_its_late_outcomes_fenced_out(
         site: Site, cluster: Cluster) -> None:
-    # Leases of 9 s: a job's timeout (8 s; the jobs take 2) plus 1 s of grace.
-    lease = ("--timeout", "8", "--lease-grace", "1", "--concurrency", "2", "--batch", "2")
+    # Leases of 9 s: a job's timeout (6 s; the jobs take 2) plus the least grace a drain accepts (3 s).
+    lease = ("--timeout", "6", "--lease-grace", "3", "--concurrency", "2", "--batch", "2")
     ids = cluster.local.enqueue_many([{"kind": "long", "payload": {"seconds": 2}}] * 6)
     h1 = cluster.drain("h1", *lease)
     cut_off = wait_for(lambda: len(running(cluster)) == 2 and running(cluster), timeout=60,
