@@ -16,7 +16,7 @@ from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import Limits
 
-from proctools import pids_with
+from proctools import pids_with, wait_for
 
 TIERS = ["process", "bwrap", "microvm"]
 
@@ -89,7 +89,9 @@ def test_sigkill_of_a_bwrap_drainer_leaves_no_process_and_the_next_drain_sweeps_
     while pids_with("sleeper.py") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pids_with("sleeper.py") == []
-    time.sleep(3)  # the lease: timeout 3 s + grace 0
+    # the next drain reaps the claim once its lease (timeout 3 s + grace 3 s) has run out
+    wait_for(lambda: sql("SELECT lease_expires_at < now() FROM fleetless.jobs") == [(True,)], timeout=60,
+             what="the killed drainer's lease to run out")
     again = subprocess.run([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
                             "--sandbox", "bwrap"], env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
