@@ -255,7 +255,12 @@ def test_a_watcher_rides_out_a_lost_connection(queue: Queue, handlers, sql: SQL,
     sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = current_database()"
         " AND pid <> pg_backend_pid()")  # every connection of the drainer goes
     wait_for(lambda: sql(LISTENING) == [(1,)], what="the watcher to listen again")
-    job = queue.enqueue("mod", {"n": 7})
+    # the app enqueues on a connection of its own (the drainer's Queue may still be reconnecting)
+    producer = Queue(dsn)
+    try:
+        job = producer.enqueue("mod", {"n": 7})
+    finally:
+        producer.close()
     wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)],
              what="the job enqueued after the reconnect")
     drainer.stop(grace=0)
