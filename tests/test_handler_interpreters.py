@@ -241,3 +241,58 @@ def test_a_root_drainer_whose_interpreter_jobs_cannot_reach_says_so_and_uses_the
         assert sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", job) == [("done", "/usr/bin/python3\n")]
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes files of another owner and drains as another user")
+@pytest.mark.parametrize("user", [None, 65534], ids=["root-drainer", "nonroot-drainer"])
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_an_interpreter_the_jobs_uid_cannot_execute_is_not_claimed_and_spends_no_attempt(
+        tier: str, user: int | None, dsn: str, queue: Queue, sql, require_tier) -> None:
+    """An interpreter that exists but that the job's uid may not execute (root's, mode 0700: a root
+    drainer's jobs are unprivileged uids, a non-root drainer's its own uid): its kinds are not
+    claimed, one line each naming the kind and the interpreter; nothing is charged. Before, a root
+    drainer (whose own access check passes) claimed them and every job failed with exit code 127."""
+    require_tier(tier)
+    base = Path(tempfile.mkdtemp(prefix="fleetless-noexec-"))
+    try:
+        base.chmod(0o755)
+        (base / "bin").mkdir(mode=0o755)
+        python, sh = base / "bin" / "python3", base / "bin" / "sh"
+        shutil.copy2(os.path.realpath("/usr/bin/python3"), python)
+        shutil.copy2(os.path.realpath("/bin/sh"), sh)
+        python.chmod(0o700)
+        sh.chmod(0o700)
+        h = base / "handlers"
+        h.mkdir(mode=0o755)
+        (h / "viapy.py").write_text("print('never')\n")
+        (h / "viash").write_text(f"#!{sh}\necho never\n")
+        (h / "fine").write_text("#!/bin/sh\necho fine\n")
+        for f, mode in (("viapy.py", 0o644), ("viash", 0o755), ("fine", 0o755)):
+            (h / f).chmod(mode)
+        ids = {kind: queue.enqueue(kind, {}, max_attempts=1) for kind in ("viapy", "viash", "fine")}
+        work = base / "work"
+        work.mkdir(mode=0o711)
+        if user is not None:
+            os.chown(work, user, user)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn,
+               "FLEETLESS_WORKDIR": str(work), "PYTHONPATH": ":".join(
+                   [str(Path(fleetless.__file__).resolve().parent.parent),
+                    *(p for p in sys.path if p.endswith("site-packages"))])}
+        creds: dict[str, object] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+        kinds_toml = h / "fleetless.toml"  # .py handlers of kind viapy run under the 0700 copy
+        kinds_toml.write_text(f'[kinds.viapy]\ninterpreter = "{python}"\n')
+        kinds_toml.chmod(0o644)
+        r = subprocess.run(["/usr/bin/python3", "-m", "fleetless.cli", "drain", "--handlers", str(h),
+                            "--sandbox", tier], env=env, text=True, capture_output=True, timeout=300,
+                           cwd=str(base), **creds)  # type: ignore[call-overload]
+        assert r.returncode == 0, r.stderr
+        rows = {kind: sql("SELECT status, attempts FROM fleetless.jobs WHERE id = %s", i)[0] for kind, i in ids.items()}
+        assert rows == {"viapy": ("pending", 0), "viash": ("pending", 0), "fine": ("done", 1)}, (rows, r.stderr)
+        lines = [line for line in r.stderr.splitlines() if "not claiming" in line]
+        assert sorted(lines) == sorted([
+            f"fleetless: not claiming kind 'viapy': its interpreter {python} (for .py handlers) exists but the "
+            f"job's uid cannot execute it (mode 0700, owner uid 0)",
+            f"fleetless: not claiming kind 'viash': its interpreter {sh} (#!{sh}) exists but the job's uid "
+            f"cannot execute it (mode 0700, owner uid 0)"]), r.stderr
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -118,10 +119,34 @@ def _find(backend: type[Sandbox], template: Template, program: str) -> str | Non
     return None
 
 
+def _not_executable(backend: type[Sandbox], template: Template, program: str) -> str | None:
+    """Why the job's uid cannot execute ``program`` (a path, or a name on the job's PATH) although
+    it is there, on a tier whose jobs run the host's files: a root drainer's jobs run as
+    unprivileged uids that own nothing, so they need the "others" execute bit (on the file a
+    symlink ends at); a non-root drainer's jobs are its own uid. None when it can, or is not there."""
+    if not backend.runs_host_programs:
+        return None
+    path = program if "/" in program else shutil.which(program, path=template.env.get("PATH", os.defpath))
+    if path is None or not os.path.isfile(path):
+        return None
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return None
+    if (st.st_mode & 0o001) if os.geteuid() == 0 else os.access(real, os.X_OK):
+        return None
+    owner = f"owner uid {st.st_uid}" + (f", {real}" if real != path else "")
+    return f"exists but the job's uid cannot execute it (mode {st.st_mode & 0o7777:04o}, {owner})"
+
+
 def _why_not(handler: Handler, handlers_dir: Path, backend: type[Sandbox], template: Template) -> str | None:
     where = f"in the {backend.name} sandbox"
     if handler.python:
         python = backend.handler_python(template)
+        denied = _not_executable(backend, template, python)
+        if denied is not None:
+            return f"its interpreter {python} (for .py handlers) {denied}"
         if _find(backend, template, python) is None:
             return f"its interpreter {python} (for .py handlers) does not exist {where}"
         return None
@@ -133,10 +158,16 @@ def _why_not(handler: Handler, handlers_dir: Path, backend: type[Sandbox], templ
         return None
     if not interpreter.startswith("/"):
         return f"its #! line names {interpreter!r}, not an absolute path"
+    denied = _not_executable(backend, template, interpreter)
+    if denied is not None:
+        return f"its interpreter {interpreter} (#!{interpreter}{' ' + arg if arg else ''}) {denied}"
     if not backend.has_program(template, interpreter):
         return f"its interpreter {interpreter} (#!{interpreter}{' ' + arg if arg else ''}) does not exist {where}"
     if os.path.basename(interpreter) == "env":
         words = [w for w in arg.split() if not w.startswith("-") and "=" not in w]
+        denied = _not_executable(backend, template, words[0]) if words else None
+        if denied is not None:
+            return f"its interpreter {words[0]} (#!{interpreter} {arg}) {denied}"
         if words and _find(backend, template, words[0]) is None:
             path = template.env.get("PATH", os.defpath)
             return f"its interpreter {words[0]} (#!{interpreter} {arg}) is not on PATH {path} {where}"
@@ -157,5 +188,6 @@ def unrunnable(handlers_dir: Path, backend: type[Sandbox], template: Template,
         reason = _why_not(handler, handlers_dir, backend, kind_template)
         if reason is not None:
             hint = backend.missing_program_hint
-            out[handler.kind] = reason + (f" ({hint})" if hint and "not a program" not in reason else "")
+            plain = "not a program" in reason or "cannot execute" in reason
+            out[handler.kind] = reason + (f" ({hint})" if hint and not plain else "")
     return out

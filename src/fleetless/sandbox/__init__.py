@@ -129,6 +129,8 @@ class Sandbox(ABC):
         before a drain claims anything, so an operator's mistake spends no job's attempts)."""
         return None
 
+    #: Whether jobs run the host's own files (process, bwrap), whose permissions then apply to them.
+    runs_host_programs: ClassVar[bool] = False
     #: How to add a program this tier lacks, said when a kind is not claimed for want of one.
     missing_program_hint: ClassVar[str] = ""
 

@@ -286,8 +286,8 @@ def _require_job_paths(python: str) -> None:
     if key in _checked_paths:
         return
     _require_reachable(key[0], "the work directory (FLEETLESS_WORKDIR)", readable=False)
-    for path in interpreter_paths(python):
-        _require_reachable(path, "the handler interpreter's")
+    for path in interpreter_paths(python):  # a file the job cannot execute: that kind is not claimed
+        _require_reachable(path, "the handler interpreter's", readable=not os.path.isfile(path))
     _checked_paths.add(key)
 
 
@@ -549,6 +549,7 @@ def _kill_at(deadline: float, cgroup: cgroups.JobCgroup | None) -> None:
 
 class BwrapSandbox(Sandbox):
     name: ClassVar[str] = "bwrap"
+    runs_host_programs: ClassVar[bool] = True
 
     workspace_path = WORKSPACE
     handlers_path = HANDLERS

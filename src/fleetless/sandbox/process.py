@@ -116,6 +116,7 @@ def parse_status(raw: bytes) -> int | None:
 
 class ProcessSandbox(Sandbox):
     name: ClassVar[str] = "process"
+    runs_host_programs: ClassVar[bool] = True
 
     def __init__(self, template: Template, ttl_seconds: float) -> None:
         self._template = template
@@ -168,7 +169,8 @@ class ProcessSandbox(Sandbox):
             default_python()
             return
         path = template.env.get("PATH", os.defpath)
-        if shutil.which(python, path=path) is None:
+        if shutil.which(python, path=path) is None and not ("/" in python and os.path.isfile(python)):
+            # (one that exists but the job's uid cannot execute: its kinds are not claimed, said per kind)
             raise SandboxUnavailable(
                 f"cannot use {python} as the handler interpreter: no executable file by that name"
                 + ("" if "/" in python else f" on PATH {path}"))
