@@ -137,3 +137,38 @@ def test_a_drain_on_a_terminal_shows_live_progress(dsn: str, queue: Queue, handl
     assert "claimed" in text and "running" in text and "jobs/min" in text, text  # the live view
     assert "(bad) attempt 1: dead in" in text and HEAD in text  # failed jobs printed above it
     assert out.decode().startswith("drained: claimed 2, done 1, retried 0, dead 1")
+
+
+def test_jobs_and_show_cannot_let_job_output_drive_the_terminal(dsn: str, queue: Queue, fleetless: Any) -> None:
+    evil = "\x1b]0;pwned\x07\x1b[2J\rexit code 1: ValueError: \x1b[31mred\x1b[0m"
+    queue.enqueue("bad", {"note": "\x1b[5mblink"}, max_attempts=1)
+    (job,) = queue.claim(1)
+    queue.fail(job, evil + "\nTraceback …", delay=0, result="partial \x1b]52;c;cHduZWQ=\x07 output")
+    listed = fleetless("jobs", dsn=dsn).stdout
+    shown = fleetless("show", str(job.id), dsn=dsn).stdout
+    for text in (listed, shown):
+        assert "\x1b" not in text and "\x07" not in text and "\r" not in text, repr(text)
+    assert "\\x1b]0;pwned\\x07\\x1b[2J\\x0dexit code 1: ValueError:" in listed
+    assert "partial \\x1b]52;c;cHduZWQ=\\x07 output" in shown and "\\u001b[5mblink" in shown
+
+
+def test_the_reaper_logs_json_objects_too(dsn: str, queue: Queue, fleetless: Any, sql: Any) -> None:
+    job_id = queue.enqueue("report", {})
+    queue.claim(1)
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 second'")
+    r = fleetless("--log-format", "json", "reap", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    (event,) = [json.loads(line) for line in r.stderr.splitlines()]
+    assert event["level"] == "warning" and event["message"] == f"reaped job {job_id}: claim expired, now pending"
+
+
+def test_doctor_answers_json(fleetless: Any) -> None:
+    from fleetless.sandbox import available_backends
+
+    r = fleetless("doctor", "--json", timeout=600)  # probes every tier, the microVM under TCG too
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["python"] and report["python_startup_ms"] > 0
+    assert [t["name"] for t in report["tiers"]] == list(available_backends())
+    assert all(isinstance(t["ok"], bool) and isinstance(t["detail"], str) for t in report["tiers"])
+    assert any(t["ok"] for t in report["tiers"] if t["name"] == "process")

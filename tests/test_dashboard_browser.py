@@ -117,6 +117,7 @@ def test_retry_a_dead_job_from_the_browser_with_the_token(queue: Queue, sql: Any
     assert page.inner_text("#count-done b") == "3"
     assert "drain-host-1:4242" in page.inner_text("#running") and "bwrap" in page.inner_text("#running")
     assert page.locator("#per-minute").count() == 1
+    assert (page.inner_text("#attempts-done"), page.inner_text("#attempts-failed")) == ("3", "1")
     page.screenshot(path=str(screenshots / "overview.png"), full_page=True)
 
     page.click("#count-dead")

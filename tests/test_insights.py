@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.events import JobFinished, NullReporter
@@ -20,6 +22,7 @@ from fleetless.insights import (
     size,
 )
 from fleetless.job import Job
+from fleetless.queue import JobNotFound
 
 TRACEBACK = """Traceback (most recent call last):
   File "/tmp/fleetless-ws-1/handlers/invoice.py", line 9, in <module>
@@ -88,14 +91,56 @@ def test_overview_counts_running_and_per_minute_from_the_table(queue: Queue, sql
     o = Insights(queue).overview(hours=1)
     assert o.total == 5
     assert o.by_status == {"pending": 2, "running": 1, "done": 1, "dead": 1, "cancelled": 0}
-    assert o.by_queue == {"mail": {"pending": 2}, "default": {"running": 1}}  # live jobs by queue
-    assert o.by_kind["b"] == {"pending": 2}
-    (running,) = o.running
+    assert dict(o.by_queue.rows) == {"mail": {"pending": 2}, "default": {"running": 1}}  # live jobs by queue
+    assert dict(o.by_kind.rows)["b"] == {"pending": 2}
+    (running,) = o.running.rows
     assert (running["id"], running["claimed_by"], running["tier"]) == (job.id, "host-1:42", "bwrap")
     assert 89 <= running["elapsed_seconds"] < 600
     assert len(o.per_minute) == 60
     assert sum(m["done"] for m in o.per_minute) == 1 and sum(m["failed"] for m in o.per_minute) == 1
     assert o.oldest_due_age_seconds is not None and o.oldest_due_age_seconds >= 0
+
+
+def test_the_per_minute_chart_counts_attempts_so_each_retry_is_a_failure(queue: Queue, sql: Any) -> None:
+    flaky = queue.enqueue("flaky", {}, max_attempts=3)
+    for _ in range(3):  # fails each time: retried, retried, then dead
+        (job,) = queue.claim(1)
+        queue.fail(job, "exit code 1: boom", delay=0)
+    queue.enqueue("ok", {})
+    queue.complete(queue.claim(1)[0])
+    released = queue.enqueue("released", {})
+    queue.release(queue.claim(1)[0], "drainer stopping")  # given back: neither done nor failed
+    assert [a["outcome"] for a in queue.attempts(flaky)] == ["retry", "retry", "dead"]
+    assert sql("SELECT count(*) FROM fleetless.job_attempts WHERE job_id = %s", released) == [(1,)]
+    minutes = Insights(queue).per_minute(hours=1)
+    assert (sum(m["done"] for m in minutes), sum(m["failed"] for m in minutes)) == (1, 3)
+    # Attempts that ended before the window are not counted, whatever their jobs' rows say.
+    sql("UPDATE fleetless.job_attempts SET finished_at = now() - interval '2 hours' WHERE job_id = %s", flaky)
+    minutes = Insights(queue).per_minute(hours=1)
+    assert (sum(m["done"] for m in minutes), sum(m["failed"] for m in minutes)) == (1, 0)
+
+
+def test_long_lists_are_read_a_page_at_a_time(queue: Queue, sql: Any) -> None:
+    queue.enqueue_many([{"kind": f"kind-{i:03}", "payload": {}, "queue": f"queue-{i:03}"} for i in range(7)])
+    running = queue.claim(5)
+    one = running[0].id
+    sql("INSERT INTO fleetless.job_attempts (job_id, attempt, outcome) SELECT %s, n, 'released' "
+        "FROM generate_series(1, 7) AS n", one)
+    insights = Insights(queue)
+    o = insights.overview(size=3, kinds_page=3, queues_page=2, running_page=2)
+    assert [name for name, _ in o.by_kind.rows] == ["kind-006"] and not o.by_kind.more
+    assert [name for name, _ in o.by_queue.rows] == ["queue-003", "queue-004", "queue-005"] and o.by_queue.more
+    assert len(o.running.rows) == 2 and not o.running.more
+    assert [r["id"] for r in insights.running(1, 3).rows + insights.running(2, 3).rows] == [j.id for j in running]
+    pages = [insights.attempts_page(one, n, 3) for n in (1, 2, 3)]
+    assert [[a["attempt"] for a in p.rows] for p in pages] == [[1, 2, 3], [4, 5, 6], [7]]
+    assert [p.more for p in pages] == [True, True, False]
+    assert insights.attempts_page(running[1].id).rows == []
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="numbered from 1"):
+            insights.running(bad)
+    with pytest.raises(JobNotFound):
+        insights.attempts_page(10**9)
 
 
 def test_metrics_count_every_ended_attempt_by_kind_even_after_pruning(queue: Queue, sql: Any) -> None:

@@ -166,3 +166,149 @@ def test_a_running_job_can_be_cancelled_from_the_dashboard(queue: Queue, sql: An
     r = client.post(f"/jobs/{job_id}/cancel", headers={"Authorization": f"Bearer {TOKEN}"})
     assert r.status_code == 200 and r.json()["status"] == "running"  # marked: its drainer kills it
     assert sql("SELECT cancel_requested_at IS NOT NULL FROM fleetless.jobs WHERE id = %s", job_id) == [(True,)]
+
+
+def _links(page: str, ident: str) -> str | None:
+    found = re.search(rf'id="{ident}" href="([^"]+)"', page)
+    return found.group(1).replace("&amp;", "&") if found else None
+
+
+def _first_cells(page: str, table_id: str) -> list[str]:
+    table = re.search(rf'<table id="{table_id}">.*?</table>', page, re.S)
+    assert table is not None, table_id
+    return re.findall(r"<tr><td[^>]*>(?:<a [^>]*>)?([^<]*)", table.group(0))
+
+
+def test_every_long_list_on_the_overview_is_paged(queue: Queue) -> None:
+    queue.enqueue_many([{"kind": f"kind-{i:03}", "payload": {}, "queue": f"queue-{i:03}"} for i in range(120)])
+    client = TestClient(create_app(queue))  # the default page size: 50
+    first = client.get("/").text
+    assert _first_cells(first, "by-kind") == [f"kind-{i:03}" for i in range(50)]
+    assert _first_cells(first, "by-queue") == [f"queue-{i:03}" for i in range(50)]
+    assert _links(first, "by-kind-prev") is None
+    second_href = _links(first, "by-kind-next")
+    assert second_href is not None
+    second = client.get(second_href).text
+    assert _first_cells(second, "by-kind") == [f"kind-{i:03}" for i in range(50, 100)]
+    assert _first_cells(second, "by-queue") == [f"queue-{i:03}" for i in range(50)]  # its own page parameter
+    third_href = _links(second, "by-kind-next")
+    assert third_href is not None
+    third = client.get(third_href).text
+    assert _first_cells(third, "by-kind") == [f"kind-{i:03}" for i in range(100, 120)]
+    assert _links(third, "by-kind-next") is None and _links(third, "by-kind-prev") is not None
+    last_queues = client.get("/?queues_page=3").text
+    assert _first_cells(last_queues, "by-queue") == [f"queue-{i:03}" for i in range(100, 120)]
+
+    running = queue.claim(7)
+    small = TestClient(create_app(queue, page_size=3))
+    pages = [small.get(f"/?running_page={n}").text for n in (1, 2, 3)]
+    shown = [int(i) for p in pages for i in _first_cells(p, "running")]
+    assert shown == [j.id for j in running]
+    assert _links(pages[0], "running-next") == "/?running_page=2" and _links(pages[2], "running-next") is None
+    for bad in ("x", "0"):
+        assert client.get(f"/?running_page={bad}").status_code == 400
+
+
+def test_a_jobs_attempts_are_paged(queue: Queue, sql: Any) -> None:
+    job_id = queue.enqueue("flaky", {}, max_attempts=100)
+    for _ in range(7):
+        (job,) = queue.claim(1)
+        queue.fail(job, f"exit code 1: failure of attempt {job.attempts}", delay=0)
+    client = TestClient(create_app(queue, page_size=3))
+    first = client.get(f"/jobs/{job_id}").text
+    assert _first_cells(first, "attempts") == ["1", "2", "3"]
+    assert "failure of attempt 1" in first and "failure of attempt 4" not in first
+    nxt = _links(first, "attempts-next")
+    assert nxt == f"/jobs/{job_id}?attempts_page=2"
+    assert _first_cells(client.get(nxt).text, "attempts") == ["4", "5", "6"]
+    last = client.get(f"/jobs/{job_id}?attempts_page=3").text
+    assert _first_cells(last, "attempts") == ["7"] and _links(last, "attempts-next") is None
+    assert client.get(f"/jobs/{job_id}?attempts_page=nope").status_code == 400
+    # The overview's chart counts attempts: seven failures of one job, not one row.
+    assert re.search(r"id=attempts-failed>7<", client.get("/").text)
+
+
+def test_schedules_are_paged(queue: Queue, sql: Any) -> None:
+    from fleetless.periodic import Schedule
+
+    sql("DELETE FROM fleetless.schedules")
+    try:
+        for i in range(5):
+            queue.add_schedule(Schedule(name=f"every-{i}", cron="*/5 * * * *", kind="tick", payload={}))
+        client = TestClient(create_app(queue, page_size=2))
+        first = client.get("/schedules").text
+        assert _first_cells(first, "schedules") == ["every-0", "every-1"]
+        assert _links(first, "schedules-next") == "/schedules?page=2"
+        last = client.get("/schedules?page=3").text
+        assert _first_cells(last, "schedules") == ["every-4"] and _links(last, "schedules-next") is None
+    finally:
+        sql("DELETE FROM fleetless.schedules")
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs", "/jobs/1", "/schedules", "/metrics"])
+def test_a_schema_not_initialised_is_a_503_page_naming_init(dsn: str, path: str) -> None:
+    queue = Queue(dsn, schema="never_initialised")
+    try:
+        r = TestClient(create_app(queue), raise_server_exceptions=False).get(path)
+    finally:
+        queue.close()
+    assert r.status_code == 503
+    assert "Schema not initialised" in r.text
+    assert "schema never_initialised is not initialised: run &#x27;fleetless init&#x27;" in r.text
+
+
+def test_a_lost_database_connection_is_a_503_page_then_the_next_request_reconnects(queue: Queue, sql: Any) -> None:
+    client = TestClient(create_app(queue), raise_server_exceptions=False)
+    assert client.get("/").status_code == 200
+    sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+    lost = client.get("/")
+    assert lost.status_code == 503 and "Database unavailable" in lost.text and "database unavailable: " in lost.text
+    assert client.get("/").status_code == 200
+
+
+def test_fleetless_serve_answers_on_loopback_only_by_default_on_a_fresh_install(dsn: str, fleetless: Any) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from proctools import wait_for
+
+    fresh = "fresh_install"
+    assert fleetless("--schema", fresh, "init", dsn=dsn).returncode == 0
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**{k: v for k, v in os.environ.items() if k != "FLEETLESS_DASHBOARD_TOKEN"}, "DATABASE_URL": dsn,
+           "FLEETLESS_SCHEMA": fresh}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "serve", "--port", str(port),
+                             "--root-path", "/ops/fleetless"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        def listening() -> list[str]:  # local addresses listening on the port, from /proc/net/tcp{,6}
+            found = []
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                with open(table) as f:
+                    for line in f.readlines()[1:]:
+                        local, state = line.split()[1], line.split()[3]
+                        address, hexport = local.split(":")
+                        if state == "0A" and int(hexport, 16) == port:
+                            found.append(address)
+            return found
+
+        wait_for(lambda: bool(listening()) or proc.poll() is not None, timeout=60, what="fleetless serve to listen")
+        assert proc.poll() is None
+        assert listening() == ["0100007F"]  # 127.0.0.1 only
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
+            page = r.read().decode()
+        assert r.status == 200 and 'id="count-pending"><b>0</b>' in page
+        assert 'href="/ops/fleetless/jobs?status=dead"' in page  # links made for the proxy's sub-path
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        assert r.status == 200 and "# TYPE fleetless_jobs gauge" in text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

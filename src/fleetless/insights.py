@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import html
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from .job import Status
 from .queue import JobNotFound, Queue
@@ -22,10 +23,12 @@ __all__ = [
     "Insights",
     "MetricsSnapshot",
     "Overview",
+    "Page",
     "age",
     "error_head",
     "exception_line",
     "html_text",
+    "page_of",
     "printable",
     "size",
     "summarize_failure",
@@ -118,6 +121,48 @@ def error_head(last_error: str | None) -> str | None:
     return first.strip()[:HEAD_CHARS]
 
 
+# -- paging --------------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+#: Rows per page of every list a front end shows (jobs, running, kinds, queues, schedules, attempts).
+PAGE_SIZE = 50
+
+
+@dataclass(frozen=True)
+class Page(Generic[T]):
+    """One page of a list that can be long: its rows, its number (from 1), the page size, and
+    whether a next page exists (read as one row more than the page holds)."""
+
+    rows: list[T]
+    number: int = 1
+    size: int = PAGE_SIZE
+    more: bool = False
+
+    @property
+    def offset(self) -> int:
+        return (self.number - 1) * self.size
+
+
+def _check_page(number: int, size: int) -> None:
+    if number < 1 or number > 1_000_000:
+        raise ValueError(f"page {number}: pages are numbered from 1")
+    if not 1 <= size <= 1000:
+        raise ValueError(f"page size {size}: give 1 to 1000")
+
+
+def page_of(items: Sequence[T], number: int = 1, size: int = PAGE_SIZE) -> Page[T]:
+    """Page ``number`` of ``items`` (already read whole, as the counts by kind are)."""
+    _check_page(number, size)
+    start = (number - 1) * size
+    return Page(list(items[start:start + size]), number, size, len(items) > start + size)
+
+
+def _paged(rows: list[T], number: int, size: int) -> Page[T]:
+    """A page from a query that read ``size + 1`` rows at ``(number - 1) * size``."""
+    return Page(rows[:size], number, size, len(rows) > size)
+
+
 # -- reading -------------------------------------------------------------------------------------
 
 #: Upper bounds (seconds) of the job-duration histogram, from a sub-second job to a long one.
@@ -130,12 +175,12 @@ class Overview:
 
     total: int
     by_status: dict[str, int]
-    by_kind: dict[str, dict[str, int]]
-    by_queue: dict[str, dict[str, int]]  # pending and running jobs only
+    by_kind: Page[tuple[str, dict[str, int]]]  # (kind, counts by status), by name
+    by_queue: Page[tuple[str, dict[str, int]]]  # pending and running jobs only, by name
     oldest_due_age_seconds: float | None
     next_due_in_seconds: float | None
-    running: list[dict[str, Any]]
-    per_minute: list[dict[str, Any]]  # {"minute": datetime, "done": n, "failed": n}
+    running: Page[dict[str, Any]]
+    per_minute: list[dict[str, Any]]  # {"minute": datetime, "done": n, "failed": n}: attempts
 
 
 @dataclass(frozen=True)
@@ -198,6 +243,17 @@ class Insights:
             row["error_head"] = error_head(row.get("error_head"))
         return rows
 
+    def attempts_page(self, job_id: int, number: int = 1, size: int = PAGE_SIZE) -> Page[dict[str, Any]]:
+        """Page ``number`` of one job's attempt history, oldest first (a job may have thousands)."""
+        _check_page(number, size)
+        rows = self.queue.query("insight_attempts", {"id": job_id, "limit": size + 1,
+                                                     "offset": (number - 1) * size})
+        if not rows:
+            self.queue.get(job_id)  # JobNotFound when there is no such job
+        for row in rows:
+            row["error_head"] = error_head(row.get("error_head"))
+        return _paged(rows, number, size)
+
     def schedules(self) -> list[dict[str, Any]]:
         """Every schedule: name, cron, timezone, kind, queue, payload, its latest enqueued
         occurrence (``last``) and the next one due (``next``)."""
@@ -206,18 +262,30 @@ class Insights:
                  "payload": s.payload, "last": last, "next": s.next_after(max(now, last or now))}
                 for s, _, last in found]
 
+    def schedules_page(self, number: int = 1, size: int = PAGE_SIZE) -> Page[dict[str, Any]]:
+        """Page ``number`` of :meth:`schedules`, by name (schedules are read whole: the scheduler
+        needs them all at every drain anyway)."""
+        return page_of(self.schedules(), number, size)
+
     # -- the dashboard ---------------------------------------------------------------------
 
-    def running(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Running jobs, longest-running first, with ``elapsed_seconds``."""
-        return self.queue.query("insight_running", {"limit": limit})
+    def running(self, number: int = 1, size: int = PAGE_SIZE) -> Page[dict[str, Any]]:
+        """Page ``number`` of the running jobs, longest-running first, with ``elapsed_seconds``."""
+        _check_page(number, size)
+        rows = self.queue.query("insight_running", {"limit": size + 1, "offset": (number - 1) * size})
+        return _paged(rows, number, size)
 
     def per_minute(self, hours: float = 3) -> list[dict[str, Any]]:
-        """Jobs finished (``done``) and failed for good (``dead``) per minute, oldest first,
-        every minute of the window present."""
+        """Attempts that ended per minute, oldest first, every minute of the window present:
+        ``done``, and ``failed`` (retried, dead or expired: a job tried three times that failed
+        each time counts three). From the attempt history, so each retry is seen."""
         return self.queue.query("insight_per_minute", {"minutes": max(1, round(hours * 60))})
 
-    def overview(self, hours: float = 3) -> Overview:
+    def overview(self, hours: float = 3, *, running_page: int = 1, kinds_page: int = 1, queues_page: int = 1,
+                 size: int = PAGE_SIZE) -> Overview:
+        """The first page's figures; the tables of kinds, queues and running jobs are paged."""
+        for number in (running_page, kinds_page, queues_page):
+            _check_page(number, size)
         counts = self.queue.query("insight_counts", {})
         by_status = {s.value: 0 for s in Status}
         by_kind: dict[str, dict[str, int]] = {}
@@ -233,11 +301,11 @@ class Insights:
         return Overview(
             total=sum(by_status.values()),
             by_status=by_status,
-            by_kind=by_kind,
-            by_queue=by_queue,
+            by_kind=page_of(sorted(by_kind.items()), kinds_page, size),
+            by_queue=page_of(sorted(by_queue.items()), queues_page, size),
             oldest_due_age_seconds=stats["oldest_due_age_seconds"],
             next_due_in_seconds=stats["next_due_in_seconds"],
-            running=self.running(),
+            running=self.running(running_page, size),
             per_minute=self.per_minute(hours),
         )
 
@@ -293,4 +361,4 @@ def _bucket_params(bounds: list[float]) -> dict[str, list[float]]:
     return {"bounds": bounds, "negated": [-b for b in reversed(bounds)]}
 
 
-__all__ += ["HEAD_CHARS", "JobNotFound"]
+__all__ += ["HEAD_CHARS", "PAGE_SIZE", "JobNotFound"]

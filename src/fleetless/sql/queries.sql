@@ -515,25 +515,34 @@ FROM {schema}.jobs WHERE status = 'pending' AND run_after <= now()
 GROUP BY queue ORDER BY queue;
 
 -- name: insight_running
--- What runs now, longest first, with the drainer holding it (claimed_by, tier). Running rows are
--- few and the lease index covers them.
+-- What runs now, longest first, with the drainer holding it (claimed_by, tier), a page at a time
+-- (%(limit)s is one more than the page, to know whether another follows). Running rows are few and
+-- the lease index covers them.
 SELECT id, kind, queue, attempts, max_attempts, started_at, lease_expires_at, claimed_by, tier,
        extract(epoch FROM now() - started_at)::float8 AS elapsed_seconds
 FROM {schema}.jobs WHERE status = 'running'
 ORDER BY started_at NULLS LAST, id
-LIMIT %(limit)s;
+LIMIT %(limit)s OFFSET %(offset)s;
+
+-- name: insight_attempts
+-- The job page: a page of one job's attempt history, oldest first, through job_attempts_job_idx.
+SELECT attempt, outcome, host, pid, tier, started_at, finished_at, exit_code, signal, kill_reason,
+       duration_seconds, error_head
+FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id
+LIMIT %(limit)s OFFSET %(offset)s;
 
 -- name: insight_per_minute
--- Done and dead per minute over the last %(minutes)s minutes, every minute present (zeros too).
--- Reads only the window through jobs_finished_idx (partial on finished statuses), whatever the
--- table's size.
+-- Attempts that ended per minute over the last %(minutes)s minutes, every minute present (zeros
+-- too): done, and failed (retried, dead, or expired with the lease), counted from the attempt
+-- history so a job that failed three times shows three failures, not one dead row. Released and
+-- cancelled attempts are neither. Reads only the window through job_attempts_finished_idx,
+-- whatever the history's size.
 WITH f AS (
   SELECT date_trunc('minute', finished_at) AS minute,
-         count(*) FILTER (WHERE status = 'done') AS done,
-         count(*) FILTER (WHERE status = 'dead') AS failed
-  FROM {schema}.jobs
+         count(*) FILTER (WHERE outcome = 'done') AS done,
+         count(*) FILTER (WHERE outcome IN ('retry', 'dead', 'expired')) AS failed
+  FROM {schema}.job_attempts
   WHERE finished_at >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s - 1)
-    AND status IN ('done', 'dead')
   GROUP BY 1
 )
 SELECT m.minute, COALESCE(f.done, 0) AS done, COALESCE(f.failed, 0) AS failed

@@ -21,15 +21,14 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .. import metrics
-from ..insights import Insights
+from .. import db, metrics
+from ..insights import PAGE_SIZE, Insights
 from ..queue import JobNotFound, Queue
 from . import pages
 
 __all__ = ["COOKIE", "Auth", "create_app"]
 
 COOKIE = "fleetless_session"
-PAGE_SIZE = 50
 
 
 class Auth:
@@ -71,8 +70,12 @@ class Auth:
         return scheme.lower() == "bearer" and self.check_password(given.strip())
 
 
-def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> Starlette:
-    """The dashboard over ``queue``; ``token`` enables actions."""
+def create_app(
+    queue: Queue, *, token: str | None = None, hours: float = 3, page_size: int = PAGE_SIZE
+) -> Starlette:
+    """The dashboard over ``queue``; ``token`` enables actions. Every list is shown ``page_size``
+    rows at a time. Database errors reach it only as :class:`fleetless.db.DatabaseError` (the
+    queue's one boundary translates the driver's): unavailable or not initialised is a 503 page."""
     insights = Insights(queue)
     auth = Auth(token)
 
@@ -88,19 +91,27 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
             "X-Content-Type-Options": "nosniff",
         })
 
+    def bad_request(request: Request, exc: ValueError) -> Response:
+        return html(request, "bad request", pages.message_page("Bad request", str(exc)), 400)
+
     async def overview(request: Request) -> Response:
-        o = await run_in_threadpool(insights.overview, hours)
-        return html(request, "overview", pages.overview_page(o, root=root(request), hours=hours))
+        try:
+            numbers = {name: _page_number(request, name) for name in ("running_page", "kinds_page", "queues_page")}
+            o = await run_in_threadpool(lambda: insights.overview(hours, size=page_size, **numbers))
+        except ValueError as exc:
+            return bad_request(request, exc)
+        return html(request, "overview", pages.overview_page(o, root=root(request), hours=hours,
+                                                            query=dict(request.query_params)))
 
     async def jobs(request: Request) -> Response:
         p = request.query_params
         filters = {k: p.get(k) or None for k in ("status", "kind", "queue")}
         try:
-            limit = min(int(p.get("limit", PAGE_SIZE)), 500)
+            limit = min(int(p.get("limit", page_size)), 500)
             before = int(p["before"]) if p.get("before") else None
             rows = await run_in_threadpool(lambda: insights.jobs(limit=limit, before=before, **filters))
         except ValueError as exc:
-            return html(request, "bad request", pages.message_page("Bad request", str(exc)), 400)
+            return bad_request(request, exc)
         return html(request, "jobs", pages.jobs_page(rows, root=root(request), filters=filters, limit=limit))
 
     async def job(request: Request) -> Response:
@@ -108,10 +119,13 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
         if job_id is None:
             return html(request, "not found", pages.message_page("Not found", "no such job"), 404)
         try:
+            number = _page_number(request, "attempts_page")
             row = await run_in_threadpool(insights.job, job_id)
-            history = await run_in_threadpool(insights.attempts, job_id)
+            history = await run_in_threadpool(insights.attempts_page, job_id, number, page_size)
         except JobNotFound as exc:
             return html(request, "not found", pages.message_page("Not found", str(exc.args[0])), 404)
+        except ValueError as exc:
+            return bad_request(request, exc)
         nonce = auth.session_nonce(request)
         flash = request.query_params.get("done")
         problem = request.query_params.get("problem")
@@ -121,8 +135,11 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
         return html(request, f"job {job_id}", body)
 
     async def schedules(request: Request) -> Response:
-        rows = await run_in_threadpool(insights.schedules)
-        return html(request, "schedules", pages.schedules_page(rows, root=root(request)))
+        try:
+            found = await run_in_threadpool(insights.schedules_page, _page_number(request, "page"), page_size)
+        except ValueError as exc:
+            return bad_request(request, exc)
+        return html(request, "schedules", pages.schedules_page(found, root=root(request)))
 
     def action(name: str, call: Callable[[int], object]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
@@ -184,8 +201,14 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
         return Response(body, media_type=metrics.CONTENT_TYPE)
 
     async def database_error(request: Request, exc: Exception) -> Response:
+        """What the queue's boundary (``db.errors_translated``) raised, said in one line: 503 when
+        the database cannot answer (unavailable, or the schema is not there yet), else 500."""
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return html(request, "database", pages.message_page("Database unavailable", first), 503)
+        if isinstance(exc, db.DatabaseUnavailable):
+            return html(request, "database", pages.message_page("Database unavailable", first), 503)
+        if isinstance(exc, db.SchemaNotInitialised):
+            return html(request, "database", pages.message_page("Schema not initialised", first), 503)
+        return html(request, "database", pages.message_page("Database error", first), 500)
 
     routes = [
         Route("/", overview),
@@ -199,10 +222,16 @@ def create_app(queue: Queue, *, token: str | None = None, hours: float = 3) -> S
         Route("/logout", logout, methods=["POST"]),
         Route("/metrics", metrics_endpoint),
     ]
-    import psycopg
+    return Starlette(routes=routes, exception_handlers={db.DatabaseError: database_error})
 
-    return Starlette(routes=routes, exception_handlers={psycopg.Error: database_error,
-                                                        ConnectionError: database_error})
+
+def _page_number(request: Request, name: str) -> int:
+    """The page asked for in ``?name=N`` (1 when absent); ValueError naming it when not a number."""
+    given = request.query_params.get(name) or "1"
+    try:
+        return int(given)
+    except ValueError:
+        raise ValueError(f"{name}={given[:40]!r}: give a page number (1, 2, ...)") from None
 
 
 def _job_id(request: Request) -> int | None:

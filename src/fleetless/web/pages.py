@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
-from ..insights import Overview, age, html_text
+from ..insights import Overview, Page, age, html_text
 
 __all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page", "schedules_page"]
 
@@ -29,7 +29,7 @@ th{background:#eceff1;font-weight:600}td.n{text-align:right;font-variant-numeric
 .card b{display:block;font-size:1.6em}.dead b{color:#c62828}.running b{color:#1565c0}.pending b{color:#ef6c00}
 .done b{color:#2e7d32}
 pre{background:#fff;border:1px solid #e0e0e0;padding:.6em;overflow:auto;max-height:30em;white-space:pre-wrap}
-.err{color:#c62828}.muted{color:#777}form.inline{display:inline}button{margin-right:.4em}
+.err{color:#c62828}.pager{margin:.2em 0 .8em}.muted{color:#777}form.inline{display:inline}button{margin-right:.4em}
 .flash{background:#e8f5e9;border:1px solid #a5d6a7;padding:.4em .8em;margin-bottom:.8em}
 .flash.bad{background:#ffebee;border-color:#ef9a9a}
 """
@@ -65,8 +65,23 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[str]], numeric: Seque
     return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
+def _pager(page: Page[Any], href: str, query: Mapping[str, str], param: str, ident: str) -> str:
+    """Links to the previous and next page of a list, keeping the page's other parameters."""
+    if page.number == 1 and not page.more:
+        return ""
+    links = []
+    if page.number > 1:
+        links.append(f'<a id="{ident}-prev" href="{href}?{e(urlencode({**query, param: page.number - 1}))}">'
+                     "← previous</a>")
+    links.append(f"page {page.number}")
+    if page.more:
+        links.append(f'<a id="{ident}-next" href="{href}?{e(urlencode({**query, param: page.number + 1}))}">'
+                     "next →</a>")
+    return f'<p class="pager">{" · ".join(links)}</p>'
+
+
 def _chart(per_minute: Sequence[Mapping[str, Any]]) -> str:
-    """Finished (green) and failed (red) per minute as stacked bars in inline SVG."""
+    """Attempts done (green) and failed (red) per minute as stacked bars in inline SVG."""
     if not per_minute:
         return ""
     width, height, bar = 720, 120, 720 / len(per_minute)
@@ -95,16 +110,19 @@ def _chart(per_minute: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-def _by(title: str, counts: Mapping[str, Mapping[str, int]], statuses: Sequence[str], root: str,
-        param: str, table_id: str) -> str:
+def _by(title: str, counts: Page[tuple[str, dict[str, int]]], statuses: Sequence[str], root: str,
+        param: str, table_id: str, query: Mapping[str, str]) -> str:
     rows = []
-    for name, c in sorted(counts.items()):
-        link = f'<a href="{root}/jobs?{urlencode({param: name})}">{e(name)}</a>'
+    for name, c in counts.rows:
+        link = f'<a href="{root}/jobs?{e(urlencode({param: name}))}">{e(name)}</a>'
         rows.append([link] + [str(c.get(s, 0)) for s in statuses])
-    return f"<h2>{e(title)}</h2>" + _table([param, *statuses], rows, range(1, len(statuses) + 1), table_id)
+    table = (_table([param, *statuses], rows, range(1, len(statuses) + 1), table_id) if rows
+             else '<p class="muted">none</p>')
+    return f"<h2>{e(title)}</h2>{table}" + _pager(counts, f"{root}/", query, f"{param}s_page", table_id)
 
 
-def overview_page(o: Overview, *, root: str, hours: float) -> str:
+def overview_page(o: Overview, *, root: str, hours: float, query: Mapping[str, str] | None = None) -> str:
+    query = dict(query or {})
     statuses = list(o.by_status)
     cards = "".join(
         f'<a href="{root}/jobs?status={s}" style="text-decoration:none;color:inherit">'
@@ -114,22 +132,22 @@ def overview_page(o: Overview, *, root: str, hours: float) -> str:
     running_rows = [
         [f'<a href="{root}/jobs/{r["id"]}">{r["id"]}</a>', e(r["kind"]), e(r["queue"]), e(r["claimed_by"] or "-"),
          e(r["tier"] or "-"), str(r["attempts"]), age(r["elapsed_seconds"])]
-        for r in o.running
+        for r in o.running.rows
     ]
     running = (_table(["id", "kind", "queue", "drainer", "tier", "attempt", "elapsed"], running_rows, (0, 5, 6),
                       "running") if running_rows else '<p class="muted">nothing is running</p>')
-    if len(o.running) >= 100:
-        running += f'<p><a href="{root}/jobs?status=running">all running jobs</a></p>'
+    running += _pager(o.running, f"{root}/", query, "running_page", "running")
     finished = sum(m["done"] for m in o.per_minute)
     failed = sum(m["failed"] for m in o.per_minute)
     return (
         f"<h1>Overview</h1><div class=cards>{cards}</div>"
         f"<p>total <b id=total>{o.total}</b> · oldest due job waiting "
         f"<b id=oldest-due>{age(o.oldest_due_age_seconds)}</b> · next due in {age(o.next_due_in_seconds)}</p>"
-        f"<h2>Finished per minute, last {hours:g} h ({finished} done, {failed} dead)</h2>{_chart(o.per_minute)}"
+        f"<h2>Attempts per minute, last {hours:g} h (<span id=attempts-done>{finished}</span> done, "
+        f"<span id=attempts-failed>{failed}</span> failed)</h2>{_chart(o.per_minute)}"
         f"<h2>Running now</h2>{running}"
-        + _by("By kind", o.by_kind, statuses, root, "kind", "by-kind")
-        + _by("By queue", o.by_queue, statuses, root, "queue", "by-queue")
+        + _by("By kind", o.by_kind, statuses, root, "kind", "by-kind", query)
+        + _by("By queue", o.by_queue, statuses, root, "queue", "by-queue", query)
     )
 
 
@@ -161,7 +179,7 @@ def _when(value: dt.datetime | None) -> str:
 _ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending", "running"), "run-now": ("pending",)}
 
 
-def job_page(job: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]], *, root: str, csrf: str | None,
+def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: str, csrf: str | None,
              writable: bool, flash: str | None, flash_bad: bool) -> str:
     buttons = []
     for action, statuses in _ACTIONS.items():
@@ -197,15 +215,16 @@ def job_page(job: Mapping[str, Any], attempts: Sequence[Mapping[str, Any]], *, r
          _when(a["started_at"]), "-" if a["duration_seconds"] is None else f'{a["duration_seconds"]:.1f} s',
          e(a["signal"] or (a["exit_code"] if a["exit_code"] is not None else "-")), e(a["kill_reason"] or ""),
          f'<span class="err">{e(a["error_head"] or "")}</span>']
-        for a in attempts
+        for a in attempts.rows
     ]
     body += "<h2>Attempts</h2>" + (
         _table(["#", "outcome", "drainer", "tier", "started", "took", "ended", "kill reason", "error"], rows, (0, 5),
                "attempts") if rows else '<p class="muted">no attempt has ended yet</p>')
-    return body
+    return body + _pager(attempts, f"{root}/jobs/{job['id']}", {}, "attempts_page", "attempts")
 
 
-def schedules_page(rows: Sequence[Mapping[str, Any]], *, root: str) -> str:
+def schedules_page(found: Page[dict[str, Any]], *, root: str) -> str:
+    rows = found.rows
     table_rows = [
         [e(r["name"]), f"<code>{e(r['cron'])}</code>", e(r["timezone"]),
          f'<a href="{root}/jobs?{urlencode({"kind": r["kind"]})}">{e(r["kind"])}</a>', e(r["queue"]),
@@ -214,9 +233,12 @@ def schedules_page(rows: Sequence[Mapping[str, Any]], *, root: str) -> str:
     ]
     body = "<h1>Schedules</h1>"
     if not table_rows:
+        if found.number > 1:
+            return body + '<p class="muted">no schedules on this page</p>' + _pager(
+                found, f"{root}/schedules", {}, "page", "schedules")
         return body + '<p class="muted">no schedules (fleetless schedule add NAME --cron ... KIND PAYLOAD)</p>'
     return body + _table(["name", "cron", "timezone", "kind", "queue", "payload", "last enqueued", "next due"],
-                         table_rows, (), "schedules")
+                         table_rows, (), "schedules") + _pager(found, f"{root}/schedules", {}, "page", "schedules")
 
 
 def login_page(*, root: str, error: str | None) -> str:
