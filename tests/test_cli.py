@@ -144,7 +144,7 @@ def test_drain_defaults_to_auto_and_says_which_tier_it_chose_and_why(dsn: str, q
     explicit = fleetless("drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
     assert explicit.returncode == 0 and "auto" not in explicit.stderr, explicit.stderr
     helptext = " ".join(fleetless("drain", "--help", env={"FLEETLESS_SANDBOX": ""}).stdout.split())
-    assert "[auto|bwrap|microvm|process]" in helptext and "[default: auto]" in helptext
+    assert "[auto|bwrap|forkserver|microvm|process]" in helptext and "[default: auto]" in helptext
     assert "bwrap where it works on this host, else process" in helptext
 
 

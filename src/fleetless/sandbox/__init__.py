@@ -190,6 +190,7 @@ class Sandbox(ABC):
 _BACKENDS: dict[str, str] = {
     "process": "fleetless.sandbox.process:ProcessSandbox",
     "bwrap": "fleetless.sandbox.bwrap:BwrapSandbox",
+    "forkserver": "fleetless.sandbox.forkserver:ForkServerSandbox",
     "microvm": "fleetless.sandbox.microvm:MicroVMSandbox",
 }
 

@@ -1,0 +1,329 @@
+"""The ``forkserver`` tier: each job in fresh namespaces, forked from a pre-warmed Python.
+
+A per-drainer fork server (:mod:`._server`, started by :mod:`.client`) has imported the standard
+library and lives in a minimal root of its own (read-only ``/usr``, ``/etc`` and handlers). Per
+job it forks an *init* that is pid 1 of a fresh pid namespace; init unshares fresh mount, IPC, UTS
+and network namespaces, mounts its own ``/proc``, workspace, ``/tmp`` and ``/dev/shm``, and forks
+the job, which drops to the leased uid (no capability left), sets rlimits, ``no_new_privs`` and
+bwrap's seccomp filter, and runs the ``.py`` handler with ``runpy`` as ``__main__`` (no new
+interpreter to start: that is the saving) or execs anything else. The job's cgroups (memory,
+pids, CPU) are joined by init before the job exists. Killing init (its pidfd) kills the whole pid
+namespace, ``setsid()`` daemons included.
+
+Handler behaviour is ``python3 -s handler.py payload.json``'s, with these differences (see
+``docs/isolation.md``): modules the server pre-imported (:data:`.client.PREWARM`) are already in
+``sys.modules``; every job of one server shares its address-space layout and its ``str`` hash seed;
+``/proc/self/environ`` shows the server's (empty) start-up environment while ``os.environ`` is the
+job's; stdout and stderr are UTF-8 whatever the job's locale variables say.
+
+Needs a root drainer (namespaces and the job uids); a non-root drainer gets ``SandboxUnavailable``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import signal
+import socket
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import ClassVar
+
+from .. import (
+    OWN_DEADLINE_SLACK,
+    ExecResult,
+    Sandbox,
+    SandboxUnavailable,
+    Template,
+    _capture,
+    _hostuid,
+    _workspace,
+    cgroups,
+)
+from . import client
+
+__all__ = ["ForkServerSandbox"]
+
+WORKSPACE = "/workspace"
+HANDLERS = "/handlers"
+MiB = 1024 * 1024
+_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+
+
+def _root_spec(python: str, handlers: Path, network: bool) -> client.RootSpec:
+    from .. import bwrap  # the same /etc copy, interpreter paths and seccomp filter as bwrap
+
+    binds: list[tuple[str, str]] = []
+    links: list[tuple[str, str]] = []
+    for path in _SYSTEM_PATHS:
+        if os.path.islink(path):
+            links.append((os.readlink(path), path))
+        elif os.path.isdir(path):
+            binds.append((path, path))
+    binds.append((str(bwrap.etc_dir(network)), "/etc"))
+    binds += [(p, p) for p in bwrap.interpreter_paths(python)]
+    binds.append((str(handlers), HANDLERS))
+    try:
+        seccomp: str | None = str(bwrap.seccomp_file())
+    except SandboxUnavailable:
+        seccomp = None
+    return client.RootSpec(tuple(binds), tuple(links), seccomp)
+
+
+def _status(raw: bytes) -> int | None:
+    m = re.fullmatch(rb"status (\d{1,5})\n", raw)
+    if m is None or int(m.group(1)) > 0xFFFF:
+        return None
+    return int(m.group(1))
+
+
+class ForkServerSandbox(Sandbox):
+    name: ClassVar[str] = "forkserver"
+    workspace_path = WORKSPACE
+    handlers_path = HANDLERS
+
+    def __init__(self, template: Template, ttl_seconds: float) -> None:
+        from ..process import handlers_snapshot
+
+        self._template = template
+        self._ttl = ttl_seconds
+        self._born = time.monotonic()
+        self._lease: _hostuid.Lease | None = None
+        self._cgroup: cgroups.JobCgroup | None = None
+        self._server: client.Server | None = None
+        self._pidfd: int | None = None
+        self._outer: Path | None = None
+        self._workspace: Path | None = None
+        self.python = self.handler_python(template)
+        try:
+            handlers = handlers_snapshot(template.handlers_dir)
+            self._key = client.ServerKey(self.python, str(handlers), template.limits.network)
+            self._root = _root_spec(self.python, handlers, template.limits.network)
+            self._lease = _hostuid.lease()
+            caps = cgroups.available()
+            if caps.any or caps.kill:  # init counts against pids.max too: the job gets ``pids``
+                limits = template.limits
+                pids = None if limits.pids is None else limits.pids + 1
+                self._cgroup = cgroups.JobCgroup(limits.memory_bytes, pids, limits.cpus, caps=caps)
+            # <outer> is the drainer's (0710, group: the job's gid), <outer>/workspace the job's
+            self._outer = _workspace.create()
+            self._workspace = self._outer / "workspace"
+            self._workspace.mkdir(mode=0o700)
+            os.chown(self._outer, -1, self._lease.gid)
+            os.chmod(self._outer, 0o710)
+            os.chown(self._workspace, self._lease.uid, self._lease.gid)
+        except BaseException:
+            self.kill()
+            raise
+
+    @classmethod
+    def check(cls) -> None:
+        if not _hostuid.needed():
+            raise SandboxUnavailable("the fork server needs a root drainer (it makes namespaces and runs "
+                                     "each job as a leased uid); use bwrap or process")
+        if not hasattr(os, "pidfd_open"):
+            raise SandboxUnavailable("the fork server needs pidfd_open (Linux 5.3+, Python 3.9+)")
+
+    @classmethod
+    def check_template(cls, template: Template) -> None:
+        cls.check()
+        _hostuid.configured_range()
+
+    @classmethod
+    def sweep(cls) -> int:
+        """Per-job cgroups, workspaces and server roots of drainers that died."""
+        from .. import bwrap
+
+        return bwrap.sweep()
+
+    @classmethod
+    def describe(cls) -> str:
+        caps = cgroups.available().describe()
+        return ("enforces: " + "; ".join([*caps, "rlimits"]) + "; fresh pid/mount/net/IPC/UTS namespaces; "
+                "seccomp deny-list; .py handlers forked from a pre-warmed server")
+
+    missing_program_hint: ClassVar[str] = (
+        "a job sees the host's /usr, /bin, /sbin and /lib only, plus the handler interpreter's prefix")
+
+    @classmethod
+    def has_program(cls, template: Template, path: str) -> bool:
+        from .. import bwrap
+
+        return bwrap.BwrapSandbox.has_program(template, path)
+
+    @classmethod
+    def create(cls, template: Template, ttl_seconds: float = 900) -> ForkServerSandbox:
+        cls.check()
+        if not template.handlers_dir.is_dir():
+            raise SandboxUnavailable(f"handlers directory {template.handlers_dir} does not exist")
+        try:
+            return cls(template, ttl_seconds)
+        except OSError as exc:
+            raise SandboxUnavailable(f"cannot prepare a fork-server sandbox: {exc}") from None
+
+    @property
+    def host_workspace(self) -> Path | None:
+        return self._workspace
+
+    @property
+    def cgroup(self) -> cgroups.JobCgroup | None:
+        return self._cgroup
+
+    def write(self, path: str, data: bytes | str) -> None:
+        if self._workspace is None or self._lease is None:
+            raise RuntimeError("sandbox already destroyed")
+        target = (self._workspace / path).resolve()
+        if not target.is_relative_to(self._workspace):
+            raise ValueError(f"path {path!r} is outside the workspace")
+        made = [p for p in target.parents if p.is_relative_to(self._workspace) and not p.exists()]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data.encode() if isinstance(data, str) else data)
+        for p in [target, *made]:  # the job owns its workspace
+            os.chown(p, self._lease.uid, self._lease.gid, follow_symlinks=False)
+
+    def _rlimits(self, timeout_seconds: float) -> dict[str, list[int]]:
+        from ..process import rlimits_for
+
+        rl = rlimits_for(self._template, timeout_seconds)
+        if self._cgroup is not None and self._cgroup.memory_bytes is not None:
+            rl.pop("RLIMIT_AS", None)  # the cgroup caps real memory; AS breaks some runtimes
+        return {name: [v, v + 1 if name == "RLIMIT_CPU" else v] for name, v in rl.items()}
+
+    def _start(self, job_sock: socket.socket) -> int:
+        """A fresh init from the current server (a retired one is replaced once)."""
+        cg = [] if self._cgroup is None else self._cgroup.procs_files()
+        for attempt in range(2):
+            server = client.server_for(self._key, self._root)
+            try:
+                pidfd = server.fork(job_sock, cg)
+            except SandboxUnavailable:
+                if attempt:
+                    raise
+                server.retire()
+                continue
+            self._server = server
+            return pidfd
+        raise AssertionError("unreachable")
+
+    def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
+        from ..process import rlimit_kill_reason
+
+        started = time.monotonic()
+        limits = self._template.limits
+        ttl_left = self._ttl - (started - self._born)
+        budget = min(timeout_seconds, ttl_left)
+        reason = (f"killed: timeout after {timeout_seconds:g} s" if timeout_seconds <= ttl_left
+                  else f"killed: ttl of {self._ttl:g} s expired")
+        if self._workspace is None or self._outer is None or self._lease is None:
+            return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
+        if budget <= 0:
+            return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
+        if self._pidfd is not None:
+            raise SandboxUnavailable("the forkserver tier runs one exec per sandbox")
+        rlimits = self._rlimits(timeout_seconds)
+        runpy = len(argv) >= 2 and argv[0] == self.python and argv[1].endswith(".py")
+        spec = {
+            "argv": list(argv), "runpy": runpy, "env": {"HOME": WORKSPACE, **self._template.env},
+            "uid": self._lease.uid, "gid": self._lease.gid, "rlimits": rlimits,
+            "deadline": max(budget, 0) + OWN_DEADLINE_SLACK, "network": limits.network,
+            "tmp_bytes": limits.tmp_bytes, "workspace": f"{self._outer.name}/workspace",
+        }
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        status_r, status_w = os.pipe()
+        try:
+            for fd in (out_w, err_w):  # the job's own, as a shell's pipe would be: /dev/stderr opens
+                os.fchown(fd, self._lease.uid, self._lease.gid)
+            try:
+                self._pidfd = self._start(theirs)
+            finally:
+                theirs.close()
+            if self._cgroup is not None:
+                self._cgroup.mark()
+            socket.send_fds(ours, [json.dumps(spec).encode()], [out_w, err_w, status_w])
+        except BaseException:
+            for fd in (out_r, err_r, status_r):
+                os.close(fd)
+            self.kill()
+            raise
+        finally:
+            for fd in (out_w, err_w, status_w):
+                os.close(fd)
+            ours.close()
+        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes)
+        deadline = started + max(budget, 0)
+        pidfd = self._pidfd
+        with open(out_r, "rb", buffering=0) as out, open(err_r, "rb", buffering=0) as err:
+            hit = _capture.pump(out, err, captured, deadline, self._terminate, exited=(pidfd, lambda: None))
+        if not select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))[0]:
+            hit = True
+            self._terminate()
+        os.set_blocking(status_r, False)
+        try:
+            raw = os.read(status_r, 4096)
+        except BlockingIOError:
+            raw = b""
+        finally:
+            os.close(status_r)
+        if raw.startswith(b"error "):
+            self.kill()
+            raise SandboxUnavailable(f"the fork server's job init failed: {raw[6:].decode(errors='replace').strip()}")
+        status = _status(raw)
+        killed: str | None = reason if hit else None
+        if status is not None:
+            exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        else:
+            exit_code = -signal.SIGKILL
+            killed = killed or "killed: sandbox destroyed"
+        cg = self._cgroup
+        if cg is not None and exit_code != 0:
+            if cg.memory_bytes is not None and cg.oom_killed():
+                killed = f"killed: memory limit {_mib(cg.memory_bytes)} exceeded"
+            elif cg.pids_max is not None and cg.pids_limit_hit():
+                killed = f"killed: pids limit {limits.pids} reached" + (
+                    f" ({reason.removeprefix('killed: ')})" if hit else "")
+        if killed is None:
+            killed = rlimit_kill_reason(exit_code, {k: v[0] for k, v in rlimits.items()})
+        return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
+                          stdout_cut=captured.stdout_cut)
+
+    def _terminate(self) -> None:
+        """Kill the job's init: its pid namespace, the whole job, dies with it."""
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+
+    def kill(self) -> None:
+        dead = True
+        try:
+            pidfd, self._pidfd = self._pidfd, None
+            if pidfd is not None:
+                with contextlib.suppress(ProcessLookupError, OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                dead = bool(select.select([pidfd], [], [], 5)[0])
+                os.close(pidfd)
+                if self._server is not None:
+                    self._server.done()
+                    self._server = None
+            if self._cgroup is not None:
+                self._cgroup.remove()
+                self._cgroup = None
+            if self._outer is not None:
+                _workspace.remove(self._outer)
+                self._outer = self._workspace = None
+        finally:
+            if self._lease is not None:  # last: nothing of the job runs as it any more
+                self._lease.release(clean=dead)
+                self._lease = None
+
+
+def _mib(n: int) -> str:
+    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n} bytes"
+

@@ -1,0 +1,454 @@
+"""The fork server: a pre-warmed Python that forks one fresh, isolated job per request.
+
+Run as its own program by the drainer (``fleetless.sandbox.forkserver.client``), by exec, with an
+empty environment, ``/`` as cwd, ``/dev/null`` as stdin, stdout and stderr, and one inherited fd:
+its control socket (``SOCK_SEQPACKET``). It imports only the standard library, never a module of
+fleetless, holds no database connection and no secret, and is single-threaded. Usage::
+
+    python -s _server.py CONFIG_JSON
+
+At start (as root) it imports the modules it pre-warms, makes a mount namespace of its own and
+``pivot_root``-s into a minimal root built on a tmpfs: read-only binds of ``/usr`` (plus the
+``/lib``, ``/bin``... symlinks), the sandbox ``/etc``, the handlers snapshot at ``/handlers``
+and the interpreter's prefix when it is not under ``/usr``; the host's work directory at
+``/.fleetless/ws`` (root-only, 0700; each job binds its own workspace from it and unmounts it);
+a small ``/dev``; empty ``/proc``, ``/tmp``, ``/workspace``. Then it closes every other fd
+(``close_range``), says ``ready`` and serves requests one at a time:
+
+``fork`` with fds ``[job socket, cgroup.procs fds...]``: ``unshare(CLONE_NEWPID)``, ``fork()``
+(the child is pid 1 of a fresh pid namespace), ``setns`` back, and answer ``ok`` with a pidfd of
+the child. The server reads nothing else: the job's spec, its pipes and its output travel between
+the drainer and the child on the job socket, never through the server.
+
+The child (the job's *init*) writes itself into its cgroups, reads its spec and pipe fds from the
+job socket, unshares mount, IPC, UTS and (unless the job has network) network namespaces, mounts
+``/proc``, the workspace, a size-capped ``/tmp`` and ``/dev/shm``, brings loopback up, and forks
+the job (pid 2): a new session, the pipes as stdout and stderr, ``/dev/null`` as stdin, every
+other fd closed, rlimits, the leased uid and gid with no groups (so no capability is left),
+``no_new_privs``, the seccomp filter, the exact environment, default signal dispositions; then
+either ``runpy`` of the handler script as ``__main__`` (a ``.py`` handler run by this server's
+interpreter) or ``execve`` (anything else). Init waits for the job, kills it at its deadline by
+itself, writes ``status N`` (the wait status) on the status pipe and exits, which kills every
+process left in its pid namespace (``setsid`` daemons included). Init dies with the server
+(parent-death signal), and the server kills its children and exits when its control socket
+closes (the drainer died, or retired it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import signal
+import socket
+import struct
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
+MS_REMOUNT = 32
+MS_BIND = 4096
+MS_REC = 16384
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+_SYSCALLS = {"x86_64": {"pivot_root": 155, "close_range": 436},
+             "aarch64": {"pivot_root": 41, "close_range": 436}}
+_NR = _SYSCALLS.get(platform.machine(), _SYSCALLS["x86_64"])
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.syscall.restype = ctypes.c_long
+_DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+_MAX_MSG = 1 << 20
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _b(text: str | None) -> bytes | None:
+    return None if text is None else os.fsencode(text)
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(_b(src), _b(target), _b(fstype), flags, _b(data)), f"mount {src} on {target}")
+
+
+def _prctl(option: int, value: int, arg3: int = 0) -> None:
+    _check(_libc.prctl(option, ctypes.c_ulong(value), ctypes.c_ulong(arg3), ctypes.c_ulong(0), ctypes.c_ulong(0)),
+           f"prctl {option}")
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def _close_from(first: int) -> None:
+    """Close every fd from ``first`` up (``close_range``; one by one where the kernel lacks it)."""
+    if _libc.syscall(_NR["close_range"], first, 0xFFFFFFFF, 0) != 0:
+        os.closerange(first, 65536)
+
+
+def _bind(src: str, dst: str, readonly: bool, device: bool = False) -> None:
+    _mount(src, dst, None, MS_BIND | MS_REC)
+    flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if device else MS_NODEV) | (MS_RDONLY if readonly else 0)
+    _mount(None, dst, None, flags)
+
+
+def _make_point(root: str, path: str, is_dir: bool) -> str:
+    target = root + path
+    if is_dir:
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if not os.path.exists(target):
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+    return target
+
+
+def build_root(config: dict) -> None:  # type: ignore[type-arg]
+    """A private mount namespace whose root is a minimal tree (see the module's docstring)."""
+    _unshare(CLONE_NEWNS)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    root = config["mountpoint"]
+    _mount("fleetless", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=4m")
+    for target, link in config["symlinks"]:
+        os.symlink(target, root + link)
+    for src, dst in config["binds"]:
+        _bind(src, _make_point(root, dst, os.path.isdir(src)), readonly=True)
+    private = root + "/.fleetless"
+    os.mkdir(private, 0o700)
+    _bind(config["workspaces"], _make_point(root, "/.fleetless/ws", True), readonly=False)
+    for d in ("/proc", "/tmp", "/workspace", "/dev"):
+        os.makedirs(root + d, exist_ok=True)
+    _mount("fleetless-dev", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind(f"/dev/{name}", _make_point(root, f"/dev/{name}", False), readonly=False, device=True)
+    os.mkdir(root + "/dev/shm")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    _mount(None, root + "/dev", None, MS_REMOUNT | MS_NOSUID | MS_NOEXEC | MS_RDONLY, "mode=0755,size=64k")
+    os.chdir(root)
+    os.mkdir(".old-root")
+    _check(_libc.syscall(_NR["pivot_root"], b".", b".old-root"), "pivot_root")
+    os.chdir("/")
+    _check(_libc.umount2(b"/.old-root", MNT_DETACH), "umount old root")
+    os.rmdir("/.old-root")
+    _mount(None, "/", None, MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_RDONLY, "mode=0755,size=4m")
+
+
+# -- the job's init (pid 1 of its namespace) and the job ----------------------------------------
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        import fcntl
+
+        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags))  # SIOCSIFFLAGS
+
+
+def _set_up_namespaces(spec: dict) -> None:  # type: ignore[type-arg]
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
+    if not spec["network"]:
+        flags |= CLONE_NEWNET
+    _unshare(flags)
+    _check(_libc.sethostname(b"fleetless", 9), "sethostname")
+    if not spec["network"]:
+        _loopback_up()
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    name = spec["workspace"]
+    if not name or any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"bad workspace name {name!r}")
+    _mount(f"/.fleetless/ws/{name}", "/workspace", None, MS_BIND)
+    _mount(None, "/workspace", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+    _check(_libc.umount2(b"/.fleetless/ws", MNT_DETACH), "umount the work directory")
+    tmp = f"mode=1777,size={int(spec['tmp_bytes'])}"
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
+
+
+def _run_job(spec: dict, out_fd: int, err_fd: int, seccomp: bytes | None) -> None:  # type: ignore[type-arg]
+    """In the forked job: drop everything, then become the handler. Never returns."""
+    import resource
+
+    try:
+        os.setsid()
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        null = os.open("/dev/null", os.O_RDONLY)
+        os.dup2(null, 0)
+        _close_from(3)
+        os.chdir("/workspace")
+        for name, (soft, hard) in spec["rlimits"].items():
+            resource.setrlimit(getattr(resource, name), (soft, hard))
+        uid, gid = spec["uid"], spec["gid"]
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)  # from root to a uid: every capability is gone
+            # What an exec would do: the job owns its /proc/self (fd, mem, /dev/stdout). Its uid is
+            # its own; ptrace is denied by seccomp anyway.
+            _prctl(PR_SET_DUMPABLE, 1)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        if seccomp:
+            buf = ctypes.create_string_buffer(seccomp, len(seccomp))
+            prog = _SockFprog(len(seccomp) // 8, ctypes.cast(buf, ctypes.c_void_p))
+            _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGALRM, signal.SIGQUIT):
+            signal.signal(signum, signal.SIG_DFL)
+        env: dict[str, str] = spec["env"]
+        argv: list[str] = spec["argv"]
+        if not spec["runpy"]:
+            for signum in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):  # exec keeps ignored ones
+                signal.signal(signum, signal.SIG_DFL)
+            os.execvpe(argv[0], argv, env)
+    except BaseException as exc:
+        os.write(2, f"fleetless: cannot run {spec['argv'][0]}: {exc}\n".encode())
+        os._exit(127)
+    _run_python(argv[1:], env)
+
+
+def _run_python(argv: list[str], env: dict[str, str]) -> None:
+    """``python3 SCRIPT ARGS...`` in this already started interpreter: ``__main__``, ``sys.argv``,
+    ``sys.path[0]``, the environment, exit codes, atexit, SIGINT's KeyboardInterrupt."""
+    import atexit
+    import runpy
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as a fresh interpreter sets them
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = list(argv)
+    script = argv[0]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    atexit._clear()
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except KeyboardInterrupt:
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    code = _finish() or code
+    os._exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    value = exc.code
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    try:
+        sys.stderr.write(f"{value}\n")
+    except Exception:
+        pass
+    return 1
+
+
+def _finish() -> int:
+    """What the interpreter does at exit: join non-daemon threads, run atexit, flush. Returns 120
+    where flushing stdout failed (as Python does)."""
+    import atexit
+
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
+    atexit._run_exitfuncs()
+    code = 0
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except Exception:
+            code = 120 if stream is sys.stdout else code
+    return code
+
+
+def job_init(sock: socket.socket, seccomp: bytes | None) -> None:
+    """The job's init: read the spec, set up, fork the job, wait, report. Never returns."""
+    msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3)
+    if not msg or len(fds) != 3:
+        os._exit(0)  # the drainer gave this sandbox up before its job (or died)
+    out_fd, err_fd, status_fd = fds
+    try:
+        spec = json.loads(msg)
+        _set_up_namespaces(spec)
+        pid = os.fork()
+    except BaseException as exc:
+        os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
+        os._exit(1)
+    if pid == 0:
+        try:
+            sock.close()
+            os.close(status_fd)
+            _run_job(spec, out_fd, err_fd, seccomp)
+        finally:
+            os._exit(127)
+    os.close(out_fd)
+    os.close(err_fd)
+
+    def overdue(signum: int, frame: object) -> None:  # the wait below then reports the kill
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    signal.signal(signal.SIGALRM, overdue)
+    signal.setitimer(signal.ITIMER_REAL, max(float(spec["deadline"]), 0.001))
+    while True:  # as pid 1, every orphan of the job is ours to reap too
+        try:
+            got, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(1)
+        if got == pid:
+            break
+    os.set_blocking(status_fd, False)
+    try:
+        os.write(status_fd, f"status {status}\n".encode())
+    except OSError:
+        pass
+    os._exit(0)  # and the kernel kills whatever is left in the pid namespace
+
+
+# -- the server ---------------------------------------------------------------------------------
+def _fork_job(ctl: socket.socket, own_pidns: int, fds: list[int], seccomp: bytes | None) -> int | None:
+    job_fd, cgroup_fds = fds[0], fds[1:]
+    try:
+        _unshare(CLONE_NEWPID)
+        try:
+            pid = os.fork()
+        finally:
+            if os.getpid() != 1 and _libc.setns(own_pidns, CLONE_NEWPID) != 0:
+                os._exit(70)  # later children must not land in this job's namespace
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        ctl.send(f"error cannot fork: {exc}".encode())
+        return None
+    if pid == 0:
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            ctl.close()
+            os.close(own_pidns)
+            for fd in cgroup_fds:  # into the job's cgroups before anything of it runs
+                os.write(fd, b"0")
+                os.close(fd)
+            sock = socket.socket(fileno=job_fd)
+        except BaseException as exc:
+            os.write(2, f"fleetless fork server: job init: {exc}\n".encode())
+            os._exit(1)
+        try:
+            job_init(sock, seccomp)
+        finally:  # job_init never returns; an exception must not go on as a second server
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+    for fd in fds:
+        os.close(fd)
+    pidfd = os.pidfd_open(pid)
+    try:
+        socket.send_fds(ctl, [b"ok"], [pidfd])
+    finally:
+        os.close(pidfd)
+    return pid
+
+
+def _reap(children: set[int], block: bool = False) -> None:
+    while children:
+        try:
+            pid, _ = os.waitpid(-1, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            children.clear()
+            return
+        if pid == 0:
+            return
+        children.discard(pid)
+
+
+def serve(config: dict) -> None:  # type: ignore[type-arg]
+    ctl = socket.socket(fileno=int(config["ctl"]))
+    seccomp: bytes | None = None
+    try:
+        for name in config["prewarm"]:
+            try:
+                __import__(name)
+            except ImportError:
+                pass
+        if config["seccomp"]:
+            with open(config["seccomp"], "rb") as f:
+                seccomp = f.read()
+        own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)  # before /proc goes
+        build_root(config)
+    except BaseException as exc:
+        ctl.send(f"error {type(exc).__name__}: {exc}".encode())
+        os._exit(1)
+    keep = sorted({ctl.fileno(), own_pidns})  # and 0-2: /dev/null (or a debug file for stderr)
+    for low, high in zip([3, *(k + 1 for k in keep)], [*keep, 1 << 20]):  # noqa: B905 (3.9 has no strict)
+        if high > low:
+            os.closerange(low, high)
+    ctl.send(b"ready")
+    children: set[int] = set()
+    while True:
+        msg, fds, _, _ = socket.recv_fds(ctl, 64, 16)
+        _reap(children)
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            break
+        if msg == b"fork" and fds:
+            pid = _fork_job(ctl, own_pidns, fds, seccomp)
+            if pid is not None:
+                children.add(pid)
+            continue
+        for fd in fds:
+            os.close(fd)
+        ctl.send(b"error unknown request")
+    # The drainer closed the socket: retired (no job left) or dead (kill what is left)
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap(children, block=True)
+    os._exit(0)
+
+
+def main() -> None:
+    del sys.path[0]  # the server's own directory: a handler gets its own instead
+    serve(json.loads(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main()

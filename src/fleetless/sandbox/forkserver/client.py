@@ -1,0 +1,220 @@
+"""The drainer's side of the fork server: start one per (interpreter, handlers, network), ask it for
+a fresh job init, retire it after ``FLEETLESS_FORKSERVER_JOBS`` jobs or ``FLEETLESS_FORKSERVER_SECONDS``
+seconds or when the handlers change.
+
+A server is started by exec with an empty environment and only its control socket; the drainer
+passes it nothing but paths (what to bind) and, per job, a socket and the job's ``cgroup.procs``
+fds. It answers with a pidfd of the job's init, to which the drainer then sends the job's spec and
+pipes directly (:mod:`._server`). A retired server takes no more jobs; its socket is closed once
+its last job is dead, and it exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import SandboxUnavailable, _workspace
+
+log = logging.getLogger("fleetless.sandbox")
+
+SERVER = str(Path(__file__).with_name("_server.py"))
+JOBS_ENV = "FLEETLESS_FORKSERVER_JOBS"
+SECONDS_ENV = "FLEETLESS_FORKSERVER_SECONDS"
+DEFAULT_JOBS = 1000
+DEFAULT_SECONDS = 600.0
+#: Standard-library modules the server imports before it forks (a job finds them in sys.modules).
+#: Nothing that draws randomness at import (``random``, ``tempfile``, ``uuid``): every job would
+#: share it.
+PREWARM = ("json", "pathlib", "runpy", "traceback", "datetime", "base64", "collections", "functools",
+           "re", "io", "struct", "fcntl", "resource", "atexit", "threading", "typing", "enum")
+START_TIMEOUT = 30.0
+
+
+def _env_number(name: str, default: float) -> float:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise SandboxUnavailable(f"{name}={text!r} is not a number") from None
+    if value <= 0:
+        raise SandboxUnavailable(f"{name}={text!r} must be above 0")
+    return value
+
+
+@dataclass(frozen=True)
+class ServerKey:
+    python: str
+    handlers: str  # the snapshot's path: a new one when the handlers change
+    network: bool
+
+
+@dataclass(frozen=True)
+class RootSpec:
+    """What the server's root holds: read-only binds (host path, path inside) and symlinks."""
+
+    binds: tuple[tuple[str, str], ...]
+    symlinks: tuple[tuple[str, str], ...]
+    seccomp: str | None
+
+
+class Server:
+    """One running fork server (its process, control socket and counters)."""
+
+    def __init__(self, key: ServerKey, root: RootSpec, max_jobs: int, max_seconds: float) -> None:
+        self.key = key
+        self.max_jobs = max_jobs
+        self.deadline = time.monotonic() + max_seconds
+        self.jobs = 0
+        self.live = 0
+        self.retired = False
+        self._lock = threading.Lock()
+        self._mountpoint = _workspace.create()  # the server's tmpfs root (in its namespace only)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        config = {
+            "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint), "workspaces": str(_workspace.root()),
+            "binds": [list(b) for b in root.binds], "symlinks": [list(s) for s in root.symlinks],
+            "seccomp": root.seccomp, "prewarm": list(PREWARM),
+        }
+        debug = os.environ.get("FLEETLESS_FORKSERVER_STDERR")  # a file for the server's tracebacks
+        try:
+            err = open(debug, "ab") if debug else None
+            self.proc = subprocess.Popen(
+                [key.python, "-s", SERVER, json.dumps(config)], env={}, cwd="/", pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=err or subprocess.DEVNULL, start_new_session=True)
+            if err is not None:
+                err.close()
+        except OSError as exc:
+            ours.close()
+            _workspace.remove(self._mountpoint)
+            raise SandboxUnavailable(f"cannot start the fork server: {exc}") from None
+        finally:
+            theirs.close()
+        self._sock = ours
+        ours.settimeout(START_TIMEOUT)
+        try:
+            answer = ours.recv(4096)
+        except OSError as exc:
+            answer = f"error {exc}".encode()
+        ours.settimeout(None)
+        if answer != b"ready":
+            self.close()
+            said = answer.decode(errors="replace").removeprefix("error ") or "it exited"
+            raise SandboxUnavailable(f"the fork server did not start: {said}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def fork(self, job_sock: socket.socket, cgroup_procs: list[str]) -> int:
+        """A fresh job init, in the cgroups of ``cgroup_procs`` before anything runs; its pidfd."""
+        fds = [job_sock.fileno()]
+        try:
+            for path in cgroup_procs:
+                fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+            with self._lock:
+                if self.retired and self.live == 0:
+                    raise SandboxUnavailable("the fork server was retired")
+                self.jobs += 1
+                self.live += 1
+                try:
+                    socket.send_fds(self._sock, [b"fork"], fds)
+                    msg, got, _, _ = socket.recv_fds(self._sock, 4096, 1)
+                except OSError as exc:
+                    self.live -= 1
+                    raise SandboxUnavailable(f"the fork server is gone: {exc}") from None
+                if msg != b"ok" or len(got) != 1:
+                    for fd in got:
+                        os.close(fd)
+                    self.live -= 1
+                    said = msg.decode(errors="replace").removeprefix("error ") or "it exited"
+                    raise SandboxUnavailable(f"the fork server cannot fork: {said}")
+                if self.jobs >= self.max_jobs or time.monotonic() >= self.deadline:
+                    self.retired = True
+                return got[0]
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
+
+    def done(self) -> None:
+        """One of its jobs is dead; a retired server with none left is closed."""
+        with self._lock:
+            self.live -= 1
+            last = self.retired and self.live <= 0
+        if last:
+            self.close()
+
+    def retire(self) -> None:
+        with self._lock:
+            self.retired = True
+            last = self.live <= 0
+        if last:
+            self.close()
+
+    def usable(self) -> bool:
+        return not self.retired and self.proc.poll() is None and time.monotonic() < self.deadline
+
+    def close(self) -> None:
+        """Close its socket (it kills what is left of its jobs and exits) and wait for it."""
+        with self._lock:
+            self.retired = True
+            sock, self._sock = getattr(self, "_sock", None), None  # type: ignore[assignment]
+        if sock is not None:
+            sock.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        _workspace.remove(self._mountpoint)
+
+
+_servers_lock = threading.Lock()
+_servers: dict[ServerKey, Server] = {}
+_all: list[Server] = []
+
+
+def server_for(key: ServerKey, root: RootSpec) -> Server:
+    """The current server for ``key``: started on first use and after its predecessor retired.
+    A server for other handlers of the same interpreter and network (they changed) is retired."""
+    max_jobs = int(_env_number(JOBS_ENV, DEFAULT_JOBS))
+    max_seconds = _env_number(SECONDS_ENV, DEFAULT_SECONDS)
+    with _servers_lock:
+        current = _servers.get(key)
+        if current is not None and current.usable():
+            return current
+        for other_key, other in list(_servers.items()):
+            if other is current or (other_key.python == key.python and other_key.network == key.network):
+                del _servers[other_key]
+                other.retire()
+        server = Server(key, root, max_jobs, max_seconds)
+        _servers[key] = server
+        _all.append(server)
+        _all[:] = [s for s in _all if s.proc.poll() is None]
+        return server
+
+
+def running() -> list[Server]:
+    """The servers of this drainer process that still run (for tests and ``doctor``)."""
+    with _servers_lock:
+        return [s for s in _all if s.proc.poll() is None]
+
+
+@atexit.register
+def close_all() -> None:
+    with _servers_lock:
+        servers, _all[:] = list(_all), []
+        _servers.clear()
+    for server in servers:
+        server.close()

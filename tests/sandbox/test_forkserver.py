@@ -1,0 +1,271 @@
+"""The ``forkserver`` tier through real drains: jobs keep the handler contract and their isolation,
+and the fork server itself leaks nothing from one job to the next (issue 11).
+
+Every outcome is read from the table; what the fork server is asserted on beside that (how many
+servers ran) is read from the drainer process's client, which started them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.sandbox import Limits
+from fleetless.sandbox.forkserver import client
+
+from proctools import pids_with
+
+MiB = 1024 * 1024
+pytestmark = pytest.mark.usefixtures("private_workdir")
+
+
+@pytest.fixture(autouse=True)
+def _tier(require_tier) -> None:
+    require_tier("forkserver")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_servers():
+    """Each test starts without a server of an earlier test, and leaves none running."""
+    client.close_all()
+    yield
+    client.close_all()
+
+
+def _drain(queue: Queue, handlers_dir: Path, concurrency: int = 1, **limits: object) -> None:
+    lim = Limits(**{"memory_bytes": 256 * MiB, **limits})  # type: ignore[arg-type]
+    Drainer(queue, DrainConfig(handlers_dir=handlers_dir, sandbox="forkserver", concurrency=concurrency,
+                               timeout=60, limits=lim)).run()
+
+
+def _rows(sql) -> dict[int, tuple]:
+    return {r[0]: r[1:] for r in sql("SELECT id, status, result, last_error FROM fleetless.jobs")}
+
+
+def test_jobs_keep_the_handler_contract_through_the_fork_server(queue: Queue, handlers, sql) -> None:
+    """``python3 handler.py payload.json``: __main__, argv, cwd and HOME, the exact environment, exit
+    codes, atexit, SystemExit with a message, an uncaught exception, a signal, KeyboardInterrupt,
+    stdout and stderr, a timeout; and a non-Python handler run by exec."""
+    h = handlers(**{"contract.py": """
+        import atexit, json, os, sys
+        p = json.load(open(sys.argv[1]))
+        atexit.register(lambda: print("atexit ran"))
+        assert __name__ == "__main__" and sys.argv == ["/handlers/contract.py", "/workspace/payload.json"]
+        assert os.getcwd() == os.environ["HOME"] == "/workspace" and sys.path[0] == "/handlers"
+        print(p["n"] * 2, " ".join(sorted(os.environ)), os.getpid(), os.uname().nodename)
+    """, "code.py": "import sys; print('partial'); sys.exit(3)",
+        "message.py": "raise SystemExit('bad input')",
+        "boom.py": "raise ValueError('no good')",
+        "term.py": "import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
+        "interrupt.py": "raise KeyboardInterrupt",
+        "hang.py": "import time; time.sleep(600)",
+        "shell": """
+        #!/bin/sh
+        echo "shell saw $(cat "$1") as $(id -u) in $(pwd)"
+        echo oops >/dev/stderr
+    """})
+    ok = queue.enqueue("contract", {"n": 21})
+    code = queue.enqueue("code", {}, max_attempts=1)
+    message = queue.enqueue("message", {}, max_attempts=1)
+    boom = queue.enqueue("boom", {}, max_attempts=1)
+    term = queue.enqueue("term", {}, max_attempts=1)
+    interrupt = queue.enqueue("interrupt", {}, max_attempts=1)
+    hung = queue.enqueue("hang", {}, max_attempts=1, timeout=2)
+    shell = queue.enqueue("shell", {"x": 1})
+    _drain(queue, h, concurrency=2)
+    rows = _rows(sql)
+    assert rows[ok] == (
+        "done", "42 FLEETLESS_ATTEMPT FLEETLESS_JOB_ID FLEETLESS_KIND HOME LANG PATH 2 fleetless\natexit ran\n", None)
+    assert rows[code][0] == "dead" and rows[code][2].startswith("exit code 3")
+    assert rows[message][0] == "dead" and rows[message][2].startswith("exit code 1: bad input")
+    assert rows[boom][0] == "dead" and "ValueError: no good" in rows[boom][2]
+    assert rows[boom][2].startswith("exit code 1")
+    assert rows[term][0] == "dead" and "SIGTERM" in rows[term][2]
+    assert rows[interrupt][0] == "dead" and "SIGINT" in rows[interrupt][2]
+    assert rows[hung][0] == "dead" and rows[hung][2].startswith("killed: timeout after 2 s")
+    assert rows[shell][0] == "done" and rows[shell][1].startswith('shell saw {"x": 1} as 20'), rows[shell]
+    assert rows[shell][1].endswith(" in /workspace\n")
+
+
+def test_a_job_scanning_its_own_memory_finds_no_earlier_jobs_payload(queue: Queue, handlers, sql) -> None:
+    """A secret in one job's payload (and in its memory, many times over) is nowhere in the memory
+    of a later job forked from the same server; the scan does find the later job's own secret."""
+    h = handlers(**{"holder.py": """
+        import json, sys
+        p = json.load(open(sys.argv[1]))
+        kept = [p["secret"] + " " * i for i in range(1000)]
+        print("held")
+    """, "scanner.py": """
+        import hashlib, json, re, sys
+        p = json.load(open(sys.argv[1]))
+        own = json.load(open(sys.argv[1]))["own"]  # a secret of its own, as a control
+        found = set()
+        with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+            for line in maps:
+                span, perms = line.split()[:2]
+                if "r" not in perms or "[vsyscall]" in line or "[vvar" in line:
+                    continue
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                try:
+                    mem.seek(lo)
+                    data = mem.read(hi - lo)
+                except OSError:
+                    continue
+                for m in re.finditer(rb"FLEETLESS-SECRET-[0-9a-f]{32}", data):
+                    found.add(hashlib.sha256(m.group()).hexdigest())
+        print(json.dumps({"earlier": p["earlier"] in found, "own": hashlib.sha256(own.encode()).hexdigest() in found}))
+    """})
+    secret = f"FLEETLESS-SECRET-{uuid.uuid4().hex}"
+    digest = __import__("hashlib").sha256(secret.encode()).hexdigest()
+    first = queue.enqueue("holder", {"secret": secret})
+    _drain(queue, h)
+    scanner = queue.enqueue("scanner", {"earlier": digest, "own": f"FLEETLESS-SECRET-{uuid.uuid4().hex}"})
+    _drain(queue, h)  # the same drainer process: the same fork server
+    rows = _rows(sql)
+    assert rows[first][:2] == ("done", "held\n")
+    assert rows[scanner][0] == "done", rows[scanner]
+    assert json.loads(rows[scanner][1]) == {"earlier": False, "own": True}
+    assert len(client.running()) == 1
+
+
+def test_a_job_cannot_find_the_drainers_environment(queue: Queue, handlers, sql,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing of the drainer's environment is in the job's environment, in the environment or
+    command line of any process it can see, or in its own memory."""
+    marker = f"drainer-secret-{uuid.uuid4().hex}"
+    monkeypatch.setenv("FLEETLESS_TEST_SECRET", marker)
+    h = handlers(**{"look.py": """
+        import json, os, sys
+        marker = json.load(open(sys.argv[1]))["m"][::-1]
+        where = [k for k, v in os.environ.items() if marker in v]
+        seen = 0
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            seen += 1
+            for name in ("environ", "cmdline"):
+                try:
+                    if marker.encode() in open(f"/proc/{pid}/{name}", "rb").read():
+                        where.append(f"{pid}/{name}")
+                except OSError:
+                    pass
+        with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+            hits = 0
+            for line in maps:
+                span, perms = line.split()[:2]
+                if "r" not in perms or "[v" in line:
+                    continue
+                lo, hi = (int(x, 16) for x in span.split("-"))
+                try:
+                    mem.seek(lo)
+                    hits += mem.read(hi - lo).count(marker.encode())
+                except OSError:
+                    pass
+        print(json.dumps({"where": where, "processes": seen, "in_memory": hits}))
+    """})
+    job = queue.enqueue("look", {"m": marker[::-1]})
+    _drain(queue, h)
+    status, result, _ = _rows(sql)[job]
+    assert status == "done"
+    found = json.loads(result)
+    # the only processes it sees are its init and itself; the marker is only its own copy
+    assert found["where"] == [] and found["processes"] == 2 and found["in_memory"] <= 2
+
+
+def test_a_jobs_setsid_daemon_dies_with_it(queue: Queue, handlers, sql) -> None:
+    marker = f"fleetless-daemon-{uuid.uuid4().hex}"
+    h = handlers(**{"daemon.py": """
+        import json, os, subprocess, sys
+        m = json.load(open(sys.argv[1]))["m"]
+        subprocess.Popen([sys.executable, "-c", "import os, time; os.fork() or time.sleep(600); time.sleep(600)", m],
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print("left a daemon")
+    """})
+    job = queue.enqueue("daemon", {"m": marker})
+    _drain(queue, h)
+    assert _rows(sql)[job][:2] == ("done", "left a daemon\n")
+    assert pids_with(marker) == []
+
+
+def test_memory_and_pids_caps_and_the_timeout_kill_the_job(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"eat.py": "x = bytearray(1024 * 1024 * 1024); x[::4096] = b'x' * len(x[::4096])",
+                    "forks.py": """
+        import os, time
+        while True:
+            if os.fork() == 0:
+                time.sleep(60)
+    """, "spin.py": "while True: pass"})
+    eat = queue.enqueue("eat", {}, max_attempts=1)
+    forks = queue.enqueue("forks", {}, max_attempts=1, timeout=20)
+    spin = queue.enqueue("spin", {}, max_attempts=1, timeout=2)
+    _drain(queue, h, memory_bytes=128 * MiB, pids=16)
+    rows = _rows(sql)
+    assert rows[eat][0] == "dead" and rows[eat][2].startswith("killed: memory limit 128 MiB exceeded"), rows[eat]
+    assert rows[forks][0] == "dead" and rows[forks][2].startswith("killed: pids limit 16 reached"), rows[forks]
+    assert rows[spin][0] == "dead" and rows[spin][2].startswith("killed: timeout after 2 s"), rows[spin]
+
+
+def test_concurrent_jobs_run_as_distinct_uids_never_root(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"who.py": """
+        import json, os, time
+        start = time.time()
+        time.sleep(1.5)
+        print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+                          "caps": [l.split()[1] for l in open("/proc/self/status") if l.startswith("Cap")],
+                          "nnp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("NoNewPrivs")],
+                          "seccomp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")],
+                          "span": [start, time.time()]}))
+    """})
+    jobs = [queue.enqueue("who", {}) for _ in range(4)]
+    _drain(queue, h, concurrency=2)
+    rows = _rows(sql)
+    got = [json.loads(rows[j][1]) for j in jobs]
+    for g in got:
+        assert g["uid"] == g["gid"] and g["uid"] not in (0, os.getuid()) and g["groups"] == []
+        assert set(g["caps"]) == {"0000000000000000"} | ({g["caps"][3]} if len(g["caps"]) > 3 else set())
+        assert g["caps"][:3] == ["0000000000000000"] * 3  # inheritable, permitted, effective
+        assert g["nnp"] == ["1"] and g["seccomp"] == ["2"]
+    overlapping = [(a, b) for i, a in enumerate(got) for b in got[i + 1:]
+                   if a["span"][0] < b["span"][1] and b["span"][0] < a["span"][1]]
+    assert overlapping, "no two jobs ran at once"
+    assert all(a["uid"] != b["uid"] for a, b in overlapping)
+
+
+_SERVER_ID = """
+    import json, sys
+    print(id(sys.modules["json"]), VERSION)  # the server's address layout: the same for its children
+"""
+
+
+def test_the_server_is_replaced_after_n_jobs_and_when_the_handlers_change(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(client.JOBS_ENV, "2")
+    h = handlers(**{"which.py": _SERVER_ID.replace("VERSION", "1")})
+    first = [queue.enqueue("which", {}) for _ in range(5)]
+    _drain(queue, h)
+    rows = _rows(sql)
+    ids = [rows[j][1].split()[0] for j in first]
+    assert all(rows[j][0] == "done" and rows[j][1].split()[1] == "1" for j in first)
+    assert ids[0] == ids[1] != ids[2] == ids[3] != ids[4]  # two jobs per server
+    assert len(client.running()) == 1  # the retired ones exited
+    monkeypatch.setenv(client.JOBS_ENV, "100")
+    queue.enqueue("which", {})
+    _drain(queue, h)  # the last server's second job: it retires
+    again = queue.enqueue("which", {})
+    _drain(queue, h)  # unchanged handlers, a server with room: the same one
+    same = queue.enqueue("which", {})
+    _drain(queue, h)
+    handlers(**{"which.py": _SERVER_ID.replace("VERSION", "2")})
+    changed = queue.enqueue("which", {})
+    _drain(queue, h)
+    rows = _rows(sql)
+    assert rows[again][1].split()[0] == rows[same][1].split()[0]
+    assert rows[changed][1].split() != rows[same][1].split() and rows[changed][1].split()[1] == "2"
+    assert rows[changed][1].split()[0] != rows[same][1].split()[0]
+    assert len(client.running()) == 1
