@@ -1,0 +1,206 @@
+"""Batch mode's durability on every sandbox tier (process, bwrap, microvm): a drainer SIGKILLed
+between its jobs' ends and the flush, a reaped batch's late finish, two drainers racing, a fork
+bomb inside a batch, and a long batch's leases.
+
+Nothing here looks inside the sandbox (bwrap and the microVM see none of the host's files but the
+handlers): what the tests wait for is seen from the drainer's side (its completer received an
+outcome) or read in the table. The microVM runs under software emulation on CI hosts: its cases
+are small and the timeouts generous."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+
+from proctools import wait_for
+
+pytestmark = pytest.mark.usefixtures("private_workdir")
+TIERS = ["process", "bwrap", "microvm"]
+SQL = Callable[..., list[Any]]
+#: Seconds to wait for what a drain does: a microVM boots a kernel per sandbox under TCG.
+SLOW = {"process": 60.0, "bwrap": 60.0, "microvm": 600.0}
+
+MODULE = """
+    import os, time
+    INTERPRETER = os.urandom(8).hex()  # one per import: which jobs shared an interpreter
+    def handle(payload):
+        if payload.get("bomb"):
+            while True:
+                os.fork()
+        if payload.get("sleep"):
+            time.sleep(payload["sleep"])
+        return {"n": payload["n"], "interpreter": INTERPRETER}
+"""
+
+#: A drainer in its own process that touches ``<marks>/<job id>`` when its completer has received
+#: the job's outcome (buffered, not yet written): the moment between a job's end and the flush.
+DRAINER = """
+    import sys
+    from pathlib import Path
+    from fleetless import Queue, completer
+    from fleetless.drainer import DrainConfig, Drainer
+    dsn, handlers, marks, tier = sys.argv[1:5]
+    add = completer.Completer.add
+    def marked(self, job, outcome):
+        add(self, job, outcome)
+        Path(marks, str(job.id)).touch()
+    completer.Completer.add = marked
+    Drainer(Queue(dsn), DrainConfig(handlers_dir=Path(handlers), sandbox=tier, {config})).run()
+"""
+
+
+def _drainer(dsn: str, h: Path, marks: Path, tier: str, config: str) -> subprocess.Popen[bytes]:
+    code = textwrap.dedent(DRAINER).replace("{config}", config)
+    return subprocess.Popen([sys.executable, "-c", code, dsn, str(h), str(marks), tier], env={**os.environ})
+
+
+def _status(sql: SQL, ids: list[int]) -> list[tuple[Any, ...]]:
+    return sql("SELECT status, attempts, count(*) FROM fleetless.jobs WHERE id = ANY(%s) GROUP BY 1, 2"
+               " ORDER BY 1, 2", ids)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_sigkill_between_the_jobs_end_and_the_flush_runs_them_again(
+        tier: str, dsn: str, queue: Queue, handlers, sql: SQL, tmp_path: Path, require_tier) -> None:
+    """Nothing was acknowledged: the rows stay running under the dead drainer's claim, are
+    reaped once its leases lapse (nobody renews them) and run again: at least once, never lost."""
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    ids = queue.enqueue_many([{"kind": "mod", "payload": {"n": i}, "timeout": 1} for i in range(4)])
+    # watch mode keeps the drainer alive once the batch is done; the flush timer never fires
+    proc = _drainer(dsn, h, marks, tier, "per_sandbox=4, concurrency=1, lease_grace=3, watch=True,"
+                                         " flush_interval=3600, flush_size=10**6")
+    try:
+        wait_for(lambda: len(list(marks.iterdir())) == 4, timeout=SLOW[tier],
+                 what="the drainer to hold every job's outcome")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert _status(sql, ids) == [("running", 1, 4)]  # ended, but nothing written
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE result_json IS NOT NULL") == [(0,)]
+    if tier == "microvm":  # its lease carries a minute of boot allowance: reap as if it had lapsed
+        assert len(queue.reap(older_than=0)) == 4
+    else:
+        wait_for(lambda: queue.reap() and _status(sql, ids) == [("pending", 1, 4)], timeout=SLOW[tier],
+                 what="the dead drainer's leases to lapse and its batch to be reaped")
+    assert _status(sql, ids) == [("pending", 1, 4)]
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=4, concurrency=1)).run()
+    assert (summary.done, summary.fenced_out) == (4, 0)
+    assert _status(sql, ids) == [("done", 2, 4)]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_reaped_batchs_late_finish_is_fenced_out(tier: str, queue: Queue, handlers, sql: SQL,
+                                                   require_tier) -> None:
+    """The batch's outcomes reach the completer only after its claims were reaped and taken by
+    another drainer: the fenced write leaves the new owner's rows alone."""
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    queue.enqueue_many([("mod", {"n": i}) for i in range(3)])
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=3, concurrency=1))
+    arrived, go = threading.Event(), threading.Event()
+    record = drainer._record
+
+    def late(result: Any, *, flush: bool = True) -> None:
+        arrived.set()
+        go.wait(SLOW[tier])
+        record(result, flush=flush)
+
+    drainer._record = late  # type: ignore[method-assign]
+    done: list[Any] = []
+    t = threading.Thread(target=lambda: done.append(drainer.run()))
+    t.start()
+    other = Queue(queue.conninfo)
+    try:
+        assert arrived.wait(SLOW[tier]), "the batch did not end"
+        assert len(other.reap(older_than=0)) == 3  # as if the leases had lapsed
+        taken = other.claim(3)  # and another drainer took the jobs
+        assert len(taken) == 3
+    finally:
+        go.set()
+        t.join(SLOW[tier])
+        other.close()
+    assert done and (done[0].fenced_out, done[0].done) == (3, 0)
+    assert sorted(sql("SELECT status, claim_token::text, result_json FROM fleetless.jobs")) == sorted(
+        ("running", str(j.claim_token), None) for j in taken)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_two_batch_drainers_race_and_every_job_runs_once(tier: str, dsn: str, queue: Queue, handlers,
+                                                         sql: SQL, tmp_path: Path, require_tier) -> None:
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    n, per = (24, 4) if tier == "microvm" else (300, 25)
+    ids = queue.enqueue_many([("mod", {"n": i}) for i in range(n)])
+    procs = [_drainer(dsn, h, tmp_path, tier, f"per_sandbox={per}, concurrency=2") for _ in range(2)]
+    for p in procs:
+        assert p.wait(SLOW[tier] * 5) == 0
+    assert _status(sql, ids) == [("done", 1, n)]
+    # one attempt each in the history, and each result is the job's own
+    assert sql("SELECT count(DISTINCT job_id), count(*) FROM fleetless.job_attempts") == [(n, n)]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE (result_json->>'n')::int = (payload->>'n')::int") == [(n,)]
+    # both drainers took part
+    assert len({r[0] for r in sql("SELECT DISTINCT pid FROM fleetless.job_attempts")}) == 2
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_fork_bomb_inside_a_batch_fails_only_itself(tier: str, queue: Queue, handlers, sql: SQL,
+                                                      require_tier) -> None:
+    """The bomb's job is charged (dead: one attempt); its neighbours are done with their own
+    results, and no copy of the runner forked by the bomb reports for another job."""
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    payloads: list[dict[str, Any]] = [{"n": 0}, {"n": 1}, {"n": 2, "bomb": True}, {"n": 3}, {"n": 4}]
+    ids = queue.enqueue_many([{"kind": "mod", "payload": p, "max_attempts": 1, "timeout": 10} for p in payloads])
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=5, concurrency=1,
+                                         timeout=10)).run()
+    rows = dict(sql("SELECT id, status FROM fleetless.jobs"))
+    assert [rows[i] for i in ids] == ["done", "done", "dead", "done", "done"]
+    results = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done'"))
+    assert [results[ids[i]]["n"] for i in (0, 1, 3, 4)] == [0, 1, 3, 4]
+    assert sql("SELECT attempts, count(*) FROM fleetless.jobs GROUP BY 1") == [(1, 5)]
+    assert (summary.done, summary.dead, summary.fenced_out) == (4, 1, 0)
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap"])  # a microVM's lease carries a minute of boot allowance
+def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(tier: str, queue: Queue, handlers, sql: SQL,
+                                                               require_tier) -> None:
+    """Each job's lease is its 1 s timeout plus 3 s of grace; the batch takes far longer, and a
+    reaper running all along finds nothing to reap."""
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    queue.enqueue_many([{"kind": "mod", "payload": {"n": i, "sleep": 0.5}, "timeout": 1} for i in range(12)])
+    stop = threading.Event()
+    reaped: list[int] = []
+
+    def reaper() -> None:
+        q = Queue(queue.conninfo)
+        while not stop.is_set():
+            reaped.extend(q.reap())
+            stop.wait(0.1)
+        q.close()
+
+    t = threading.Thread(target=reaper)
+    t.start()
+    try:
+        Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=12, concurrency=1,
+                                   lease_grace=3)).run()
+    finally:
+        stop.set()
+        t.join()
+    assert reaped == []
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 12)]
