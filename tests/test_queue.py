@@ -365,6 +365,31 @@ def test_enqueue_notifies_watchers_in_its_own_transaction(queue: Queue, dsn: str
     listener.close()
 
 
+def test_a_queues_own_direct_connection_prepares_the_single_enqueue_and_nothing_else(
+        queue: Queue, dsn: str, sql) -> None:
+    """Preparing halves the server's work for a one-row INSERT (bench/run.py --only enqueue). Only
+    the enqueue asks for it, and only on the queue's own connection once it is known to reach
+    the server directly; through a transaction pooler nothing is prepared
+    (test_pooler.test_the_same_queries_from_several_clients_never_trip_over_prepared_statements)."""
+    q = Queue(dsn)
+    try:
+        for i in range(8):
+            q.enqueue("k", {"i": i})
+        (job,) = q.claim(1)
+        assert q.complete(job, "ok")
+        q.stats()
+        with q._connection() as c:
+            prepared = [r[0] for r in c.execute("SELECT statement FROM pg_prepared_statements")]
+        assert len(prepared) == 1 and "INSERT INTO" in prepared[0] and "pg_notify" in prepared[0]
+        with psycopg.connect(dsn, prepare_threshold=None) as caller:  # the caller decides on its own
+            for i in range(8):
+                q.enqueue("k", {"mine": i}, conn=caller)
+            assert caller.execute("SELECT count(*) FROM pg_prepared_statements").fetchone() == (0,)
+    finally:
+        q.close()
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(16,)]
+
+
 def test_queue_reads_database_url_and_fleetless_schema_as_the_cli_does(
         dsn: str, sql, fleetless, monkeypatch: pytest.MonkeyPatch) -> None:
     """An app with FLEETLESS_SCHEMA=t10 writes where `fleetless status` (same environment) reads."""

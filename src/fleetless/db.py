@@ -142,6 +142,25 @@ def connect(dsn: str, **kwargs: Any) -> psycopg.Connection[Any]:
         raise DatabaseUnavailable(f"cannot connect to the database: {_first_line(exc)}") from None
 
 
+#: ``prepare_threshold`` of a connection known to be a session of its own: nothing is prepared
+#: unless a call asks for it (``prepare=True``), as the enqueue does.
+PREPARE_ON_REQUEST = 2**31
+
+
+def prepare_on_request(conn: psycopg.Connection[Any]) -> bool:
+    """Let statements that ask for it be prepared on ``conn`` when it is its server's session
+    of its own (no pooler in between: the protocol's backend pid is the server's
+    ``pg_backend_pid()``). One round trip; False, and nothing changed, behind a pooler, where a
+    prepared statement may be missing on the next server connection. Preparing halves the
+    server's work for a one-row statement: a single enqueue, 0.61 -> 0.82 of a raw prepared
+    INSERT (bench/run.py --only enqueue)."""
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    if row is None or row[0] != conn.info.backend_pid:
+        return False
+    conn.prepare_threshold = PREPARE_ON_REQUEST
+    return True
+
+
 @contextmanager
 def atomic(conn: psycopg.Connection[Any]) -> Iterator[None]:
     """A block that is all or none and belongs to the caller's transaction when there is one.

@@ -132,6 +132,8 @@ class Queue:
             db_ if isinstance(db_, psycopg.Connection) else None
         )
         self._owns_conn = self._dsn is not None
+        self._checked: psycopg.Connection[Any] | None = None  # the own connection _preparable looked at
+        self._may_prepare = False
         self._lock = threading.RLock()
         self.max_payload_bytes = max_payload_bytes
         #: The NOTIFY channel of this schema: every enqueue notifies it in its own transaction.
@@ -158,6 +160,17 @@ class Queue:
                 if self._owns_conn:  # a broken connection: the next call reconnects
                     self._conn.close()
                 raise
+
+    def _preparable(self, conn: psycopg.Connection[Any]) -> bool:
+        """Whether a hot statement may be prepared on ``conn``: only on the queue's own connection,
+        once it is known to be a server session of its own (never a caller's connection or a
+        pool's, which may go through a transaction pooler)."""
+        if conn is not self._conn or not self._owns_conn:
+            return False
+        if self._checked is not conn:
+            self._may_prepare = db.prepare_on_request(conn)
+            self._checked = conn
+        return self._may_prepare
 
     def _run(
         self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None,
@@ -277,7 +290,9 @@ class Queue:
             queue=queue, priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
         )
         if key is None:
-            return int(self._run("enqueue", {**params, "channel": self.channel}, conn)[0]["id"])
+            with db.errors_translated(self.schema), self._connection(conn) as c:
+                prepare = True if self._preparable(c) else None
+                return int(self._run("enqueue", {**params, "channel": self.channel}, c, prepare=prepare)[0]["id"])
         with self._connection(conn) as c:
             return self._enqueue_keyed(c, params)
 

@@ -4,15 +4,13 @@
 -- name: enqueue
 -- One job. run_after: an explicit time wins, else now() + delay (0 when not given).
 -- The NOTIFY (payload: the job's queue) is part of the same statement and so of the enqueuing
--- transaction: watchers wake at its commit, and a rolled-back enqueue wakes no one.
-WITH job AS (
-  INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
-  VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
-          COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
-          %(queue)s, %(priority)s, %(timeout)s)
-  RETURNING id, queue
-)
-SELECT id, pg_notify(%(channel)s, queue) FROM job;
+-- transaction: watchers wake at its commit, and a rolled-back enqueue wakes no one. The queue's
+-- own connection prepares this statement when no pooler is in between (db.prepare_on_request).
+INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
+        COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
+        %(queue)s, %(priority)s, %(timeout)s)
+RETURNING id, pg_notify(%(channel)s, queue);
 
 -- name: enqueue_keyed
 -- One job with a key: at most one pending or running job per key (the partial unique index
