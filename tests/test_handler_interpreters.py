@@ -296,3 +296,40 @@ def test_an_interpreter_the_jobs_uid_cannot_execute_is_not_claimed_and_spends_no
             f"cannot execute it (mode 0700, owner uid 0)"]), r.stderr
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the unprivileged job uids exist under a root drainer only")
+def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_bwrap_handlers_interpreter(
+        dsn: str, queue: Queue, sql, require_tier) -> None:
+    """fleetless run by root from a virtual environment inside a directory only root may search
+    (as a venv in /root, mode 0700): bwrap jobs, which run as unprivileged uids, still run under it
+    and import the app's packages from it (each launcher binds it back in a mount namespace of its
+    own), and see nothing else of that directory. Before, .py handlers ran under /usr/bin/python3."""
+    require_tier("bwrap")
+    private = Path(tempfile.mkdtemp(prefix="fleetless-rootonly-"))  # 0700, like /root
+    outside = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
+    try:
+        assert private.stat().st_mode & 0o777 == 0o700
+        python = _app_venv(private)  # (makes its venv a+rX: what matters is the 0700 directory above)
+        private.chmod(0o700)
+        (private / "secret").write_text("root's own\n")
+        outside.chmod(0o755)
+        h = outside / "handlers"
+        h.mkdir(mode=0o755)
+        (h / "bill.py").write_text(
+            "import invoicing, json, os, sys\n"
+            "try:\n    seen = sorted(os.listdir(os.path.dirname(sys.prefix)))\n"
+            "except OSError as exc:\n    seen = type(exc).__name__\n"
+            "print(sys.executable, invoicing.total(json.load(open(sys.argv[1]))['lines']), seen, os.getuid())\n")
+        (h / "bill.py").chmod(0o644)
+        job = queue.enqueue("bill", {"lines": [1, 2, 39]}, max_attempts=1)
+        work = outside / "work"
+        work.mkdir(mode=0o711)
+        r = _drain_under(python, dsn, h, work, "bwrap")
+        assert r.returncode == 0, r.stderr
+        assert "handlers run under /usr/bin/python3" not in r.stderr
+        (status, result, error), = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", job)
+        assert (status, error, result) == ("done", None, f"{python} 42 ['venv'] 65534\n")
+    finally:
+        for folder in (private, outside):
+            subprocess.run(["rm", "-rf", "--one-file-system", str(folder)], check=False)

@@ -265,10 +265,11 @@ def test_read_etc_shadow_and_root(tier: str, poison: Poison) -> None:
 def _interpreter_entries(top: str) -> set[str]:
     """What of ``top`` a bwrap job sees: the first step towards each path bound for the default
     handler interpreter (its prefixes, its virtual environment, an editable install's source)."""
-    from fleetless.sandbox import default_python
-    from fleetless.sandbox.bwrap import interpreter_paths
+    from fleetless.sandbox import Template
+    from fleetless.sandbox.bwrap import BwrapSandbox, interpreter_paths
 
-    return {p[len(top) + 1:].split("/")[0] for p in interpreter_paths(default_python())
+    python = BwrapSandbox.handler_python(Template(Path("/")))
+    return {p[len(top) + 1:].split("/")[0] for p in interpreter_paths(python)
             if p.startswith(top + "/")}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, cgroups, default_python
+from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, cgroups
 from fleetless.sandbox import bwrap as bw
 from fleetless.sandbox.bwrap import BwrapSandbox, interpreter_paths
 
@@ -215,9 +215,9 @@ def test_cannot_read_host_secrets_or_drainer_environment(
     assert set(out["env"]) <= {*ENV, "HOME", "PWD", "LC_CTYPE"}, out["env"]
     # Of /root, /home and /work a job sees at most the way to the handlers' interpreter (its
     # prefix, its virtual environment, the source of an editable install), bound read-only.
+    bound = interpreter_paths(BwrapSandbox.handler_python(Template(folder)))
     for top in ("/root", "/home", "/work"):
-        shown = sorted({p[len(top) + 1:].split("/")[0] for p in interpreter_paths(default_python())
-                        if p.startswith(top + "/")})
+        shown = sorted({p[len(top) + 1:].split("/")[0] for p in bound if p.startswith(top + "/")})
         assert out[top] == (f"listed: {','.join(shown)}" if shown else "FileNotFoundError"), (top, out[top])
     assert out["/etc/shadow"] == "FileNotFoundError"
     assert out["/proc/1/environ"] in ("read, no secret", "PermissionError")

@@ -139,7 +139,9 @@ def assert_confined(out: dict[str, Any]) -> None:
     assert out["read /proc/timer_list (0400 root)"] in ("EACCES", "EPERM")
     assert out["mknod a device"] == "EPERM"
     assert out["pid1 cmdline"][:4] == ["./bwrap", "--args", "3", "--"], out["pid1 cmdline"]
-    assert not any(p.startswith(("/tmp", "/work", "/root", "/run")) for p in out["pid1 cmdline"][4:6])
+    # after "--" only the job's own argv: its interpreter (which the job runs anyway) and /handlers/…
+    assert out["pid1 cmdline"][5].startswith("/handlers/"), out["pid1 cmdline"]
+    assert not any(p.startswith(("/tmp/", "/work/", "/root/", "/run/")) for p in out["pid1 cmdline"][5:])
     assert out["pid1 environ"] == ""
     assert all({"nosuid", "nodev"} <= set(opts.split(",")) for opts in out["workspace mount"]), out
     assert out["own setuid copy runs as"] == "65534"  # nosuid and no_new_privs: no elevation inside
@@ -196,11 +198,15 @@ def test_concurrent_jobs_have_distinct_host_uids(handlers: Path, sandboxes: cont
 
 @root_only
 def test_a_handler_interpreter_only_root_can_reach_is_one_clear_error(handlers: Path, tmp_path: Path) -> None:
+    """An interpreter whose own directory other users may not read (a 0700 venv) cannot be bound
+    for the job's uid: one clear error before anything runs. (One merely *under* a directory only
+    root may search is bound back: test_handler_interpreters.py's root-only venv test.)"""
     hidden = tmp_path / "hidden"
     hidden.mkdir(mode=0o700)
-    (hidden / "python").symlink_to("/usr/bin/python3")  # realpath is under /usr; the path is not
-    with pytest.raises(SandboxUnavailable, match=r"cannot be reached by the unprivileged job uids: .* not searchable"):
-        BwrapSandbox.create(Template(handlers, Limits(), ENV, python=str(hidden / "python")))
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(hidden / "venv")], check=True)
+    (hidden / "venv").chmod(0o700)
+    with pytest.raises(SandboxUnavailable, match=r"venv is not readable by other users"):
+        BwrapSandbox.create(Template(handlers, Limits(), ENV, python=str(hidden / "venv" / "bin" / "python")))
 
 
 NONROOT = """

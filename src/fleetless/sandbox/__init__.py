@@ -249,14 +249,15 @@ def jobs_cannot_reach(path: str) -> str | None:
 _passed_over: set[str] = set()
 
 
-def default_python() -> str:
+def default_python(binds_blocked: bool = False) -> str:
     """The interpreter ``.py`` handlers run with by default on the host's tiers: the one fleetless
     itself runs under (``sys.executable``: the app's virtual environment, so a handler imports
     what the app imports), else the system's python3. Under a root drainer, an own interpreter
     the unprivileged job uids cannot reach (a virtual environment under /root) is passed over,
-    said once in a log line."""
+    said once in a log line, unless the tier makes it reachable (``binds_blocked``: bwrap binds
+    it into each job's view however deep under /root it is)."""
     own = sys.executable
-    blocked = jobs_cannot_reach(own) if own else None
+    blocked = jobs_cannot_reach(own) if own and not binds_blocked else None
     if own and blocked is not None and own not in _passed_over:
         _passed_over.add(own)
         logging.getLogger("fleetless.sandbox").warning(

@@ -280,15 +280,82 @@ _checked_paths: set[tuple[str, str]] = set()
 
 def _require_job_paths(python: str) -> None:
     """Under a root drainer bwrap runs as the job's uid and binds its sources by path as that uid:
-    the work directory must be searchable by other users, the interpreter's paths readable.
-    SandboxUnavailable naming the first that is not (checked once per pair)."""
+    the work directory must be searchable by other users, the interpreter's paths readable (their
+    parents need not be: see :func:`_view`). SandboxUnavailable naming the first that is not
+    (checked once per pair)."""
     key = (str(_workspace.root()), python)
     if key in _checked_paths:
         return
     _require_reachable(key[0], "the work directory (FLEETLESS_WORKDIR)", readable=False)
     for path in interpreter_paths(python):  # a file the job cannot execute: that kind is not claimed
-        _require_reachable(path, "the handler interpreter's", readable=not os.path.isfile(path))
+        real = os.path.realpath(path)  # what bwrap binds (it resolves every source)
+        if _blocked_at(real) is not None:
+            _require_reachable_itself(real, "the handler interpreter's")
+        else:
+            _require_reachable(real, "the handler interpreter's", readable=not os.path.isfile(real))
     _checked_paths.add(key)
+
+
+def _require_reachable_itself(path: str, what: str) -> None:
+    """SandboxUnavailable unless other users may read ``path`` (and search it, a directory) itself."""
+    mode = os.stat(path).st_mode
+    if os.path.isdir(path) and (mode & 0o005) != 0o005:
+        raise SandboxUnavailable(f"{what} {path} is not readable by other users (the unprivileged job uids)")
+
+
+# -- a root drainer's interpreter where the job uids cannot go ---------------------------------
+def _blocked_at(path: str) -> str | None:
+    """The first directory above ``path`` (the real one) that other users cannot search, under a
+    root drainer (whose bwrap, as the job's uid, resolves its bind sources by path); else None."""
+    if not _hostuid.needed():
+        return None
+    current = "/"
+    for part in Path(os.path.realpath(path)).parts[1:-1]:
+        current = os.path.join(current, part)
+        if not os.stat(current).st_mode & 0o001:
+            return current
+    return None
+
+
+_view_cache: dict[tuple[str, ...], str] = {}
+
+
+def _view(paths: Sequence[str]) -> str:
+    """Shell commands that, run as root at a launcher's start in a mount namespace of its own, make
+    each of ``paths`` (a root drainer's interpreter under ``/root``, mode 0700) reachable there by
+    the job's uid: each path is opened first, then every directory in the way is covered by a
+    small tmpfs (mode 0755) holding only the path, bound back from the open descriptor (the magic
+    link reaches it without searching the directory in the way). bwrap, now the job's uid, then
+    binds it read-only as any other; nothing changes on the host, and the namespace goes with the
+    launcher. "" when every path is reachable as it is (the usual case: no namespace, no cost)."""
+    blocked = {os.path.realpath(p): _blocked_at(p) for p in paths}
+    rescue = sorted((real, top) for real, top in blocked.items() if top is not None)
+    # one inside another is bound with it (and nothing is ever made inside a bound path)
+    rescue = [(real, top) for real, top in rescue if not any(o != real and _covered(real, [o]) for o, _ in rescue)]
+    key = tuple(real for real, _ in rescue)
+    cached = _view_cache.get(key)
+    if cached is not None:
+        return cached
+    tops = sorted({top for _, top in rescue if top is not None})
+    if len(tops) > 5:  # the launcher's shell has fds 5-9 for them
+        raise SandboxUnavailable(f"the handler interpreter's paths are under {len(tops)} directories the "
+                                 f"job uids cannot search ({', '.join(tops)}); at most 5 are bound back")
+    fd = {top: 5 + i for i, top in enumerate(tops)}
+    lines = []
+    if rescue:  # the directory in the way is opened first; its content is reached through the fd
+        lines.append("exec " + " ".join(f"{fd[top]}<{_quote(top)}" for top in tops) + " || exit 125")
+        for top in tops:
+            lines.append(f"mount -t tmpfs -o mode=0755,size=1m,nosuid,nodev fleetless-view {_quote(top)} || exit 125")
+        for real, top in rescue:
+            assert top is not None
+            source = f"/proc/self/fd/{fd[top]}/{os.path.relpath(real, top)}"
+            make = (f"mkdir -p {_quote(real)}" if os.path.isdir(real)
+                    else f"mkdir -p {_quote(os.path.dirname(real))} && : > {_quote(real)}")
+            lines.append(f"{make} && mount --no-canonicalize --rbind {_quote(source)} {_quote(real)} || exit 125")
+        lines.append("exec " + " ".join(f"{fd[top]}<&-" for top in tops))
+    view = "".join(line + "\n" for line in lines)
+    _view_cache[key] = view
+    return view
 
 
 # -- reporting what is enforced ----------------------------------------------------------------
@@ -354,6 +421,14 @@ def _exit_code(returncode: int) -> int:
 #: environment the job can read as /proc/1/environ, starts with an empty one.
 _SHIM_SCRIPT = 'nl=\'\n\'\nunset PWD\nread -r line || exit 125\neval "$line"\n'
 _SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
+
+
+def _shim(view: str) -> list[str]:
+    """The launcher's argv: with a ``view`` (:func:`_view`), in a mount namespace of its own."""
+    if not view:
+        return _SHIM
+    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", view + _SHIM_SCRIPT,
+            "fleetless-bwrap"]
 #: The launcher hands bwrap its options on this fd (the rest of its stdin, ``--args``) and the
 #: seccomp filter on the next (``--seccomp``).
 _FD_ARGS, _FD_SECCOMP = 3, 4
@@ -421,10 +496,11 @@ def _launch(
 class _Launcher:
     """A waiting launcher process and the (limit-less until taken) cgroups it is already in."""
 
-    def __init__(self, cgroup: cgroups.JobCgroup | None) -> None:
+    def __init__(self, cgroup: cgroups.JobCgroup | None, view: str = "") -> None:
         self.cgroup = cgroup
+        self.view = view
         self.proc = subprocess.Popen(
-            _SHIM,
+            _shim(view),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -454,9 +530,9 @@ class _Launcher:
             self.cgroup.remove()
 
     @classmethod
-    def fresh(cls, caps: cgroups.CgroupCaps) -> _Launcher:
+    def fresh(cls, caps: cgroups.CgroupCaps, view: str = "") -> _Launcher:
         """A launcher in new cgroups (where ``caps`` has any)."""
-        return cls(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
+        return cls(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None, view)
 
 
 class _Pool:
@@ -468,9 +544,14 @@ class _Pool:
         self._ready: list[_Launcher] = []
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._view = ""  # the view (:func:`_view`) of the launchers it makes: the last one taken
 
-    def take(self, caps: cgroups.CgroupCaps) -> _Launcher:
+    def take(self, caps: cgroups.CgroupCaps, view: str = "") -> _Launcher:
         with self._cond:
+            if view != self._view:  # another interpreter's view: the ready ones are of no use
+                stale, self._ready, self._view = self._ready, [], view
+                for old in stale:
+                    old.discard()
             launcher = self._ready.pop() if self._ready else None
             if self._thread is None and not self._closed and self.size > 0:
                 self._thread = threading.Thread(target=self._fill, name="fleetless-bwrap-pool", daemon=True)
@@ -480,7 +561,7 @@ class _Pool:
             return launcher
         if launcher is not None:
             launcher.discard()
-        return _Launcher.fresh(caps)
+        return _Launcher.fresh(caps, view)
 
     def _fill(self) -> None:
         while True:
@@ -490,16 +571,19 @@ class _Pool:
                 if self._closed:
                     return
             try:
-                launcher = _Launcher.fresh(cgroups.available())
+                view = self._view
+                launcher = _Launcher.fresh(cgroups.available(), view)
             except (OSError, SandboxUnavailable) as exc:
                 log.warning("bwrap launcher pool: %s", exc)
                 with self._cond:
                     self._cond.wait(timeout=5)
                 continue
             with self._cond:
-                if self._closed:
+                if self._closed or view != self._view:
                     launcher.discard()
-                    return
+                    if self._closed:
+                        return
+                    continue
                 self._ready.append(launcher)
 
     def close(self) -> None:
@@ -571,6 +655,7 @@ class BwrapSandbox(Sandbox):
         self._outer: Path | None = None
         self._workspace: Path | None = None
         self._lease: _hostuid.Lease | None = None
+        self._view = ""
         try:
             interp = interpreter_paths(self.python)
             etc = etc_dir(limits.network)
@@ -579,7 +664,8 @@ class BwrapSandbox(Sandbox):
                 _require_job_paths(self.python)
                 handlers = handlers_snapshot(handlers)  # the original may be root's alone
                 self._lease = _hostuid.lease()
-            self._launcher = _pool.take(cgroups.available())
+            self._view = _view([*interp, binary]) if self._lease is not None else ""
+            self._launcher = _pool.take(cgroups.available(), self._view)
             self._cgroup = self._launcher.cgroup
             if self._cgroup is not None:
                 # bwrap's monitor and its pid 1 count against pids.max too: the job gets ``pids``
@@ -603,8 +689,8 @@ class BwrapSandbox(Sandbox):
         options += ["--ro-bind", str(etc), "/etc"]
         # /tmp first: an interpreter bound from under /tmp (a venv there) must land on top of it
         options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
-        for path in interp:
-            options += ["--ro-bind", path, path]
+        for path in interp:  # a root drainer's by real path: the launcher's view binds that back
+            options += ["--ro-bind", path if self._lease is None else os.path.realpath(path), path]
         options += ["--ro-bind", str(handlers), HANDLERS]
         options += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
         self._binary = binary
@@ -622,7 +708,7 @@ class BwrapSandbox(Sandbox):
     def check_template(cls, template: Template) -> None:
         """Under a root drainer: the paths bwrap binds as the job's uid are reachable by it."""
         if _hostuid.needed():
-            _require_job_paths(template.python or default_python())
+            _require_job_paths(cls.handler_python(template))
             _hostuid.configured_range()
 
     @classmethod
@@ -633,17 +719,39 @@ class BwrapSandbox(Sandbox):
         "a job sees the host's /usr, /bin, /sbin and /lib only, plus the handler interpreter's prefix")
 
     @classmethod
+    def handler_python(cls, template: Template) -> str:
+        """``template.python``, else fleetless's own interpreter, also under a root drainer where
+        it lives under a directory the job uids cannot search (``/root``): the launcher's view
+        binds it back (:func:`_view`); else the system's (said once) when its own files are not
+        readable by other users either."""
+        if template.python:
+            return template.python
+        own = default_python(binds_blocked=True)
+        if _hostuid.needed():
+            try:
+                _require_job_paths(own)
+            except (SandboxUnavailable, OSError):
+                return default_python()
+        return own
+
+    @classmethod
     def has_program(cls, template: Template, path: str) -> bool:
         """On the host, inside what the sandbox binds (the system paths, or the paths of the
-        ``.py`` handlers' interpreter) and, under a root drainer, reachable by the job's uid."""
-        if not super().has_program(template, path) or jobs_cannot_reach(path) is not None:
+        ``.py`` handlers' interpreter, which a root drainer's launcher binds back wherever they
+        are) and, under a root drainer, reachable by the job's uid."""
+        if not super().has_program(template, path):
             return False
-        visible = [p for p in _SYSTEM_PATHS if os.path.lexists(p)]
+        real = os.path.realpath(path)
         try:
-            visible += interpreter_paths(cls.handler_python(template))
+            interp = interpreter_paths(cls.handler_python(template))
         except SandboxUnavailable:
-            pass
-        return _covered(path, visible) and _covered(os.path.realpath(path), visible)
+            interp = []
+        if _covered(path, interp) and _covered(real, interp):
+            return True
+        if jobs_cannot_reach(path) is not None:
+            return False
+        visible = [p for p in _SYSTEM_PATHS if os.path.lexists(p)] + interp
+        return _covered(path, visible) and _covered(real, visible)
 
     @classmethod
     def describe(cls) -> str:
@@ -717,7 +825,7 @@ class BwrapSandbox(Sandbox):
                 return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
             launcher, self._launcher = self._launcher, None
             if launcher is None:  # a second exec in this sandbox: a new launcher, same cgroups
-                launcher = _Launcher(self._cgroup)
+                launcher = _Launcher(self._cgroup, self._view)
             self._proc = proc = launcher.proc
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         if self._cgroup is not None:
