@@ -47,7 +47,7 @@ MODULE = """
 #: A drainer in its own process that touches ``<marks>/<job id>`` when its completer has received
 #: the job's outcome (buffered, not yet written): the moment between a job's end and the flush.
 DRAINER = """
-    import sys
+    import os, sys, time
     from pathlib import Path
     from fleetless import Queue, completer
     from fleetless.drainer import DrainConfig, Drainer
@@ -57,13 +57,19 @@ DRAINER = """
         add(self, job, outcome)
         Path(marks, str(job.id)).touch()
     completer.Completer.add = marked
+    if len(sys.argv) > 5:  # a barrier: claim only once this many drainers are ready to
+        Path(marks, f"ready-{os.getpid()}").touch()
+        while len(list(Path(marks).glob("ready-*"))) < int(sys.argv[5]):
+            time.sleep(0.01)
     Drainer(Queue(dsn), DrainConfig(handlers_dir=Path(handlers), sandbox=tier, {config})).run()
 """
 
 
-def _drainer(dsn: str, h: Path, marks: Path, tier: str, config: str) -> subprocess.Popen[bytes]:
+def _drainer(dsn: str, h: Path, marks: Path, tier: str, config: str, *, together: int = 0) -> subprocess.Popen[bytes]:
+    """``together``: start draining only once that many drainers sharing ``marks`` are ready."""
     code = textwrap.dedent(DRAINER).replace("{config}", config)
-    return subprocess.Popen([sys.executable, "-c", code, dsn, str(h), str(marks), tier], env={**os.environ})
+    return subprocess.Popen([sys.executable, "-c", code, dsn, str(h), str(marks), tier,
+                             *([str(together)] if together else [])], env={**os.environ})
 
 
 def _status(sql: SQL, ids: list[int]) -> list[tuple[Any, ...]]:
@@ -146,14 +152,14 @@ def test_two_batch_drainers_race_and_every_job_runs_once(tier: str, dsn: str, qu
     h = handlers(**{"mod.py": MODULE})
     n, per = (24, 4) if tier == "microvm" else (300, 25)
     ids = queue.enqueue_many([("mod", {"n": i}) for i in range(n)])
-    procs = [_drainer(dsn, h, tmp_path, tier, f"per_sandbox={per}, concurrency=2") for _ in range(2)]
+    procs = [_drainer(dsn, h, tmp_path, tier, f"per_sandbox={per}, concurrency=2", together=2) for _ in range(2)]
     for p in procs:
         assert p.wait(SLOW[tier] * 5) == 0
     assert _status(sql, ids) == [("done", 1, n)]
     # one attempt each in the history, and each result is the job's own
     assert sql("SELECT count(DISTINCT job_id), count(*) FROM fleetless.job_attempts") == [(n, n)]
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE (result_json->>'n')::int = (payload->>'n')::int") == [(n,)]
-    # both drainers took part
+    # both took part (they started claiming together)
     assert len({r[0] for r in sql("SELECT DISTINCT pid FROM fleetless.job_attempts")}) == 2
 
 
