@@ -845,6 +845,10 @@ class BwrapSandbox(Sandbox):
             except subprocess.TimeoutExpired:  # pipes closed but bwrap lingers (should not happen)
                 self._terminate()
                 proc.wait()
+            # exec returns only when the job's tree is gone: processes the kernel killed with the
+            # job's pid namespace are still listed in its groups until they have exited
+            if self._cgroup is not None and not self._cgroup.wait_empty():
+                log.warning("job processes still in cgroup %s after its bwrap exited", self._cgroup.name)
         finally:
             proc.stdout.close()
             proc.stderr.close()

@@ -435,6 +435,22 @@ class JobCgroup:
         except OSError as exc:
             log.debug("killing cgroup %s: %s", self.name, exc)
 
+    def wait_empty(self, wait_seconds: float = 5.0) -> bool:
+        """Kill what is left and wait until no process of the job is listed any more (a process
+        killed with its pid namespace stays in ``cgroup.procs`` until it has exited). True when
+        empty. Never raises."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            try:
+                if not self.pids():
+                    return True
+            except OSError:
+                return True  # the groups are gone
+            if time.monotonic() >= deadline:
+                return False
+            self.kill()
+            time.sleep(0.001)
+
     def remove(self, wait_seconds: float = 2.0) -> bool:
         """Kill whatever is left and remove every group. True if all are gone. Never raises."""
         if not self.dirs:

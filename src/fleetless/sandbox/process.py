@@ -287,9 +287,10 @@ class ProcessSandbox(Sandbox):
                           stdout_cut=captured.stdout_cut)
 
     def _kill_leftovers(self) -> None:
-        """Whatever of the job's tree outlived its supervisor (one that the job killed)."""
-        if self._cgroup is not None and self._cgroup.pids():
-            self._cgroup.kill()
+        """Whatever of the job's tree outlived its supervisor (one that the job killed): killed, and
+        waited for until its group lists no process (exec returns only when the tree is gone)."""
+        if self._cgroup is not None and not self._cgroup.wait_empty():
+            log.warning("job processes still in cgroup %s after its supervisor exited", self._cgroup.name)
 
     def _stop_supervisor(self) -> None:
         """Ask the supervisor to kill the job's tree and exit (it does at once)."""
