@@ -41,7 +41,7 @@ from .pills import GOOD, HANDLERS, Pill, pills
 from proctools import alive
 
 MiB = 1024 * 1024
-TIERS = ("process", "bwrap", "microvm")
+TIERS = ("process", "bwrap", "forkserver", "microvm")
 #: The limits of every poison drain: small, so that pills hit them fast.
 LIMITS = Limits(memory_bytes=256 * MiB, pids=64, cpus=1.0, file_size_bytes=64 * MiB, tmp_bytes=32 * MiB)
 GOOD_JOBS = 10

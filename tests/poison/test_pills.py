@@ -6,7 +6,8 @@ Every test states what the tier does with the pill: *contained* (killed or denie
 the job's row) or, where the tier cannot contain it, *not contained*: the test then asserts that
 the pill succeeded, and docs/isolation.md ("Poison pills") says so too. The process tier runs jobs
 as the drainer's user with the host's filesystem and network: it contains resources, the process
-tree and the environment, not files or the network.
+tree and the environment, not files or the network. The forkserver tier (a minimal root and fresh
+namespaces per job, like bwrap) answers every pill as bwrap does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from proctools import alive
 
 Poison = Callable[..., Outcome]
 ROOT = os.geteuid() == 0
+
+
+#: The tiers that build a minimal root and namespaces per job (the fork server: bwrap's view).
+NAMESPACED = ("bwrap", "forkserver")
 
 
 def _bwrap_has(controller: str) -> bool:
@@ -66,7 +71,7 @@ def test_memory_bomb(tier: str, poison: Poison) -> None:
     o.assert_contained()
     row = o["memory_bomb"]
     assert row.status == "dead" and row.result in (None, ""), row
-    if tier == "process" or (tier == "bwrap" and not _bwrap_has("memory")):
+    if tier == "process" or (tier in NAMESPACED and not _bwrap_has("memory")):
         assert row.last_error is not None and row.last_error.startswith("exit code 1: MemoryError\n"), row
         assert row.last_error.endswith("MemoryError"), row
     else:
@@ -84,14 +89,14 @@ def test_fork_bomb(tier: str, poison: Poison) -> None:
     refuses forks past 64 and the supervisor kills the tree at the timeout, worded as for bwrap.
     Where no pids cgroup is writable the process tier does not cap processes (docs/isolation.md):
     the test is skipped rather than run a fork bomb on the host."""
-    if tier == "bwrap" and not _bwrap_has("pids"):
+    if tier in NAMESPACED and not _bwrap_has("pids"):
         pytest.skip("bwrap without a writable pids cgroup does not cap processes (docs/isolation.md); "
                     "a fork bomb is not run on this host")
     o = poison("fork_bomb")
     o.assert_contained()
     row = o["fork_bomb"]
     assert row.status == "dead", row
-    if tier in ("bwrap", "process"):
+    if tier in (*NAMESPACED, "process"):
         assert row.last_error == f"killed: pids limit {LIMITS.pids} reached (timeout after 2 s)", row
     else:
         assert row.last_error == "killed: timeout after 2 s", row
@@ -222,10 +227,10 @@ def test_write_to_usr_and_the_handler_directory(tier: str, poison: Poison) -> No
         return
     own = "/handlers/write_system.py"
     planted = own.replace("write_system.py", "planted.py")
-    reason = "Read-only file system" if tier == "bwrap" else "Permission denied"
+    reason = "Read-only file system" if tier in NAMESPACED else "Permission denied"
     # a root drainer's bwrap job is an unprivileged uid and its handlers a 0444 snapshot: the mode
     # refuses the append before the read-only mount does
-    own_reason = "Permission denied" if tier == "bwrap" and ROOT else reason
+    own_reason = "Permission denied" if tier in NAMESPACED and ROOT else reason
     assert row.status == "dead", row
     assert lines == [f"{ctx.usr_file}: denied ({reason})", f"{planted}: denied ({reason})",
                      f"{own}: denied ({own_reason})"], row
@@ -252,12 +257,12 @@ def test_read_etc_shadow_and_root(tier: str, poison: Poison) -> None:
         assert row.status == "dead" and lines == ["/etc/shadow: denied (Permission denied)",
                                                   "/root: denied (Permission denied)"], row
         return
-    shown = _interpreter_entries("/root") if tier == "bwrap" else set()
+    shown = _interpreter_entries("/root") if tier in NAMESPACED else set()
     if shown:  # the handlers' interpreter lives under /root (pyenv): only the way to it is there
         assert lines == ["/etc/shadow: denied (No such file or directory)", f"/root: listed {len(shown)} entries"]
         assert row.status == "done", row
         return
-    root = "No such file or directory" if tier == "bwrap" else "Permission denied"
+    root = "No such file or directory" if tier in NAMESPACED else "Permission denied"
     assert lines == ["/etc/shadow: denied (No such file or directory)", f"/root: denied ({root})"], row
     assert (row.status, row.last_error) == ("dead", _failed_with(lines)), row
 
@@ -383,7 +388,7 @@ def test_look_for_a_way_off_the_machine(tier: str, poison: Poison) -> None:
     assert (row.status, row.last_error) == (
         "dead", _failed_with(["denied: no interface but lo, no route off the machine"])), row
     assert view["dev"] == ["lo"] and view["routes"] == [] and view["routes6"] == [], view
-    assert view["sys_class_net"] == ("denied (No such file or directory)" if tier == "bwrap" else ["lo"]), view
+    assert view["sys_class_net"] == ("denied (No such file or directory)" if tier in NAMESPACED else ["lo"]), view
 
 
 # -- processes ---------------------------------------------------------------------------------

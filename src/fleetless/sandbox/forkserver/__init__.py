@@ -86,6 +86,16 @@ class ForkServerSandbox(Sandbox):
     workspace_path = WORKSPACE
     handlers_path = HANDLERS
 
+    _pythons: ClassVar[dict[str | None, str]] = {}
+
+    @classmethod
+    def handler_python(cls, template: Template) -> str:
+        """The template's interpreter, else the default one (looked up once per drainer process)."""
+        python = cls._pythons.get(template.python)
+        if python is None:
+            python = cls._pythons[template.python] = super().handler_python(template)
+        return python
+
     def __init__(self, template: Template, ttl_seconds: float) -> None:
         from ..process import handlers_snapshot
 
@@ -102,7 +112,6 @@ class ForkServerSandbox(Sandbox):
         try:
             handlers = handlers_snapshot(template.handlers_dir)
             self._key = client.ServerKey(self.python, str(handlers), template.limits.network)
-            self._root = _root_spec(self.python, handlers, template.limits.network)
             self._lease = _hostuid.lease()
             caps = cgroups.available()
             if caps.any or caps.kill:  # init counts against pids.max too: the job gets ``pids``
@@ -138,7 +147,7 @@ class ForkServerSandbox(Sandbox):
         """Per-job cgroups, workspaces and server roots of drainers that died."""
         from .. import bwrap
 
-        return bwrap.sweep()
+        return bwrap.sweep() + client.sweep()
 
     @classmethod
     def describe(cls) -> str:
@@ -196,8 +205,13 @@ class ForkServerSandbox(Sandbox):
     def _start(self, job_sock: socket.socket) -> int:
         """A fresh init from the current server (a retired one is replaced once)."""
         cg = [] if self._cgroup is None else self._cgroup.procs_files()
+        key = self._key
+
+        def root() -> client.RootSpec:
+            return _root_spec(key.python, Path(key.handlers), key.network)
+
         for attempt in range(2):
-            server = client.server_for(self._key, self._root)
+            server = client.server_for(key, root)
             try:
                 pidfd = server.fork(job_sock, cg)
             except SandboxUnavailable:

@@ -17,8 +17,10 @@ import logging
 import os
 import socket
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,9 @@ DEFAULT_SECONDS = 600.0
 PREWARM = ("json", "pathlib", "runpy", "traceback", "datetime", "base64", "collections", "functools",
            "re", "io", "struct", "fcntl", "resource", "atexit", "threading", "typing", "enum")
 START_TIMEOUT = 30.0
+#: Prefix of the servers' (empty) root directories in the work directory; :func:`sweep` removes
+#: those of drainers that are gone.
+PREFIX = "srv"
 
 
 def _env_number(name: str, default: float) -> float:
@@ -79,7 +84,8 @@ class Server:
         self.live = 0
         self.retired = False
         self._lock = threading.Lock()
-        self._mountpoint = _workspace.create()  # the server's tmpfs root (in its namespace only)
+        # the server's tmpfs root (mounted in its own namespace only: an empty directory here)
+        self._mountpoint = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{os.getpid()}-", dir=_workspace.root()))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {
             "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint), "workspaces": str(_workspace.root()),
@@ -101,7 +107,7 @@ class Server:
             raise SandboxUnavailable(f"cannot start the fork server: {exc}") from None
         finally:
             theirs.close()
-        self._sock = ours
+        self._sock: socket.socket | None = ours
         ours.settimeout(START_TIMEOUT)
         try:
             answer = ours.recv(4096)
@@ -124,7 +130,7 @@ class Server:
             for path in cgroup_procs:
                 fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
             with self._lock:
-                if self.retired and self.live == 0:
+                if self._sock is None:
                     raise SandboxUnavailable("the fork server was retired")
                 self.jobs += 1
                 self.live += 1
@@ -169,7 +175,7 @@ class Server:
         """Close its socket (it kills what is left of its jobs and exits) and wait for it."""
         with self._lock:
             self.retired = True
-            sock, self._sock = getattr(self, "_sock", None), None  # type: ignore[assignment]
+            sock, self._sock = getattr(self, "_sock", None), None
         if sock is not None:
             sock.close()
         try:
@@ -185,7 +191,7 @@ _servers: dict[ServerKey, Server] = {}
 _all: list[Server] = []
 
 
-def server_for(key: ServerKey, root: RootSpec) -> Server:
+def server_for(key: ServerKey, root: Callable[[], RootSpec]) -> Server:
     """The current server for ``key``: started on first use and after its predecessor retired.
     A server for other handlers of the same interpreter and network (they changed) is retired."""
     max_jobs = int(_env_number(JOBS_ENV, DEFAULT_JOBS))
@@ -198,7 +204,7 @@ def server_for(key: ServerKey, root: RootSpec) -> Server:
             if other is current or (other_key.python == key.python and other_key.network == key.network):
                 del _servers[other_key]
                 other.retire()
-        server = Server(key, root, max_jobs, max_seconds)
+        server = Server(key, root(), max_jobs, max_seconds)
         _servers[key] = server
         _all.append(server)
         _all[:] = [s for s in _all if s.proc.poll() is None]
@@ -209,6 +215,16 @@ def running() -> list[Server]:
     """The servers of this drainer process that still run (for tests and ``doctor``)."""
     with _servers_lock:
         return [s for s in _all if s.proc.poll() is None]
+
+
+def sweep() -> int:
+    """Remove the server directories of drainers that no longer run; returns how many."""
+    removed = 0
+    for entry in _workspace.root().iterdir():
+        parts = entry.name.split("-")
+        if len(parts) >= 3 and parts[0] == PREFIX and parts[1].isdigit() and not _workspace.pid_alive(int(parts[1])):
+            removed += _workspace.remove(entry)
+    return removed
 
 
 @atexit.register
