@@ -36,7 +36,7 @@ LIMITS = Limits(memory_bytes=256 * 1024 * 1024)
 
 def per_job(hdir: Path, payload: Path, tiers: list[str], runs: int) -> None:
     python = default_python()
-    template = Template(handlers_dir=hdir, limits=LIMITS)
+    template = Template(handlers_dir=hdir, limits=LIMITS, python=python)  # every tier: the bare one's
 
     def bare() -> None:
         subprocess.run([python, str(hdir / "job.py"), str(payload)], check=True, capture_output=True)
@@ -76,7 +76,8 @@ def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int)
                 with psycopg.connect(dsn, autocommit=True) as c:
                     c.execute("TRUNCATE fleetless.jobs CASCADE")
                 q.enqueue_many(("job", {"n": 1}) for _ in range(jobs))
-                config = DrainConfig(handlers_dir=hdir, sandbox=tier, concurrency=concurrency, limits=LIMITS)
+                config = DrainConfig(handlers_dir=hdir, sandbox=tier, concurrency=concurrency, limits=LIMITS,
+                                     python=default_python())
                 t = time.perf_counter()
                 summary = Drainer(q, config).run()
                 elapsed = time.perf_counter() - t

@@ -90,10 +90,14 @@ class ForkServerSandbox(Sandbox):
 
     @classmethod
     def handler_python(cls, template: Template) -> str:
-        """The template's interpreter, else the default one (looked up once per drainer process)."""
+        """bwrap's: the template's interpreter, else fleetless's own, also under a root-only
+        directory (the server binds its paths into its root, the way there searchable), else the
+        system's (looked up once per drainer process)."""
+        from .. import bwrap
+
         python = cls._pythons.get(template.python)
         if python is None:
-            python = cls._pythons[template.python] = super().handler_python(template)
+            python = cls._pythons[template.python] = bwrap.BwrapSandbox.handler_python(template)
         return python
 
     def __init__(self, template: Template, ttl_seconds: float) -> None:
