@@ -13,7 +13,7 @@ import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer, DrainError
-from fleetless.kinds import KindSettings, SettingsError, load
+from fleetless.kinds import KindSettings, Rate, SettingsError, load
 from fleetless.retry import RetryPolicy
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
@@ -42,10 +42,19 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
         network = true
         interpreter = "/usr/bin/python3"
         max_attempts = 5
+        tier = "bwrap"
+        batch_size = 50
+        concurrency = 5
+        rate = "100/min"
+        [kinds.b]
+        rate = "20/10s"
+        [kinds.c]
+        rate = "5/s"
     """)
     assert load(h) == {"render-invoice": KindSettings(
         timeout=120.0, ttl=1800.0, backoff_base=30.0, backoff_cap=3600.0, jitter=0.0, memory=1024**3, cpus=2.0,
-        pids=256, network=True, interpreter="/usr/bin/python3", max_attempts=5)}
+        pids=256, network=True, interpreter="/usr/bin/python3", max_attempts=5, tier="bwrap", batch_size=50,
+        concurrency=5, rate=Rate(100, 60.0)), "b": KindSettings(rate=Rate(20, 10.0)), "c": KindSettings(rate=Rate(5, 1.0))}
     assert load(tmp_path) == {}  # no file: no settings
 
 
@@ -55,7 +64,12 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
     ("[kinds.a]\ntimeout = -1\n", "[kinds.a] timeout: must be positive, not -1"),
     ("[kinds.a]\nnetwork = \"yes\"\n", "[kinds.a] network: true or false, not 'yes'"),
     ("[kinds.a]\nmax_attempts = 0\n", "[kinds.a] max_attempts: an integer from 1 to 1000, not 0"),
-    ("[kinds.a]\nconcurrency = 5\n", "[kinds.a] concurrency: per-kind concurrency limits are not supported yet"),
+    ("[kinds.a]\nconcurrency = 0\n", "[kinds.a] concurrency: an integer from 1 to 100000, not 0"),
+    ("[kinds.a]\nrate = \"fast\"\n", "[kinds.a] rate: a rate such as \"100/min\", \"5/s\" or \"20/10s\", not 'fast'"),
+    ("[kinds.a]\nrate = \"10/fortnight\"\n", "[kinds.a] rate: a rate such as"),
+    ("[kinds.a]\nrate = \"0/min\"\n", "[kinds.a] rate: from 1 to 1000000 jobs per window"),
+    ("[kinds.a]\ntier = \"docker\"\n", "[kinds.a] tier: one of bwrap, microvm, process, not 'docker'"),
+    ("[kinds.a]\nbatch_size = 1.5\n", "[kinds.a] batch_size: an integer from 1 to 100000, not 1.5"),
     ("[kinds.A]\ntimeout = 1\n", "[kinds.A]: invalid job kind 'A'"),
     ("[drain]\nbatch = 5\n", "unknown table or key 'drain'"),
     ("[kinds.a\n", "not valid TOML"),

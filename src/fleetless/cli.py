@@ -504,7 +504,8 @@ def kinds_command(handlers_dir: Path, as_json: bool) -> None:
     rows = []
     for kind in sorted(have | set(settings)):
         own = settings.get(kind, kinds.KindSettings())
-        effective = {"interpreter": None, **defaults.describe(), **own.describe()}
+        effective = {"interpreter": None, "tier": None, "batch_size": None, "concurrency": None,
+                     "rate": None, **defaults.describe(), **own.describe()}
         rows.append({"kind": kind, "handler": kind in have, "set_in_file": sorted(own.describe()), **effective})
     if as_json:
         _echo_json(rows)
@@ -515,7 +516,8 @@ def kinds_command(handlers_dir: Path, as_json: bool) -> None:
         r["network"] = "on" if r["network"] else "off"
         r["set_in_file"] = ",".join(r["set_in_file"]) or "-"
     _table(rows, ["kind", "handler", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter",
-                  "memory", "cpus", "pids", "network", "interpreter", "set_in_file"])
+                  "memory", "cpus", "pids", "network", "interpreter", "tier", "batch_size", "concurrency", "rate",
+                  "set_in_file"])
 
 
 @cli.group()

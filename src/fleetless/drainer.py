@@ -53,6 +53,9 @@ DB_RETRY_SECONDS = 30.0
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 #: How often a drain holding jobs asks the table which of them an operator cancelled.
 CANCEL_POLL_SECONDS = 1.0
+#: Watch mode: how soon a drain looks again at due jobs it could not claim while a kind with a
+#: concurrency or rate limit is set (they wait for room, which another host's drain may free).
+LIMIT_POLL_SECONDS = 1.0
 #: The least --lease-grace: the grace pays for creating the sandbox and for tearing it down and
 #: writing the outcome, so that a lease does not expire under a live drainer.
 MIN_LEASE_GRACE = 3.0
@@ -200,16 +203,51 @@ class Drainer:
                                   python=config.python)
         self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
         self._batched = config.per_sandbox > 1
-        # Batch mode: the completer writes on a connection of its own, beside the loop's claims.
-        self._completer = Completer(Queue(queue.conninfo, schema=queue.schema) if self._batched else queue,
-                                    config.retry, flush_size=config.flush_size,
-                                    flush_interval=config.flush_interval, on_written=self._written,
-                                    retry_of=self._retry_of)
+        self._completer = self._new_completer()
+        self._backends: dict[str, type[Sandbox]] = {config.sandbox: self._backend}  # tier -> backend
+        self._runners: dict[str, Runner] = {}  # tier -> the runner of its kinds
         self._wake = threading.Event()  # set by a finished unit, a NOTIFY, or stop()
         self._watcher: Watcher | None = None
         self._kinds: dict[str, kinds.KindSettings] = {}  # fleetless.toml, read when the drain starts
         self._cancelled: set[int] = set()  # jobs an operator cancelled while this drain held them
         self._next_cancel_poll = 0.0
+
+    def _new_completer(self) -> Completer:
+        """Batch mode: the completer writes on a connection of its own, beside the loop's claims."""
+        c = self.config
+        return Completer(Queue(self.queue.conninfo, schema=self.queue.schema) if self._batched else self.queue,
+                         c.retry, flush_size=c.flush_size, flush_interval=c.flush_interval,
+                         on_written=self._written, retry_of=self._retry_of)
+
+    def _tier_of(self, kind: str) -> str:
+        return self._kinds.get(kind, kinds.KindSettings()).tier or self.config.sandbox
+
+    def _load_kind_tiers(self) -> None:
+        """fleetless.toml's per-kind tiers: each one checked (with the kinds' interpreters) before
+        anything is claimed; and a kind's batch_size puts the drain in batch mode."""
+        for kind, ks in sorted(self._kinds.items()):
+            tier = self._tier_of(kind)
+            try:
+                if tier not in self._backends:
+                    backend = get_backend(tier)
+                    backend.check()
+                    backend.check_template(self._template)
+                    self._backends[tier] = backend
+            except SandboxUnavailable as exc:
+                raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] tier: {exc}") from None
+            if ks.interpreter is not None:
+                try:
+                    self._backends[tier].check_template(replace(self._template, python=ks.interpreter))
+                except SandboxUnavailable as exc:
+                    raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] interpreter: {exc}") from None
+        interpreters = {kind: ks.interpreter for kind, ks in self._kinds.items() if ks.interpreter is not None}
+        self._unrunnable = {}
+        for tier, backend in self._backends.items():
+            found = handlers.unrunnable(self._handlers_dir, backend, self._template, interpreters)
+            self._unrunnable.update({k: why for k, why in found.items() if self._tier_of(k) == tier})
+        if not self._batched and any((ks.batch_size or 1) > 1 for ks in self._kinds.values()):
+            self._batched = True
+            self._completer = self._new_completer()
 
     # -- control -----------------------------------------------------------------------------
 
@@ -261,15 +299,7 @@ class Drainer:
             self._backend.check_template(self._template)
             self._kinds = kinds.load(self._handlers_dir)
             declared = kinds.load_schedules(self._handlers_dir)
-            for kind, ks in sorted(self._kinds.items()):
-                if ks.interpreter is not None:
-                    try:
-                        self._backend.check_template(replace(self._template, python=ks.interpreter))
-                    except SandboxUnavailable as exc:
-                        raise SandboxUnavailable(f"{kinds.FILENAME} [kinds.{kind}] interpreter: {exc}") from None
-            self._unrunnable = handlers.unrunnable(
-                self._handlers_dir, self._backend, self._template,
-                {kind: ks.interpreter for kind, ks in self._kinds.items() if ks.interpreter is not None})
+            self._load_kind_tiers()
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError, OSError) as exc:
             raise DrainError(str(exc)) from None
         if declared:  # periodic jobs declared in fleetless.toml: stored (or updated) in the table
@@ -287,6 +317,7 @@ class Drainer:
                 return self.summary
         runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
                         cancelled=self._cancelled.__contains__)
+        self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
         running: dict[Future[_Result], _Unit] = {}
         if self._batched:
             self._completer.start()
@@ -325,7 +356,9 @@ class Drainer:
                 while len(running) < c.concurrency:
                     if self._batched:
                         units = [self._claim(c.per_sandbox, one_kind=True)]
-                        want = c.per_sandbox
+                        want = c.per_sandbox  # or the claimed kind's batch_size
+                        if units[0]:
+                            want = self._kinds.get(units[0][0].kind, kinds.KindSettings()).batch_size or want
                     else:
                         want = min(c.batch, c.concurrency - len(running))
                         units = [[job] for job in self._claim(want)]
@@ -411,7 +444,10 @@ class Drainer:
         return timeout, ttl
 
     def _next_due(self) -> float | None:
-        return self.queue.next_due(self.config.queues, sorted(self._unrunnable))
+        due = self.queue.next_due(self.config.queues, sorted(self._unrunnable))
+        if due is not None and due <= 0 and any(ks.limited for ks in self._kinds.values()):
+            return LIMIT_POLL_SECONDS  # due but not claimed: a limited kind waits for room
+        return due
 
     def _claim(self, n: int, *, one_kind: bool = False) -> list[Job]:
         """One claim statement, with a token of its own: if its reply is lost after it committed,
@@ -431,7 +467,8 @@ class Drainer:
                     return held
             return self.queue.claim(
                 n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
-                claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable), token=token)
+                claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable), token=token,
+                kinds=self._kinds)
 
         return self._db(claim)
 
@@ -460,7 +497,7 @@ class Drainer:
         """In a worker thread: one unit's jobs in their sandbox(es)."""
         for job in jobs:
             self.reporter.started(job)
-        return runner.run(jobs, slot)
+        return self._runners.get(self._tier_of(jobs[0].kind), runner).run(jobs, slot)
 
     def _written(self, job: Job, outcome: Outcome, status: Status | None) -> None:
         """The completer wrote (or was fenced out of) one outcome: tell the reporter."""
@@ -481,11 +518,11 @@ class Drainer:
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,
-            tier=self.config.sandbox, error_head=error_head(outcome.error)))
+            tier=self._tier_of(job.kind), error_head=error_head(outcome.error)))
 
     @property
     def _grace(self) -> float:
-        return self.config.lease_grace + self._backend.overhead_seconds
+        return self.config.lease_grace + max(b.overhead_seconds for b in self._backends.values())
 
     def _record(self, result: _Result, *, flush: bool = True) -> None:
         """A unit's outcomes go to the completer; in per-job mode they are written right away, so

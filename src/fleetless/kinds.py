@@ -12,11 +12,17 @@ cpus = 2
 pids = 256
 network = true
 interpreter = "/usr/bin/python3.12"
-max_attempts = 5        # used by `fleetless enqueue --handlers DIR` when --max-attempts is not given
+max_attempts = 5        # for jobs enqueued without their own max_attempts (applied at each claim)
+tier = "bwrap"          # its sandbox tier (the drain's --sandbox for the others)
+batch_size = 50         # up to this many of its jobs per sandbox (batch mode)
+concurrency = 5         # at most 5 of its jobs running at once, across every drainer on every host
+rate = "100/min"        # at most 100 of its jobs started in any minute, across every drainer
 ```
 
 The drain's flags are the defaults; what a kind sets wins over them; what a job was enqueued with
-(its own timeout, its max_attempts) wins over the kind. The file is read with the standard
+(its own timeout, its max_attempts) wins over the kind. ``concurrency`` and ``rate`` are enforced
+by the claim against the table (see :meth:`fleetless.queue.Queue.claim`), so every drain serving
+the kind must read the same file (deploy it with the handlers). The file is read with the standard
 library's ``tomllib`` when a drain starts; an unknown key, a bad value or a table for a kind whose
 name is not a valid kind is a one-line error naming the file, the kind and the key, before
 anything is claimed.
@@ -24,6 +30,7 @@ anything is claimed.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -33,22 +40,23 @@ from ._units import parse_duration, parse_size
 from .job import validate_kind
 from .periodic import Schedule
 from .retry import RetryPolicy
-from .sandbox import Limits
+from .sandbox import Limits, available_backends
 
-__all__ = ["FILENAME", "KindSettings", "SettingsError", "load", "load_schedules"]
+__all__ = ["FILENAME", "KindSettings", "Rate", "SettingsError", "load", "load_schedules"]
 
 FILENAME = "fleetless.toml"
-#: Keys the issue names that this version does not apply per kind yet, with what to use instead.
-_NOT_YET = {
-    "tier": "per-kind sandbox tiers are not supported yet: run a drain per tier with --sandbox and --queue",
-    "batch_size": "per-kind batch sizes are not supported yet: use the drain's flag",
-    "concurrency": "per-kind concurrency limits are not supported yet",
-    "rate": "per-kind rate limits are not supported yet",
-}
 
 
 class SettingsError(ValueError):
     """A one-line error about the settings file."""
+
+
+@dataclass(frozen=True)
+class Rate:
+    """At most ``count`` jobs of a kind started in any window of ``seconds``."""
+
+    count: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,15 @@ class KindSettings:
     network: bool | None = None
     interpreter: str | None = None
     max_attempts: int | None = None
+    tier: str | None = None
+    batch_size: int | None = None
+    concurrency: int | None = None
+    rate: Rate | None = None
+
+    @property
+    def limited(self) -> bool:
+        """A global limit (concurrency or rate) applies: its jobs are claimed under its lock."""
+        return self.concurrency is not None or self.rate is not None
 
     def limits(self, default: Limits) -> Limits:
         return replace(
@@ -82,7 +99,10 @@ class KindSettings:
             max_delay_seconds=default.max_delay_seconds if self.backoff_cap is None else self.backoff_cap)
 
     def describe(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        if self.rate is not None:
+            out["rate"] = f"{self.rate.count}/{self.rate.seconds:g}s"
+        return out
 
 
 def _duration(value: object) -> float:
@@ -133,11 +153,39 @@ def _path(value: object) -> str:
     return value
 
 
+_RATE = re.compile(r"^\s*(\d+)\s*/\s*(\S+)\s*$")
+_RATE_UNITS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60, "h": 3600, "hour": 3600,
+               "d": 86400, "day": 86400}
+
+
+def _rate(value: object) -> Rate:
+    m = _RATE.match(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"a rate such as \"100/min\", \"5/s\" or \"20/10s\", not {value!r}")
+    count, per = int(m.group(1)), m.group(2)
+    try:
+        seconds = float(_RATE_UNITS[per]) if per in _RATE_UNITS else parse_duration(per)
+    except ValueError:
+        raise ValueError(f"a rate such as \"100/min\", \"5/s\" or \"20/10s\", not {value!r}") from None
+    if not 1 <= count <= 1_000_000 or not 0.001 <= seconds <= 86400:
+        raise ValueError(f"from 1 to 1000000 jobs per window of 1 ms to 1 day, not {value!r}")
+    return Rate(count, seconds)
+
+
+def _tier(value: object) -> str:
+    if value not in available_backends():
+        raise ValueError(f"one of {', '.join(available_backends())}, not {value!r}")
+    assert isinstance(value, str)
+    return value
+
+
 _PARSERS: dict[str, Any] = {
     "timeout": _duration, "ttl": _duration, "backoff_base": _non_negative_duration,
     "backoff_cap": _duration, "jitter": _non_negative_duration, "memory": _size, "cpus": _cpus,
     "pids": lambda v: _positive_int(v, 1_000_000), "network": _bool, "interpreter": _path,
-    "max_attempts": lambda v: _positive_int(v, 1000),
+    "max_attempts": lambda v: _positive_int(v, 1000), "tier": _tier,
+    "batch_size": lambda v: _positive_int(v, 100_000), "concurrency": lambda v: _positive_int(v, 100_000),
+    "rate": _rate,
 }
 
 
@@ -215,8 +263,6 @@ def load(handlers_dir: Path) -> dict[str, KindSettings]:
         values: dict[str, Any] = {}
         for key, value in table.items():
             where = f"{path}: [kinds.{kind}] {key}"
-            if key in _NOT_YET:
-                raise SettingsError(f"{where}: {_NOT_YET[key]}")
             if key not in _PARSERS:
                 raise SettingsError(f"{where}: unknown key (known: {', '.join(sorted(_PARSERS))})")
             try:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import json
 import os
+import random
 import socket
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psycopg
 from psycopg.rows import dict_row
@@ -29,6 +31,9 @@ from .job import (
 )
 from .periodic import Schedule
 from .retry import MAX_ERROR_CHARS
+
+if TYPE_CHECKING:
+    from .kinds import KindSettings
 
 __all__ = ["DuplicateJob", "JobNotFound", "Queue"]
 
@@ -382,6 +387,7 @@ class Queue:
         tier: str | None = None,
         skip_kinds: Sequence[str] = (),
         token: uuid.UUID | None = None,
+        kinds: Mapping[str, KindSettings] | None = None,
     ) -> list[Job]:
         """Claim up to ``n`` due jobs (priority first, then due time) and mark them running.
 
@@ -390,17 +396,46 @@ class Queue:
         operator can see where each running job is.
         ``skip_kinds``: never these (a drain that cannot run them leaves them to one that can).
         ``token`` (default: a new one) becomes every claimed job's claim token: a caller that lost
-        the reply finds what the claim took with :meth:`claimed_with` and the same token."""
+        the reply finds what the claim took with :meth:`claimed_with` and the same token.
+        ``kinds`` (fleetless.toml): each kind's tier is recorded on its rows, its max_attempts
+        applied to jobs enqueued without one, its batch_size used instead of ``n`` in one_kind
+        mode. Without a kind that sets ``concurrency`` or ``rate`` this is one statement. Kinds
+        that do are claimed first, each in a short transaction of its own under the kind's
+        advisory lock, within their limits counted in the table (every drainer's running rows and
+        recent starts); then the other kinds with one statement, as without limits."""
         if n <= 0:
             return []
-        rows = self._run(
-            "claim_kind" if one_kind else "claim",
-            {"n": n, "queues": list(queues) if queues else None, "skip_kinds": list(skip_kinds) or None,
-             "token": token or uuid.uuid4(),
-             "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
-             "claimed_by": claimed_by, "tier": tier},
-        )
-        return _jobs(rows)
+        kinds = kinds or {}
+        limited = sorted(k for k, ks in kinds.items() if ks.limited and k not in skip_kinds)
+        params: dict[str, Any] = {
+            "n": n, "queues": list(queues) if queues else None,
+            "skip_kinds": [*skip_kinds, *limited] or None, "token": token or uuid.uuid4(),
+            "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
+            "claimed_by": claimed_by, "tier": tier, "kinds": _claim_settings(kinds)}
+        got: list[Job] = []
+        if limited:
+            due = [r["kind"] for r in self._run("limited_kinds_due", {"limited": limited, "queues": params["queues"]})]
+            random.shuffle(due)  # no limited kind always goes first
+            for kind in due:
+                size = (kinds[kind].batch_size or n) if one_kind else n - len(got)
+                jobs = self._claim_limited(kind, kinds[kind], {**params, "n": size})
+                if one_kind and jobs:
+                    return jobs
+                got += jobs
+                if len(got) >= n:
+                    return got
+        rows = self._run("claim_kind" if one_kind else "claim", {**params, "n": n - len(got)})
+        return got + _jobs(rows)
+
+    def _claim_limited(self, kind: str, ks: KindSettings, params: dict[str, Any]) -> list[Job]:
+        """One limited kind's claim: its lock, then its jobs within its limits, one transaction."""
+        with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
+              c.cursor(row_factory=dict_row) as cur):
+            cur.execute(self._q["kind_limit_lock"], {"scope": f"fleetless.kind_limit.{self.schema}", "kind": kind})
+            cur.execute(self._q["claim_limited"], {
+                **params, "kind": kind, "concurrency": ks.concurrency,
+                "rate": ks.rate.count if ks.rate else None, "window": ks.rate.seconds if ks.rate else None})
+            return _jobs(cur.fetchall())
 
     def claimed_with(self, token: uuid.UUID) -> list[Job]:
         """The jobs a claim with this token took and still holds."""
@@ -678,6 +713,17 @@ class Queue:
         assert seconds is not None
         statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
         return self.prune_batch(dict.fromkeys(statuses, seconds))
+
+def _claim_settings(kinds: Mapping[str, KindSettings]) -> str | None:
+    """What the claim statements apply per kind, as JSON (None: nothing set)."""
+    out = {}
+    for kind, ks in kinds.items():
+        own = {key: value for key, value in (("tier", ks.tier), ("max_attempts", ks.max_attempts),
+                                             ("batch_size", ks.batch_size)) if value is not None}
+        if own:
+            out[kind] = own
+    return json.dumps(out) if out else None
+
 
 def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
     jobs = [

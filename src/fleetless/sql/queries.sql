@@ -77,6 +77,10 @@ FROM STDIN;
 -- the reply to a committed claim is lost the drainer finds its rows again by it (claimed_with).
 -- The lease covers the job's timeout (bounded by the sandbox TTL) plus a grace period; the reaper
 -- returns the claim once it has passed.
+-- kinds (fleetless.toml, as JSON; NULL when the file sets nothing): a kind's tier is recorded on
+-- its rows, and a job enqueued without its own max_attempts takes its kind's (never below the
+-- attempt it is starting). Kinds with a concurrency or rate limit are in skip_kinds here: they are
+-- claimed by claim_limited, so this stays one statement for a drain without limits.
 UPDATE {schema}.jobs AS j
 SET status = 'running',
     attempts = j.attempts + 1,
@@ -85,7 +89,11 @@ SET status = 'running',
     started_at = now(),
     finished_at = NULL,
     claimed_by = %(claimed_by)s,
-    tier = %(tier)s,
+    tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
+    max_attempts = CASE WHEN j.max_attempts_default
+                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, j.max_attempts),
+                                      j.attempts + 1)
+                        ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
 WHERE j.id IN (
@@ -438,7 +446,8 @@ RETURNING j.id;
 -- Batch mode's claim: up to n due jobs of one kind (they share one sandbox and one imported
 -- handler). The kind is the one of the first due job in claim order, so a drain with many kinds
 -- reaches each kind's oldest job in turn instead of starving the rare ones. The head row is
--- locked by the CTE and therefore not skipped by the claim that follows.
+-- locked by the CTE and therefore not skipped by the claim that follows. A kind's batch_size
+-- (fleetless.toml, in kinds) replaces the drain's n for its batches.
 WITH head AS (
   SELECT kind FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
@@ -456,7 +465,11 @@ SET status = 'running',
     started_at = now(),
     finished_at = NULL,
     claimed_by = %(claimed_by)s,
-    tier = %(tier)s,
+    tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
+    max_attempts = CASE WHEN j.max_attempts_default
+                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, j.max_attempts),
+                                      j.attempts + 1)
+                        ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
 WHERE j.id IN (
@@ -466,11 +479,85 @@ WHERE j.id IN (
     AND kind = (SELECT kind FROM head)
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
-  LIMIT %(n)s
+  LIMIT COALESCE((%(kinds)s::jsonb -> (SELECT kind FROM head) ->> 'batch_size')::int, %(n)s)
 )
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
           extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds;
+
+-- name: limited_kinds_due
+-- Which of the kinds with a global limit have a due job in the drain's queues: the limited claim
+-- (a transaction under the kind's lock) runs only for these, so an idle limited kind costs this
+-- one statement per claim, shared by all of them. Each probe stops at its kind's first due row.
+SELECT k.kind
+FROM unnest(%(limited)s::text[]) AS k(kind)
+WHERE EXISTS (
+  SELECT 1 FROM {schema}.jobs j
+  WHERE j.kind = k.kind AND j.status = 'pending' AND j.run_after <= now()
+    AND (%(queues)s::text[] IS NULL OR j.queue = ANY(%(queues)s::text[])));
+
+-- name: kind_limit_lock
+-- A limited kind's claim, first statement: the kind's transaction-scoped advisory lock (key: the
+-- schema's scope and the kind), so that claims of this kind by all drainers on all hosts take
+-- turns. It is its own statement because under READ COMMITTED each statement reads a snapshot
+-- taken when it starts: claim_limited, which follows, then sees every running row and start that
+-- the previous holder committed. Locked inside one statement, the count could miss them.
+SELECT pg_advisory_xact_lock(hashtext(%(scope)s), hashtext(%(kind)s));
+
+-- name: claim_limited
+-- A limited kind's claim, under kind_limit_lock: up to n due jobs of the kind, no more than its
+-- concurrency minus its running rows (every drainer's, from the table) and its rate minus the
+-- starts in the window before now (kind_starts). The starts it makes are logged at one clock time
+-- (also the jobs' started_at, so job_attempts shows them), later than every start the previous
+-- lock holder logged; so no window of the rate's length ever holds more than its count. Rows the
+-- window has passed are deleted here. Otherwise the same row changes as claim.
+WITH t AS (
+  SELECT clock_timestamp() AS at
+), room AS (
+  SELECT GREATEST(LEAST(
+    %(n)s::int,
+    COALESCE(%(concurrency)s::int - (SELECT count(*) FROM {schema}.jobs
+                                     WHERE kind = %(kind)s AND status = 'running'), %(n)s::int),
+    COALESCE(%(rate)s::int - (SELECT count(*) FROM {schema}.kind_starts s, t
+                              WHERE s.kind = %(kind)s
+                                AND s.started_at > t.at - make_interval(secs => %(window)s::float8)),
+             %(n)s::int)), 0) AS n
+), claimed AS (
+  UPDATE {schema}.jobs AS j
+  SET status = 'running',
+      attempts = j.attempts + 1,
+      claim_token = %(token)s,
+      locked_at = t.at,
+      started_at = t.at,
+      finished_at = NULL,
+      claimed_by = %(claimed_by)s,
+      tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
+      max_attempts = CASE WHEN j.max_attempts_default
+                          THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int,
+                                                 j.max_attempts), j.attempts + 1)
+                          ELSE j.max_attempts END,
+      lease_expires_at = t.at + make_interval(
+          secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+  FROM t
+  WHERE j.id IN (
+    SELECT id FROM {schema}.jobs
+    WHERE status = 'pending' AND run_after <= now() AND kind = %(kind)s
+      AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+    ORDER BY priority DESC, run_after
+    FOR UPDATE SKIP LOCKED
+    LIMIT (SELECT n FROM room)
+  )
+  RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
+            j.timeout_seconds, j.queue, j.priority,
+            extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds
+), logged AS (
+  INSERT INTO {schema}.kind_starts (kind, started_at)
+  SELECT %(kind)s, t.at FROM claimed, t WHERE %(rate)s::int IS NOT NULL
+), forgotten AS (
+  DELETE FROM {schema}.kind_starts s USING t
+  WHERE s.kind = %(kind)s AND s.started_at <= t.at - make_interval(secs => %(window)s::float8)
+)
+SELECT * FROM claimed;
 
 -- name: listen
 -- Watch mode: enqueue NOTIFYs this channel ({channel}: the queue's, quoted) in its transaction.
