@@ -78,9 +78,9 @@ def test_concurrency_holds_across_racing_drainers(dsn: str, queue: Queue, sql, h
     slow = sql("SELECT a.started_at, a.finished_at FROM fleetless.job_attempts a JOIN fleetless.jobs j"
                " ON j.id = a.job_id WHERE j.kind = 'slow'")
     assert len(slow) == 10
-    assert most_at_once(slow) == 2  # never more than the limit, and the limit was reached
-    hosts = sql("SELECT count(DISTINCT pid) FROM fleetless.job_attempts")
-    assert hosts[0][0] >= 2, "the drainers did race"
+    assert most_at_once(slow) == 2, slow  # never more than the limit, and the limit was reached
+    drainers = sql("SELECT count(DISTINCT pid) FROM fleetless.job_attempts")[0][0]
+    assert drainers >= 2, f"the drainers did race: {drainers}"
 
 
 def test_rate_holds_across_racing_drainers(dsn: str, queue: Queue, sql, handlers) -> None:
@@ -203,3 +203,34 @@ def test_limits_leave_throttled_jobs_pending_for_a_later_drain(queue: Queue, sql
     assert sql("SELECT status, attempts FROM fleetless.jobs ORDER BY id") == [
         ("done", 1), ("done", 1), ("pending", 0)]
 
+
+
+def test_a_kinds_max_attempts_applies_to_jobs_enqueued_without_one(queue: Queue, sql, handlers) -> None:
+    h = settings_file(handlers(**{"flaky.py": "raise SystemExit(1)", "other.py": "raise SystemExit(1)"}),
+                      "[kinds.flaky]\nmax_attempts = 2\nbackoff_base = 0\njitter = 0\n"
+                      "[kinds.other]\nbackoff_base = 0\njitter = 0\n")
+    plain = queue.enqueue("flaky", {})
+    own = queue.enqueue("flaky", {}, max_attempts=4)
+    keyed = queue.enqueue("flaky", {}, key="k")
+    many, many_own = queue.enqueue_many([("flaky", {}), {"kind": "flaky", "payload": {}, "max_attempts": 1}])
+    other = queue.enqueue("other", {})
+    sql("INSERT INTO fleetless.jobs (kind, payload, max_attempts) VALUES ('flaky', '{}', 5)")  # the seed's way
+    for _ in range(10):
+        Drainer(queue, DrainConfig(handlers_dir=h)).run()
+        if sql("SELECT count(*) FROM fleetless.jobs WHERE status <> 'dead'") == [(0,)]:
+            break
+    rows = {i: (a, m) for i, a, m in sql("SELECT id, attempts, max_attempts FROM fleetless.jobs")}
+    assert [rows[i] for i in (plain, own, keyed, many, many_own, other)] == [
+        (2, 2), (4, 4), (2, 2), (2, 2), (1, 1), (3, 3)]  # the kind's; the job's own; else 3
+    assert sql("SELECT attempts, max_attempts FROM fleetless.jobs WHERE id > %s", other) == [(5, 5)]
+    assert sql("SELECT count(*) FROM fleetless.job_attempts WHERE job_id = %s", plain) == [(2,)]
+
+
+def test_a_watching_drain_waits_for_room_under_a_rate_limit(queue: Queue, sql, handlers) -> None:
+    h = settings_file(handlers(**{"paced.py": "print('ok')"}), "[kinds.paced]\nrate = \"2/1s\"\n")
+    for i in range(6):
+        queue.enqueue("paced", {"i": i})
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, watch=True, idle_exit=5)).run()
+    assert summary.done == 6  # one drain: it looked again once the window let more start
+    starts = [s for (s,) in sql("SELECT started_at FROM fleetless.job_attempts ORDER BY 1")]
+    assert all(len([t for t in starts if 0 <= (s - t).total_seconds() < 1]) <= 2 for s in starts)

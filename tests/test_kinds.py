@@ -54,7 +54,8 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
     assert load(h) == {"render-invoice": KindSettings(
         timeout=120.0, ttl=1800.0, backoff_base=30.0, backoff_cap=3600.0, jitter=0.0, memory=1024**3, cpus=2.0,
         pids=256, network=True, interpreter="/usr/bin/python3", max_attempts=5, tier="bwrap", batch_size=50,
-        concurrency=5, rate=Rate(100, 60.0)), "b": KindSettings(rate=Rate(20, 10.0)), "c": KindSettings(rate=Rate(5, 1.0))}
+        concurrency=5, rate=Rate(100, 60.0)),
+        "b": KindSettings(rate=Rate(20, 10.0)), "c": KindSettings(rate=Rate(5, 1.0))}
     assert load(tmp_path) == {}  # no file: no settings
 
 
@@ -143,7 +144,7 @@ def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -
     assert text[0].split()[:3] == ["kind", "handler", "timeout"] and "MISSING" in text[3]
 
 
-def test_cli_enqueue_warns_about_a_kind_without_handler_and_uses_the_kinds_max_attempts(
+def test_cli_enqueue_warns_about_a_kind_without_handler_and_leaves_max_attempts_to_the_kind(
         dsn: str, queue: Queue, fleetless, handlers, sql) -> None:
     h = settings_file(handlers(**{"a.py": ""}), "[kinds.a]\nmax_attempts = 7\n")
     r = fleetless("enqueue", "a", "{}", env={"FLEETLESS_HANDLERS": str(h)}, dsn=dsn)
@@ -154,4 +155,6 @@ def test_cli_enqueue_warns_about_a_kind_without_handler_and_uses_the_kinds_max_a
     assert r.returncode == 0
     assert r.stderr.strip() == (f"fleetless: warning: no handler for kind 'nobody' in {h} (neither nobody.py nor"
                                 " an executable nobody); a drain will mark the job dead")
-    assert sql("SELECT kind, max_attempts FROM fleetless.jobs ORDER BY id") == [("a", 7), ("a", 2), ("nobody", 3)]
+    # 3 until a drain claims it; then the kind's (tests/test_kind_limits.py)
+    assert sql("SELECT kind, max_attempts, max_attempts_default FROM fleetless.jobs ORDER BY id") == [
+        ("a", 3, True), ("a", 2, False), ("nobody", 3, True)]

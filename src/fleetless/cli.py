@@ -120,7 +120,8 @@ def init(ctx: click.Context, as_json: bool) -> None:
 @click.argument("kind")
 @click.argument("payload_json", default="{}", metavar="PAYLOAD_JSON")
 @click.option("--max-attempts", type=int, default=None,
-              help="[default: the kind's max_attempts in --handlers' fleetless.toml, else 3]")
+              help="[default: the kind's max_attempts in the drain's fleetless.toml, applied when a drain "
+                   "claims the job; else 3]")
 @click.option("--delay", callback=_duration, help="Run no sooner than this from now (e.g. 90s, 5m).")
 @click.option("--run-after", type=str, help="ISO 8601 time with zone, e.g. 2026-12-01T02:00:00Z.")
 @click.option("--queue", "queue_name", default="default", show_default=True)
@@ -157,10 +158,10 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int 
     if max_payload < 1:
         raise click.BadParameter("must be at least 1 byte", param_hint="--max-payload-bytes")
     if handlers_dir is not None:
-        max_attempts = _check_kind(handlers_dir, kind, max_attempts)
+        _check_kind(handlers_dir, kind)
     q = _queue(ctx, max_payload_bytes=max_payload)
     try:
-        job_id = q.enqueue(kind, payload, max_attempts=3 if max_attempts is None else max_attempts,
+        job_id = q.enqueue(kind, payload, max_attempts=max_attempts,
                            run_after=when, delay=delay,
                            queue=queue_name, priority=priority, timeout=timeout, key=key,
                            on_duplicate=on_duplicate)
@@ -174,22 +175,20 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int 
         click.echo(job_id)
 
 
-def _check_kind(handlers_dir: Path, kind: str, max_attempts: int | None) -> int | None:
-    """Warn when KIND has no handler in the drainers' directory; the kind's max_attempts unless given."""
+def _check_kind(handlers_dir: Path, kind: str) -> None:
+    """Warn when KIND has no handler in the drainers' directory (whose fleetless.toml must read)."""
     from . import handlers, kinds
 
     try:
         folder = handlers.check_dir(handlers_dir)
     except handlers.HandlersDirError as exc:
         click.echo(f"fleetless: warning: {exc}", err=True)
-        return max_attempts
-    settings = kinds.load(folder)
+        return
+    kinds.load(folder)
     validate_kind(kind)
     if handlers.resolve(folder, kind) is None:
         click.echo(f"fleetless: warning: no handler for kind {kind!r} in {handlers_dir} "
                    f"(neither {kind}.py nor an executable {kind}); a drain will mark the job dead", err=True)
-    ks = settings.get(kind)
-    return max_attempts if max_attempts is not None or ks is None else ks.max_attempts
 
 
 def drain_options(f: F) -> F:

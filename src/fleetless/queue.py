@@ -45,6 +45,8 @@ ENQUEUE_CHUNK = 5000
 RESULT_CUT_MARKER = "\n[fleetless: output cut here; only the first 64 KiB of stdout are kept]\n"
 #: The most attempts a job can have (the table's CHECK); an operator retry cannot go past it.
 MAX_ATTEMPTS_CEILING = 1000
+#: A job enqueued without max_attempts: its kind's (fleetless.toml, applied by the claiming drain), else this.
+DEFAULT_MAX_ATTEMPTS = 3
 #: Every this-many-th release of a job in a row is charged as a failed attempt (see ``release``).
 MAX_RELEASES = 5
 _PG_INT = 2**31 - 1
@@ -218,7 +220,7 @@ class Queue:
         kind: str,
         payload: Any,
         *,
-        max_attempts: int = 3,
+        max_attempts: int | None = None,
         run_after: dt.datetime | None = None,
         delay: float | dt.timedelta | None = None,
         queue: str = "default",
@@ -233,6 +235,9 @@ class Queue:
         if on_duplicate not in _ON_DUPLICATE:
             raise ValueError(f"on_duplicate must be one of {', '.join(_ON_DUPLICATE)}, not {on_duplicate!r}")
         validate_queue_name(queue)
+        kinds_default = max_attempts is None  # the claiming drain applies the kind's (fleetless.toml)
+        if max_attempts is None:
+            max_attempts = DEFAULT_MAX_ATTEMPTS
         if (isinstance(max_attempts, bool) or not isinstance(max_attempts, int)
                 or not 1 <= max_attempts <= MAX_ATTEMPTS_CEILING):
             raise ValueError(f"max_attempts must be an integer from 1 to {MAX_ATTEMPTS_CEILING}, not {max_attempts!r}")
@@ -259,6 +264,7 @@ class Queue:
             "kind": kind,
             "payload": encode_payload(payload, self.max_payload_bytes),
             "max_attempts": max_attempts,
+            "max_attempts_default": kinds_default,
             "run_after": run_after,
             "delay": delay_s,
             "queue": queue,
@@ -274,7 +280,7 @@ class Queue:
         kind: str,
         payload: Any,
         *,
-        max_attempts: int = 3,
+        max_attempts: int | None = None,
         run_after: dt.datetime | None = None,
         delay: float | dt.timedelta | None = None,
         queue: str = "default",
@@ -285,6 +291,9 @@ class Queue:
         conn: psycopg.Connection[Any] | None = None,
     ) -> int:
         """Add one job and return its id. Bad input raises ValueError and writes nothing.
+
+        ``max_attempts``: when not given, the job takes its kind's ``max_attempts`` from the
+        claiming drain's ``fleetless.toml`` at each claim, else 3 (stored until then).
 
         ``key``: at most one pending or running job has it. A duplicate enqueue returns the
         existing job's id and writes nothing (``on_duplicate="existing"``, the default), gives a
@@ -362,7 +371,7 @@ class Queue:
                         run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
                         copy.write_row(
                             (r["id"], r["kind"], r["payload"], r["max_attempts"], run_after,
-                             r["queue"], r["priority"], r["timeout"])
+                             r["queue"], r["priority"], r["timeout"], r["max_attempts_default"])
                         )
                 for r in chunk:  # keyed jobs one statement each, in this same transaction
                     if r["key"] is not None:

@@ -6,10 +6,12 @@
 -- The NOTIFY (payload: the job's queue) is part of the same statement and so of the enqueuing
 -- transaction: watchers wake at its commit, and a rolled-back enqueue wakes no one. The queue's
 -- own connection prepares this statement when no pooler is in between (db.prepare_on_request).
-INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+-- max_attempts_default: the caller gave no max_attempts; each claim applies the kind's.
+INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
+                           max_attempts_default)
 VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
         COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
-        %(queue)s, %(priority)s, %(timeout)s)
+        %(queue)s, %(priority)s, %(timeout)s, %(max_attempts_default)s)
 RETURNING id, pg_notify(%(channel)s, queue);
 
 -- name: enqueue_keyed
@@ -23,14 +25,14 @@ RETURNING id, pg_notify(%(channel)s, queue);
 -- xmax = 0 tells a freshly inserted row from one updated by DO UPDATE.
 WITH job AS (
   INSERT INTO {schema}.jobs AS j (kind, payload, max_attempts, run_after, queue, priority,
-                                  timeout_seconds, key)
+                                  timeout_seconds, key, max_attempts_default)
   VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
           COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
-          %(queue)s, %(priority)s, %(timeout)s, %(key)s)
+          %(queue)s, %(priority)s, %(timeout)s, %(key)s, %(max_attempts_default)s)
   ON CONFLICT (key) WHERE key IS NOT NULL AND status IN ('pending', 'running')
   DO UPDATE SET kind = EXCLUDED.kind, payload = EXCLUDED.payload, max_attempts = EXCLUDED.max_attempts,
                 run_after = EXCLUDED.run_after, queue = EXCLUDED.queue, priority = EXCLUDED.priority,
-                timeout_seconds = EXCLUDED.timeout_seconds
+                timeout_seconds = EXCLUDED.timeout_seconds, max_attempts_default = EXCLUDED.max_attempts_default
     WHERE %(replace)s AND j.status = 'pending'
   RETURNING j.id, j.queue, (j.xmax = 0) AS inserted
 ), notified AS (
@@ -63,7 +65,8 @@ SELECT now() AS now, array_agg(nextval(pg_get_serial_sequence(%(table)s, 'id')))
 FROM generate_series(1, %(n)s);
 
 -- name: copy_jobs
-COPY {schema}.jobs (id, kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
+COPY {schema}.jobs (id, kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
+                    max_attempts_default)
 FROM STDIN;
 
 -- name: claim
