@@ -234,3 +234,25 @@ def test_a_watching_drain_waits_for_room_under_a_rate_limit(queue: Queue, sql, h
     assert summary.done == 6  # one drain: it looked again once the window let more start
     starts = [s for (s,) in sql("SELECT started_at FROM fleetless.job_attempts ORDER BY 1")]
     assert all(len([t for t in starts if 0 <= (s - t).total_seconds() < 1]) <= 2 for s in starts)
+
+
+def test_a_schedule_without_max_attempts_takes_its_kinds(queue: Queue, sql, handlers) -> None:
+    import datetime as dt
+
+    from fleetless.periodic import Schedule
+
+    h = settings_file(handlers(**{"flaky.py": "raise SystemExit(1)"}),
+                      "[kinds.flaky]\nmax_attempts = 2\nbackoff_base = 0\njitter = 0\n")
+    sql("DELETE FROM fleetless.schedules")
+    queue.add_schedule(Schedule(name="kinds", cron="* * * * *", kind="flaky", payload={"s": "kinds"}))
+    queue.add_schedule(Schedule(name="own", cron="* * * * *", kind="flaky", payload={"s": "own"}, max_attempts=4))
+    sql("UPDATE fleetless.schedules SET created_at = %s", dt.datetime.now(dt.UTC) - dt.timedelta(seconds=90))
+    try:
+        for _ in range(10):
+            Drainer(queue, DrainConfig(handlers_dir=h)).run()
+            if sql("SELECT count(*) FROM fleetless.jobs WHERE status <> 'dead'") == [(0,)]:
+                break
+        got = sql("SELECT payload->>'s', attempts, max_attempts FROM fleetless.jobs ORDER BY 1")
+        assert {row for row in got} == {("kinds", 2, 2), ("own", 4, 4)}, got
+    finally:
+        sql("DELETE FROM fleetless.schedules")

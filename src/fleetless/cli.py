@@ -531,12 +531,13 @@ def schedule() -> None:
 @click.option("--cron", required=True, help="Five fields, e.g. '*/5 * * * *' (cronsim syntax).")
 @click.option("--timezone", default="UTC", show_default=True, help="IANA zone the expression is read in.")
 @click.option("--queue", "queue_name", default="default", show_default=True)
-@click.option("--max-attempts", type=int, default=3, show_default=True)
+@click.option("--max-attempts", type=int, default=None,
+              help="[default: the kind's max_attempts in the drain's fleetless.toml, else 3]")
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option("--timeout", callback=_duration, help="The jobs' own timeout.")
 @click.pass_context
 def schedule_add(ctx: click.Context, name: str, kind: str, payload_json: str, cron: str, timezone: str,
-                 queue_name: str, max_attempts: int, priority: int, timeout: float | None) -> None:
+                 queue_name: str, max_attempts: int | None, priority: int, timeout: float | None) -> None:
     """Add (or change) schedule NAME: each occurrence of --cron enqueues KIND with PAYLOAD_JSON."""
     from .periodic import Schedule
 

@@ -238,7 +238,7 @@ def load_schedules(handlers_dir: Path) -> list[Schedule]:
             out.append(Schedule(
                 name=name, cron=table["cron"], kind=table["kind"], payload=table.get("payload", {}),
                 timezone=table.get("timezone", "UTC"), queue=table.get("queue", "default"),
-                max_attempts=_positive_int(table.get("max_attempts", 3), 1000),
+                max_attempts=None if "max_attempts" not in table else _positive_int(table["max_attempts"], 1000),
                 priority=priority,
                 timeout_seconds=None if timeout is None else max(1, round(_duration(timeout)))))
         except (ValueError, TypeError) as exc:

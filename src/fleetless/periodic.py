@@ -53,7 +53,7 @@ class Schedule:
     payload: object
     timezone: str = "UTC"
     queue: str = "default"
-    max_attempts: int = 3
+    max_attempts: int | None = None  # None: the kind's (fleetless.toml), applied by the claiming drain, else 3
     priority: int = 0
     timeout_seconds: int | None = None
 

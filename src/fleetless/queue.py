@@ -624,7 +624,8 @@ class Queue:
 
     def add_schedule(self, schedule: Schedule) -> bool:
         """Store a schedule (replacing one of the same name). True if it is new."""
-        if isinstance(schedule.max_attempts, bool) or not 1 <= schedule.max_attempts <= 1000:
+        if schedule.max_attempts is not None and (
+                isinstance(schedule.max_attempts, bool) or not 1 <= schedule.max_attempts <= 1000):
             raise ValueError("max_attempts must be an integer from 1 to 1000")
         rows = self._run("schedule_add", {
             "name": schedule.name, "cron": schedule.cron, "timezone": schedule.timezone, "kind": schedule.kind,

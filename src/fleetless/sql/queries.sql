@@ -743,6 +743,8 @@ ORDER BY s.name;
 -- tick) another drainer recorded first conflicts and enqueues nothing here, so each occurrence
 -- becomes exactly one job however many drainers race. The job is due at its tick. Occurrences
 -- older than the catch-up window are never enqueued again, so their rows are dropped here too.
+-- A schedule without max_attempts (NULL) enqueues as enqueue without one: 3, and the claim applies
+-- the kind's.
 WITH due AS (
   SELECT * FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[]) AS d(schedule, tick)
 ), won AS (
@@ -751,8 +753,10 @@ WITH due AS (
   ON CONFLICT DO NOTHING
   RETURNING schedule, tick
 ), jobs AS (
-  INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds)
-  SELECT s.kind, s.payload, s.max_attempts, w.tick, s.queue, s.priority, s.timeout_seconds
+  INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
+                             max_attempts_default)
+  SELECT s.kind, s.payload, COALESCE(s.max_attempts, 3), w.tick, s.queue, s.priority, s.timeout_seconds,
+         s.max_attempts IS NULL
   FROM won w JOIN {schema}.schedules s ON s.name = w.schedule
   RETURNING id, queue
 ), notified AS (
