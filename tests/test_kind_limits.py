@@ -138,8 +138,13 @@ def test_a_claim_is_one_statement_unless_a_kind_has_a_limit(dsn: str, queue: Que
     conn.close()
 
 
-def test_a_kinds_tier_is_applied_by_the_drain(queue: Queue, sql, handlers, require_tier) -> None:
+def test_a_kinds_tier_is_applied_by_the_drain(queue: Queue, sql, handlers, require_tier, monkeypatch) -> None:
     require_tier("bwrap")
+    from fleetless.sandbox import get_backend
+
+    bwrap, swept = get_backend("bwrap"), []
+    real_sweep = bwrap.sweep
+    monkeypatch.setattr(bwrap, "sweep", classmethod(lambda cls: swept.append(cls) or real_sweep()))
     probe = "print(open('/proc/1/comm').read().strip())"
     h = settings_file(handlers(**{"boxed.py": probe, "plain.py": probe}), "[kinds.boxed]\ntier = \"bwrap\"\n")
     queue.enqueue("boxed", {})
@@ -153,6 +158,7 @@ def test_a_kinds_tier_is_applied_by_the_drain(queue: Queue, sql, handlers, requi
     host_init = Path("/proc/1/comm").read_text().strip()
     assert rows["plain"][2].strip() == host_init  # the process tier shares the host's pid namespace
     assert rows["boxed"][2].strip() != host_init  # bwrap has one of its own
+    assert swept == [bwrap]  # the drain swept what dead bwrap drainers left, too
 
 
 def test_a_kinds_batch_size_runs_its_jobs_that_many_per_sandbox(queue: Queue, sql, handlers) -> None:

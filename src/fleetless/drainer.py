@@ -245,6 +245,7 @@ class Drainer:
         for tier, backend in self._backends.items():
             found = handlers.unrunnable(self._handlers_dir, backend, self._template, interpreters)
             self._unrunnable.update({k: why for k, why in found.items() if self._tier_of(k) == tier})
+        self._maintainer.sweep_also(tuple(self._backends.values()))
         if not self._batched and any((ks.batch_size or 1) > 1 for ks in self._kinds.values()):
             self._batched = True
             self._completer = self._new_completer()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from ..queue import Queue
@@ -64,6 +64,10 @@ class Maintainer:
         self._sweeper = sweeper.Settings(backend)
         self._guard = guard
         self._last: float | None = None
+
+    def sweep_also(self, backends: tuple[type[Sandbox], ...]) -> None:
+        """Also sweep these tiers' leftovers (kinds that run in a tier of their own)."""
+        self._sweeper = replace(self._sweeper, also=backends)
 
     def run_all(self) -> Report:
         """One pass of every unit. OSError from the sweeper (unusable work directory) propagates."""

@@ -22,6 +22,8 @@ __all__ = ["Result", "Settings", "run_once"]
 class Settings:
     #: The sandbox tier whose leftovers are swept (every tier sweeps workspaces).
     backend: type[Sandbox]
+    #: Other tiers this drain runs kinds in (fleetless.toml's per-kind tier): swept as well.
+    also: tuple[type[Sandbox], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -30,4 +32,5 @@ class Result:
 
 
 def run_once(settings: Settings) -> Result:
-    return Result(settings.backend.sweep())
+    swept = dict.fromkeys([settings.backend, *settings.also])
+    return Result(sum(backend.sweep() for backend in swept))
