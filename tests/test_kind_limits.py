@@ -237,6 +237,11 @@ def test_a_kinds_max_attempts_applies_to_jobs_enqueued_without_one(queue: Queue,
         (2, 2), (4, 4), (2, 2), (2, 2), (1, 1), (3, 3)]  # the kind's; the job's own; else 3
     assert sql("SELECT attempts, max_attempts FROM fleetless.jobs WHERE id > %s", other) == [(5, 5)]
     assert sql("SELECT count(*) FROM fleetless.job_attempts WHERE job_id = %s", plain) == [(2,)]
+    # the setting changed: a job without its own takes the new one at its next claim, 3 when unset
+    queue.retry(plain)
+    settings_file(h, "[kinds.flaky]\nbackoff_base = 0\njitter = 0\n")
+    Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    assert sql("SELECT status, attempts, max_attempts FROM fleetless.jobs WHERE id = %s", plain) == [("dead", 3, 3)]
 
 
 def test_a_watching_drain_waits_for_room_under_a_rate_limit(queue: Queue, sql, handlers) -> None:

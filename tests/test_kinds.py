@@ -131,7 +131,8 @@ def test_a_kinds_interpreter_and_longer_timeout_are_used_and_its_lease_covers_it
 
 def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -> None:
     h = settings_file(handlers(**{"a.py": "", "b": "#!/bin/sh\n"}),
-                      "[kinds.a]\ntimeout = '2m'\n[kinds.ghost]\npids = 9\n")
+                      "[kinds.a]\ntimeout = '2m'\n[kinds.ghost]\npids = 9\nconcurrency = 3\nrate = '10/min'\n"
+                      "tier = 'process'\nbatch_size = 20\n")
     r = fleetless("kinds", "--handlers", str(h), "--json")
     assert r.returncode == 0, r.stderr
     rows = {row["kind"]: row for row in json.loads(r.stdout)}
@@ -140,6 +141,8 @@ def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -
         True, 120.0, 900, ["timeout"])
     assert (rows["b"]["timeout"], rows["b"]["set_in_file"]) == (600, [])
     assert (rows["ghost"]["handler"], rows["ghost"]["pids"]) == (False, 9)
+    assert [rows["ghost"][k] for k in ("concurrency", "rate", "tier", "batch_size")] == [3, "10/60s", "process", 20]
+    assert [rows["a"][k] for k in ("concurrency", "rate", "tier", "batch_size")] == [None] * 4  # the drain's
     text = fleetless("kinds", "--handlers", str(h)).stdout.splitlines()
     assert text[0].split()[:3] == ["kind", "handler", "timeout"] and "MISSING" in text[3]
 

@@ -81,8 +81,8 @@ FROM STDIN;
 -- The lease covers the job's timeout (bounded by the sandbox TTL) plus a grace period; the reaper
 -- returns the claim once it has passed.
 -- kinds (fleetless.toml, as JSON; NULL when the file sets nothing): a kind's tier is recorded on
--- its rows, and a job enqueued without its own max_attempts takes its kind's (never below the
--- attempt it is starting). Kinds with a concurrency or rate limit are in skip_kinds here: they are
+-- its rows, and a job enqueued without its own max_attempts takes its kind's, else the default 3
+-- (never below the attempt it is starting). Kinds with a concurrency or rate limit are in skip_kinds here: they are
 -- claimed by claim_limited, so this stays one statement for a drain without limits.
 UPDATE {schema}.jobs AS j
 SET status = 'running',
@@ -94,7 +94,7 @@ SET status = 'running',
     claimed_by = %(claimed_by)s,
     tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
     max_attempts = CASE WHEN j.max_attempts_default
-                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, j.max_attempts),
+                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, 3),
                                       j.attempts + 1)
                         ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
@@ -470,7 +470,7 @@ SET status = 'running',
     claimed_by = %(claimed_by)s,
     tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
     max_attempts = CASE WHEN j.max_attempts_default
-                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, j.max_attempts),
+                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, 3),
                                       j.attempts + 1)
                         ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
@@ -536,8 +536,8 @@ WITH t AS (
       claimed_by = %(claimed_by)s,
       tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
       max_attempts = CASE WHEN j.max_attempts_default
-                          THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int,
-                                                 j.max_attempts), j.attempts + 1)
+                          THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, 3),
+                                        j.attempts + 1)
                           ELSE j.max_attempts END,
       lease_expires_at = t.at + make_interval(
           secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
