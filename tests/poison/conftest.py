@@ -159,12 +159,16 @@ def _cgroup_bases() -> list[Path]:
 
 
 def _launcher_groups() -> set[str]:
-    """Groups of the bwrap tier's pre-warmed launchers (limit-less, no job in them yet)."""
+    """Groups of the bwrap tier's pre-warmed launchers and the fork server's ready inits
+    (limit-less, no job in them yet)."""
     try:
         from fleetless.sandbox import bwrap
     except ImportError:
         return set()
-    return {launcher.cgroup.name for launcher in list(bwrap._pool._ready) if launcher.cgroup is not None}
+    from fleetless.sandbox.forkserver import client
+
+    return client.pool.ready_groups() | {
+        launcher.cgroup.name for launcher in list(bwrap._pool._ready) if launcher.cgroup is not None}
 
 
 @dataclass

@@ -108,8 +108,8 @@ class ForkServerSandbox(Sandbox):
         self._born = time.monotonic()
         self._lease: _hostuid.Lease | None = None
         self._cgroup: cgroups.JobCgroup | None = None
-        self._server: client.Server | None = None
-        self._pidfd: int | None = None
+        self._init: client.Init | None = None
+        self._started = False
         self._outer: Path | None = None
         self._workspace: Path | None = None
         self.python = self.handler_python(template)
@@ -117,11 +117,17 @@ class ForkServerSandbox(Sandbox):
             handlers = handlers_snapshot(template.handlers_dir)
             self._key = client.ServerKey(self.python, str(handlers), template.limits.network)
             self._lease = _hostuid.lease()
-            caps = cgroups.available()
-            if caps.any or caps.kill:  # init counts against pids.max too: the job gets ``pids``
+            key = self._key
+
+            def root() -> client.RootSpec:
+                return _root_spec(key.python, Path(key.handlers), key.network)
+
+            self._init = client.pool.take(key, root)
+            self._cgroup = self._init.cgroup
+            if self._cgroup is not None:  # init counts against pids.max too: the job gets ``pids``
                 limits = template.limits
                 pids = None if limits.pids is None else limits.pids + 1
-                self._cgroup = cgroups.JobCgroup(limits.memory_bytes, pids, limits.cpus, caps=caps)
+                self._cgroup.set_limits(limits.memory_bytes, pids, limits.cpus)
             # <outer> is the drainer's (0710, group: the job's gid), <outer>/workspace the job's
             self._outer = _workspace.create()
             self._workspace = self._outer / "workspace"
@@ -206,27 +212,6 @@ class ForkServerSandbox(Sandbox):
             rl.pop("RLIMIT_AS", None)  # the cgroup caps real memory; AS breaks some runtimes
         return {name: [v, v + 1 if name == "RLIMIT_CPU" else v] for name, v in rl.items()}
 
-    def _start(self, job_sock: socket.socket) -> int:
-        """A fresh init from the current server (a retired one is replaced once)."""
-        cg = [] if self._cgroup is None else self._cgroup.procs_files()
-        key = self._key
-
-        def root() -> client.RootSpec:
-            return _root_spec(key.python, Path(key.handlers), key.network)
-
-        for attempt in range(2):
-            server = client.server_for(key, root)
-            try:
-                pidfd = server.fork(job_sock, cg)
-            except SandboxUnavailable:
-                if attempt:
-                    raise
-                server.retire()
-                continue
-            self._server = server
-            return pidfd
-        raise AssertionError("unreachable")
-
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         from ..process import rlimit_kill_reason
 
@@ -236,12 +221,14 @@ class ForkServerSandbox(Sandbox):
         budget = min(timeout_seconds, ttl_left)
         reason = (f"killed: timeout after {timeout_seconds:g} s" if timeout_seconds <= ttl_left
                   else f"killed: ttl of {self._ttl:g} s expired")
-        if self._workspace is None or self._outer is None or self._lease is None:
+        init = self._init
+        if self._workspace is None or self._outer is None or self._lease is None or init is None:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         if budget <= 0:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
-        if self._pidfd is not None:
+        if self._started:
             raise SandboxUnavailable("the forkserver tier runs one exec per sandbox")
+        self._started = True
         rlimits = self._rlimits(timeout_seconds)
         runpy = len(argv) >= 2 and argv[0] == self.python and argv[1].endswith(".py")
         spec = {
@@ -250,20 +237,16 @@ class ForkServerSandbox(Sandbox):
             "deadline": max(budget, 0) + OWN_DEADLINE_SLACK, "network": limits.network,
             "tmp_bytes": limits.tmp_bytes, "workspace": f"{self._outer.name}/workspace",
         }
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         status_r, status_w = os.pipe()
         try:
             for fd in (out_w, err_w):  # the job's own, as a shell's pipe would be: /dev/stderr opens
                 os.fchown(fd, self._lease.uid, self._lease.gid)
-            try:
-                self._pidfd = self._start(theirs)
-            finally:
-                theirs.close()
             if self._cgroup is not None:
                 self._cgroup.mark()
-            socket.send_fds(ours, [json.dumps(spec).encode()], [out_w, err_w, status_w])
+            socket.send_fds(init.sock, [json.dumps(spec).encode()], [out_w, err_w, status_w])
+            client.pool.refill()
         except BaseException:
             for fd in (out_r, err_r, status_r):
                 os.close(fd)
@@ -272,10 +255,9 @@ class ForkServerSandbox(Sandbox):
         finally:
             for fd in (out_w, err_w, status_w):
                 os.close(fd)
-            ours.close()
         captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes)
         deadline = started + max(budget, 0)
-        pidfd = self._pidfd
+        pidfd = init.pidfd
         with open(out_r, "rb", buffering=0) as out, open(err_r, "rb", buffering=0) as err:
             hit = _capture.pump(out, err, captured, deadline, self._terminate, exited=(pidfd, lambda: None))
         if not select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))[0]:
@@ -312,24 +294,23 @@ class ForkServerSandbox(Sandbox):
 
     def _terminate(self) -> None:
         """Kill the job's init: its pid namespace, the whole job, dies with it."""
-        if self._pidfd is not None:
+        if self._init is not None:
             with contextlib.suppress(ProcessLookupError, OSError):
-                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+                signal.pidfd_send_signal(self._init.pidfd, signal.SIGKILL)
         if self._cgroup is not None:
             self._cgroup.kill()
 
     def kill(self) -> None:
         dead = True
         try:
-            pidfd, self._pidfd = self._pidfd, None
-            if pidfd is not None:
+            init, self._init = self._init, None
+            if init is not None:
                 with contextlib.suppress(ProcessLookupError, OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                dead = bool(select.select([pidfd], [], [], 5)[0])
-                os.close(pidfd)
-                if self._server is not None:
-                    self._server.done()
-                    self._server = None
+                    signal.pidfd_send_signal(init.pidfd, signal.SIGKILL)
+                dead = bool(select.select([init.pidfd], [], [], 5)[0])
+                init.sock.close()
+                os.close(init.pidfd)
+                init.server.done()
             if self._cgroup is not None:
                 self._cgroup.remove()
                 self._cgroup = None

@@ -166,15 +166,21 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags))  # SIOCSIFFLAGS
 
 
-def _set_up_namespaces(spec: dict) -> None:  # type: ignore[type-arg]
+def _prepare(network: bool) -> None:
+    """What every job of this server gets, done before its job is known: fresh mount, IPC, UTS and
+    (without network) network namespaces, the hostname, loopback, a fresh ``/proc``."""
     flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
-    if not spec["network"]:
+    if not network:
         flags |= CLONE_NEWNET
     _unshare(flags)
     _check(_libc.sethostname(b"fleetless", 9), "sethostname")
-    if not spec["network"]:
+    if not network:
         _loopback_up()
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def _mount_job(spec: dict) -> None:  # type: ignore[type-arg]
+    """The job's own: its workspace (then the work directory goes), ``/tmp`` and ``/dev/shm``."""
     name = spec["workspace"]
     if not name or any(part in ("", ".", "..") for part in name.split("/")):
         raise ValueError(f"bad workspace name {name!r}")
@@ -295,15 +301,25 @@ def _finish() -> int:
     return code
 
 
-def job_init(sock: socket.socket, seccomp: bytes | None) -> None:
-    """The job's init: read the spec, set up, fork the job, wait, report. Never returns."""
+def job_init(sock: socket.socket, network: bool, seccomp: bytes | None) -> None:
+    """The job's init: set up, read the spec, fork the job, wait, report. Never returns."""
+    try:
+        _prepare(network)
+    except BaseException as exc:
+        failed: BaseException | None = exc
+    else:
+        failed = None
     msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3)
     if not msg or len(fds) != 3:
         os._exit(0)  # the drainer gave this sandbox up before its job (or died)
     out_fd, err_fd, status_fd = fds
     try:
+        if failed is not None:
+            raise failed
         spec = json.loads(msg)
-        _set_up_namespaces(spec)
+        if spec["network"] != network:
+            raise ValueError("a job with another network setting than its server's")
+        _mount_job(spec)
         pid = os.fork()
     except BaseException as exc:
         os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
@@ -342,7 +358,8 @@ def job_init(sock: socket.socket, seccomp: bytes | None) -> None:
 
 
 # -- the server ---------------------------------------------------------------------------------
-def _fork_job(ctl: socket.socket, own_pidns: int, fds: list[int], seccomp: bytes | None) -> int | None:
+def _fork_job(ctl: socket.socket, own_pidns: int, fds: list[int], network: bool,
+              seccomp: bytes | None) -> int | None:
     job_fd, cgroup_fds = fds[0], fds[1:]
     try:
         _unshare(CLONE_NEWPID)
@@ -369,7 +386,7 @@ def _fork_job(ctl: socket.socket, own_pidns: int, fds: list[int], seccomp: bytes
             os.write(2, f"fleetless fork server: job init: {exc}\n".encode())
             os._exit(1)
         try:
-            job_init(sock, seccomp)
+            job_init(sock, network, seccomp)
         finally:  # job_init never returns; an exception must not go on as a second server
             import traceback
 
@@ -418,6 +435,10 @@ def serve(config: dict) -> None:  # type: ignore[type-arg]
     for low, high in zip([3, *(k + 1 for k in keep)], [*keep, 1 << 20]):  # noqa: B905 (3.9 has no strict)
         if high > low:
             os.closerange(low, high)
+    import gc
+
+    gc.collect()
+    gc.freeze()  # never traversed again: a job's collections copy none of the server's pages
     ctl.send(b"ready")
     children: set[int] = set()
     while True:
@@ -428,7 +449,7 @@ def serve(config: dict) -> None:  # type: ignore[type-arg]
                 os.close(fd)
             break
         if msg == b"fork" and fds:
-            pid = _fork_job(ctl, own_pidns, fds, seccomp)
+            pid = _fork_job(ctl, own_pidns, fds, bool(config["network"]), seccomp)
             if pid is not None:
                 children.add(pid)
             continue

@@ -12,9 +12,12 @@ its last job is dead, and it exits.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
+import select
+import signal
 import socket
 import subprocess
 import tempfile
@@ -24,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import SandboxUnavailable, _workspace
+from .. import SandboxUnavailable, _workspace, cgroups
 
 log = logging.getLogger("fleetless.sandbox")
 
@@ -36,7 +39,7 @@ DEFAULT_SECONDS = 600.0
 #: Standard-library modules the server imports before it forks (a job finds them in sys.modules).
 #: Nothing that draws randomness at import (``random``, ``tempfile``, ``uuid``): every job would
 #: share it.
-PREWARM = ("json", "pathlib", "runpy", "traceback", "datetime", "base64", "collections", "functools",
+PREWARM = ("json", "pathlib", "runpy", "pkgutil", "traceback", "datetime", "base64", "collections", "functools",
            "re", "io", "struct", "fcntl", "resource", "atexit", "threading", "typing", "enum")
 START_TIMEOUT = 30.0
 #: Prefix of the servers' (empty) root directories in the work directory; :func:`sweep` removes
@@ -90,7 +93,7 @@ class Server:
         config = {
             "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint), "workspaces": str(_workspace.root()),
             "binds": [list(b) for b in root.binds], "symlinks": [list(s) for s in root.symlinks],
-            "seccomp": root.seccomp, "prewarm": list(PREWARM),
+            "seccomp": root.seccomp, "prewarm": list(PREWARM), "network": key.network,
         }
         debug = os.environ.get("FLEETLESS_FORKSERVER_STDERR")  # a file for the server's tracebacks
         try:
@@ -130,7 +133,7 @@ class Server:
             for path in cgroup_procs:
                 fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
             with self._lock:
-                if self._sock is None:
+                if self._sock is None or self.retired or self.expired():  # another thread took its last fork
                     raise SandboxUnavailable("the fork server was retired")
                 self.jobs += 1
                 self.live += 1
@@ -169,7 +172,11 @@ class Server:
             self.close()
 
     def usable(self) -> bool:
-        return not self.retired and self.proc.poll() is None and time.monotonic() < self.deadline
+        return not self.retired and self.proc.poll() is None and not self.expired()
+
+    def expired(self) -> bool:
+        """Past its lifetime: it forks no more, and inits it forked before are not used."""
+        return time.monotonic() >= self.deadline
 
     def close(self) -> None:
         """Close its socket (it kills what is left of its jobs and exits) and wait for it."""
@@ -189,6 +196,7 @@ class Server:
 _servers_lock = threading.Lock()
 _servers: dict[ServerKey, Server] = {}
 _all: list[Server] = []
+_HISTORY = 100
 
 
 def server_for(key: ServerKey, root: Callable[[], RootSpec]) -> Server:
@@ -207,14 +215,159 @@ def server_for(key: ServerKey, root: Callable[[], RootSpec]) -> Server:
         server = Server(key, root(), max_jobs, max_seconds)
         _servers[key] = server
         _all.append(server)
-        _all[:] = [s for s in _all if s.proc.poll() is None]
+        del _all[:-_HISTORY]
         return server
 
 
-def running() -> list[Server]:
-    """The servers of this drainer process that still run (for tests and ``doctor``)."""
+class Init:
+    """A job's init, forked and waiting for its job's spec on ``sock``, already in its cgroups
+    (limit-less until taken) and its namespaces."""
+
+    def __init__(self, key: ServerKey, root: Callable[[], RootSpec]) -> None:
+        self.key = key
+        caps = cgroups.available()
+        self.cgroup = cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = ours
+        procs = [] if self.cgroup is None else self.cgroup.procs_files()
+        try:
+            for attempt in range(2):  # a server retired meanwhile, or gone: once more with the next
+                self.server = server_for(key, root)
+                try:
+                    self.pidfd = self.server.fork(theirs, procs)
+                    break
+                except SandboxUnavailable:
+                    self.server.retire()
+                    if attempt:
+                        raise
+        except BaseException:
+            ours.close()
+            if self.cgroup is not None:
+                self.cgroup.remove()
+            raise
+        finally:
+            theirs.close()
+
+    def alive(self) -> bool:
+        return not select.select([self.pidfd], [], [], 0)[0]
+
+    def discard(self) -> None:
+        """Let it exit unused (EOF on its socket), then drop its cgroups."""
+        self.sock.close()
+        if not select.select([self.pidfd], [], [], 2)[0]:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            select.select([self.pidfd], [], [], 2)
+        os.close(self.pidfd)
+        self.server.done()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
+
+class Pool:
+    """Keeps ``size`` inits ready per key in use, made by a daemon thread while jobs run, so a job
+    does not wait for the fork, the cgroup moves and the namespaces of its init."""
+
+    def __init__(self, size: int = 2) -> None:
+        self.size = size
+        self._cond = threading.Condition()
+        self._ready: dict[ServerKey, list[Init]] = {}
+        self._roots: dict[ServerKey, Callable[[], RootSpec]] = {}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def take(self, key: ServerKey, root: Callable[[], RootSpec]) -> Init:
+        stale: list[Init] = []
+        with self._cond:
+            for other in list(self._roots):  # the handlers changed: their inits are of no use
+                if other != key and other.python == key.python and other.network == key.network:
+                    del self._roots[other]
+                    stale += self._ready.pop(other, [])
+            self._roots[key] = root
+            ready = self._ready.get(key, [])
+            init = ready.pop(0) if ready else None
+        for old in stale:
+            old.discard()
+        while init is not None and (not init.alive() or init.server.expired()):
+            init.discard()
+            with self._cond:
+                ready = self._ready.get(key, [])
+                init = ready.pop(0) if ready else None
+        return init if init is not None else Init(key, root)
+
+    def refill(self) -> None:
+        """Make inits for the ones taken, now (called once a job runs: the drainer's thread then
+        waits for it, and the filling does not compete with its sandbox's set-up)."""
+        with self._cond:
+            if self._thread is None and not self._closed and self.size > 0:
+                self._thread = threading.Thread(target=self._fill, name="fleetless-forkserver-pool", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _want(self) -> tuple[ServerKey, Callable[[], RootSpec]] | None:
+        for key, root in self._roots.items():
+            if len(self._ready.get(key, [])) < self.size:
+                return key, root
+        return None
+
+    def _fill(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and (want := self._want()) is None:
+                    self._cond.wait()  # until a job runs and :meth:`refill` says so
+                if self._closed or want is None:
+                    return
+            key, root = want
+            try:
+                init = Init(key, root)
+            except (OSError, SandboxUnavailable) as exc:
+                log.warning("fork server pool: %s", exc)
+                with self._cond:
+                    self._cond.wait(timeout=5)
+                continue
+            with self._cond:
+                if self._closed or key not in self._roots:
+                    init_to_drop: Init | None = init
+                else:
+                    self._ready.setdefault(key, []).append(init)
+                    init_to_drop = None
+            if init_to_drop is not None:
+                init_to_drop.discard()
+
+    def ready_groups(self) -> set[str]:
+        """The cgroups of the inits waiting for a job (limit-less, no job in them yet)."""
+        with self._cond:
+            return {i.cgroup.name for inits in self._ready.values() for i in inits if i.cgroup is not None}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            ready = [i for inits in self._ready.values() for i in inits]
+            self._ready.clear()
+            self._roots.clear()
+            self._cond.notify_all()
+        for init in ready:
+            init.discard()
+
+    def reopen(self) -> None:
+        """After :meth:`close` (tests): take and fill again."""
+        with self._cond:
+            self._closed = False
+            self._thread = None
+
+
+pool = Pool(size=2)
+
+
+def started() -> list[Server]:
+    """The servers this drainer process started (the last hundred), running or not."""
     with _servers_lock:
-        return [s for s in _all if s.proc.poll() is None]
+        return list(_all)
+
+
+def running() -> list[Server]:
+    """The servers of this drainer process that still run."""
+    return [s for s in started() if s.proc.poll() is None]
 
 
 def sweep() -> int:
@@ -229,8 +382,11 @@ def sweep() -> int:
 
 @atexit.register
 def close_all() -> None:
+    """Drop the ready inits and stop every server (at exit; tests call it between cases)."""
+    pool.close()
+    pool.reopen()
     with _servers_lock:
-        servers, _all[:] = list(_all), []
+        servers, _all[:] = [s for s in _all if s.proc.poll() is None], []
         _servers.clear()
     for server in servers:
         server.close()
