@@ -274,3 +274,15 @@ def test_a_schedule_without_max_attempts_takes_its_kinds(queue: Queue, sql, hand
         assert {row for row in got} == {("kinds", 2, 2), ("own", 4, 4)}, got
     finally:
         sql("DELETE FROM fleetless.schedules")
+
+
+def test_a_kinds_concurrency_caps_its_batches_in_batch_mode(queue: Queue, sql, handlers) -> None:
+    slow_pid = "import os, time\n\ndef handle(payload):\n    time.sleep(0.3)\n    return os.getpid()\n"
+    h = settings_file(handlers(**{"capped.py": slow_pid}), "[kinds.capped]\nbatch_size = 5\nconcurrency = 2\n")
+    for i in range(6):
+        queue.enqueue("capped", {"i": i})
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=3, per_sandbox=10)).run()
+    assert summary.done == 6
+    spans = sql("SELECT started_at, finished_at FROM fleetless.job_attempts")
+    assert len(spans) == 6 and most_at_once(spans) <= 2, spans  # claimed counts as running
+    assert sql("SELECT count(DISTINCT result_json) >= 3 FROM fleetless.jobs") == [(True,)]  # <= 2 per sandbox

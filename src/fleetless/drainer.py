@@ -219,6 +219,11 @@ class Drainer:
                          c.retry, flush_size=c.flush_size, flush_interval=c.flush_interval,
                          on_written=self._written, retry_of=self._retry_of)
 
+    @property
+    def _limited(self) -> bool:
+        """A kind has a global limit (concurrency or rate) in fleetless.toml."""
+        return any(ks.limited for ks in self._kinds.values())
+
     def _tier_of(self, kind: str) -> str:
         return self._kinds.get(kind, kinds.KindSettings()).tier or self.config.sandbox
 
@@ -386,6 +391,9 @@ class Drainer:
             elif idle_since is None:
                 idle_since = now
             if not running:
+                if short and self._batched and self._completer.buffered and self._limited:
+                    self._db(self._completer.flush)  # its jobs count against a kind's limit until written
+                    continue
                 if not watching:
                     break
                 assert idle_since is not None
@@ -446,7 +454,7 @@ class Drainer:
 
     def _next_due(self) -> float | None:
         due = self.queue.next_due(self.config.queues, sorted(self._unrunnable))
-        if due is not None and due <= 0 and any(ks.limited for ks in self._kinds.values()):
+        if due is not None and due <= 0 and self._limited:
             return LIMIT_POLL_SECONDS  # due but not claimed: a limited kind waits for room
         return due
 
