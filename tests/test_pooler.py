@@ -6,6 +6,7 @@ read from the table directly, not through the pooler."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import uuid
@@ -150,3 +151,19 @@ def test_listen_needs_a_session_and_a_transaction_pooler_is_named(bouncer: poole
     assert str(caught.value) == (
         "drain --watch (LISTEN) needs a session of its own, but this database URL goes through a transaction "
         "pooler (several clients share one server connection): use a direct connection or session pooling")
+
+
+def test_a_kinds_concurrency_limit_holds_through_the_pooler(pooled: str, fleetless, handlers, sql) -> None:
+    # The limited claim is a transaction of two statements under a transaction-scoped advisory lock:
+    # a transaction pooler keeps both on one server connection, and the lock ends with it.
+    h = handlers(**{"one.py": "import time; time.sleep(0.2)", "free.py": "print('ok')"})
+    (h / "fleetless.toml").write_text("[kinds.one]\nconcurrency = 1\nrate = '100/s'\n")
+    for kind in ("one", "one", "one", "free", "free"):
+        assert fleetless("enqueue", kind, "{}", dsn=pooled).returncode == 0
+    r = fleetless("drain", "--handlers", str(h), "--sandbox", "process", "--concurrency", "3", dsn=pooled)
+    assert r.returncode == 0, r.stderr
+    assert sql("SELECT kind, status, count(*) FROM fleetless.jobs GROUP BY 1, 2 ORDER BY 1") == [
+        ("free", "done", 2), ("one", "done", 3)]
+    spans = sql("SELECT a.started_at, a.finished_at FROM fleetless.job_attempts a JOIN fleetless.jobs j"
+                " ON j.id = a.job_id WHERE j.kind = 'one' ORDER BY 1")
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans)), spans
