@@ -159,6 +159,9 @@ def test_one_gib_in_many_workspace_files(tier: str, poison: Poison) -> None:
     microvm: contained — the workspace lives in guest RAM; the guest's root tmpfs fills up and the
     write fails (``No space left on device``) or the guest OOM killer stops the job.
 
+    forkserver: contained — the workspace is a tmpfs of the job's mount namespace, RAM charged to
+    its memory cgroup: the memory limit kills it.
+
     process and bwrap: **not contained** — neither caps the total size of a workspace on a
     disk-backed ``FLEETLESS_WORKDIR`` (no disk quota; see docs/isolation.md): the job writes its
     1 GiB and is done; the workspace is removed afterwards. (bwrap with the work directory on a
@@ -171,6 +174,8 @@ def test_one_gib_in_many_workspace_files(tier: str, poison: Poison) -> None:
         assert row.last_error is not None and (
             row.last_error.startswith("killed: memory limit 256 MiB exceeded")
             or "No space left on device" in row.last_error), row
+    elif tier == "forkserver":  # its workspace is a tmpfs of the job's: RAM of its memory cgroup
+        assert (row.status, row.last_error) == ("dead", "killed: memory limit 256 MiB exceeded"), row
     else:
         assert (row.status, row.result) == ("done", "wrote 1024 MiB to the workspace\n"), row
 

@@ -49,7 +49,8 @@ def _rows(sql) -> dict[int, tuple]:
     return {r[0]: r[1:] for r in sql("SELECT id, status, result, last_error FROM fleetless.jobs")}
 
 
-def test_jobs_keep_the_handler_contract_through_the_fork_server(queue: Queue, handlers, sql) -> None:
+def test_jobs_keep_the_handler_contract_through_the_fork_server(queue: Queue, handlers, sql,
+                                                               private_workdir: Path) -> None:
     """``python3 handler.py payload.json``: __main__, argv, cwd and HOME, the exact environment, exit
     codes, atexit, SystemExit with a message, an uncaught exception, a signal, KeyboardInterrupt,
     stdout and stderr, a timeout; and a non-Python handler run by exec."""
@@ -92,6 +93,8 @@ def test_jobs_keep_the_handler_contract_through_the_fork_server(queue: Queue, ha
     assert rows[hung][0] == "dead" and rows[hung][2].startswith("killed: timeout after 2 s")
     assert rows[shell][0] == "done" and rows[shell][1].startswith('shell saw {"x": 1} as 20'), rows[shell]
     assert rows[shell][1].endswith(" in /workspace\n")
+    # a workspace is a tmpfs of its job's mount namespace: nothing of it is ever in the work directory
+    assert not private_workdir.exists() or list(private_workdir.glob("ws-*")) == []
 
 
 def test_a_job_scanning_its_own_memory_finds_no_earlier_jobs_payload(queue: Queue, handlers, sql) -> None:

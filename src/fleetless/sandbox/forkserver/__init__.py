@@ -41,7 +41,6 @@ from .. import (
     Template,
     _capture,
     _hostuid,
-    _workspace,
     cgroups,
 )
 from . import client
@@ -110,8 +109,7 @@ class ForkServerSandbox(Sandbox):
         self._cgroup: cgroups.JobCgroup | None = None
         self._init: client.Init | None = None
         self._started = False
-        self._outer: Path | None = None
-        self._workspace: Path | None = None
+        self._workspace: int | None = None  # the init's /workspace (a tmpfs of its mount namespace)
         self.python = self.handler_python(template)
         try:
             handlers = handlers_snapshot(template.handlers_dir)
@@ -128,13 +126,13 @@ class ForkServerSandbox(Sandbox):
                 limits = template.limits
                 pids = None if limits.pids is None else limits.pids + 1
                 self._cgroup.set_limits(limits.memory_bytes, pids, limits.cpus)
-            # <outer> is the drainer's (0710, group: the job's gid), <outer>/workspace the job's
-            self._outer = _workspace.create()
-            self._workspace = self._outer / "workspace"
-            self._workspace.mkdir(mode=0o700)
-            os.chown(self._outer, -1, self._lease.gid)
-            os.chmod(self._outer, 0o710)
-            os.chown(self._workspace, self._lease.uid, self._lease.gid)
+            # Opened through the init's root, then checked that the init still runs: the pid was
+            # not reused, this is its workspace. Nothing of the job has run yet.
+            self._workspace = os.open(f"/proc/{self._init.pid}/root/workspace",
+                                      os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if not self._init.alive():
+                raise SandboxUnavailable("the fork server's job init died before its job")
+            os.fchown(self._workspace, self._lease.uid, self._lease.gid)  # the job's own
         except BaseException:
             self.kill()
             raise
@@ -185,24 +183,40 @@ class ForkServerSandbox(Sandbox):
             raise SandboxUnavailable(f"cannot prepare a fork-server sandbox: {exc}") from None
 
     @property
-    def host_workspace(self) -> Path | None:
-        return self._workspace
-
-    @property
     def cgroup(self) -> cgroups.JobCgroup | None:
         return self._cgroup
 
     def write(self, path: str, data: bytes | str) -> None:
-        if self._workspace is None or self._lease is None:
-            raise RuntimeError("sandbox already destroyed")
-        target = (self._workspace / path).resolve()
-        if not target.is_relative_to(self._workspace):
+        """Write a file into the job's workspace (before its job runs), owned by the job's uid;
+        ``path`` is relative to it, and every step is opened below it without following links."""
+        if self._workspace is None or self._lease is None or self._started:
+            raise RuntimeError("sandbox already destroyed" if not self._started else "the job already ran")
+        parts = path.split("/")
+        if path.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"path {path!r} is outside the workspace")
-        made = [p for p in target.parents if p.is_relative_to(self._workspace) and not p.exists()]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data.encode() if isinstance(data, str) else data)
-        for p in [target, *made]:  # the job owns its workspace
-            os.chown(p, self._lease.uid, self._lease.gid, follow_symlinks=False)
+        uid, gid = self._lease.uid, self._lease.gid
+        folder = os.dup(self._workspace)
+        try:
+            for part in parts[:-1]:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=folder)
+                    os.chown(part, uid, gid, dir_fd=folder, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+                inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
+                os.close(folder)
+                folder = inner
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                         dir_fd=folder)
+            try:
+                os.fchown(fd, uid, gid)
+                view = memoryview(data.encode() if isinstance(data, str) else data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(folder)
 
     def _rlimits(self, timeout_seconds: float) -> dict[str, list[int]]:
         from ..process import rlimits_for
@@ -222,7 +236,7 @@ class ForkServerSandbox(Sandbox):
         reason = (f"killed: timeout after {timeout_seconds:g} s" if timeout_seconds <= ttl_left
                   else f"killed: ttl of {self._ttl:g} s expired")
         init = self._init
-        if self._workspace is None or self._outer is None or self._lease is None or init is None:
+        if self._workspace is None or self._lease is None or init is None:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         if budget <= 0:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
@@ -235,7 +249,7 @@ class ForkServerSandbox(Sandbox):
             "argv": list(argv), "runpy": runpy, "env": {"HOME": WORKSPACE, **self._template.env},
             "uid": self._lease.uid, "gid": self._lease.gid, "rlimits": rlimits,
             "deadline": max(budget, 0) + OWN_DEADLINE_SLACK, "network": limits.network,
-            "tmp_bytes": limits.tmp_bytes, "workspace": f"{self._outer.name}/workspace",
+            "tmp_bytes": limits.tmp_bytes, "workspace_bytes": limits.memory_bytes,
         }
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
@@ -311,12 +325,12 @@ class ForkServerSandbox(Sandbox):
                 init.sock.close()
                 os.close(init.pidfd)
                 init.server.done()
+            if self._workspace is not None:  # the last reference to the workspace's tmpfs
+                os.close(self._workspace)
+                self._workspace = None
             if self._cgroup is not None:
                 self._cgroup.remove()
                 self._cgroup = None
-            if self._outer is not None:
-                _workspace.remove(self._outer)
-                self._outer = self._workspace = None
         finally:
             if self._lease is not None:  # last: nothing of the job runs as it any more
                 self._lease.release(clean=dead)

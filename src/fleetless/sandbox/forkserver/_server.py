@@ -10,28 +10,28 @@ fleetless, holds no database connection and no secret, and is single-threaded. U
 At start (as root) it imports the modules it pre-warms, makes a mount namespace of its own and
 ``pivot_root``-s into a minimal root built on a tmpfs: read-only binds of ``/usr`` (plus the
 ``/lib``, ``/bin``... symlinks), the sandbox ``/etc``, the handlers snapshot at ``/handlers``
-and the interpreter's prefix when it is not under ``/usr``; the host's work directory at
-``/.fleetless/ws`` (root-only, 0700; each job binds its own workspace from it and unmounts it);
-a small ``/dev``; empty ``/proc``, ``/tmp``, ``/workspace``. Then it closes every other fd
+and the interpreter's prefix when it is not under ``/usr``; a small ``/dev``; empty ``/proc``,
+``/tmp``, ``/workspace``. Nothing of the host's work directory is in it. Then it closes every other fd
 (``close_range``), says ``ready`` and serves requests one at a time:
 
 ``fork`` with fds ``[job socket, cgroup.procs fds...]``: ``unshare(CLONE_NEWPID)``, ``fork()``
-(the child is pid 1 of a fresh pid namespace), ``setns`` back, and answer ``ok`` with a pidfd of
-the child. The server reads nothing else: the job's spec, its pipes and its output travel between
+(the child is pid 1 of a fresh pid namespace), ``setns`` back, and answer ``ok PID`` with a pidfd
+of the child. The server reads nothing else: the job's spec, its pipes and its output travel between
 the drainer and the child on the job socket, never through the server.
 
-The child (the job's *init*) writes itself into its cgroups, reads its spec and pipe fds from the
-job socket, unshares mount, IPC, UTS and (unless the job has network) network namespaces, mounts
-``/proc``, the workspace, a size-capped ``/tmp`` and ``/dev/shm``, brings loopback up, and forks
-the job (pid 2): a new session, the pipes as stdout and stderr, ``/dev/null`` as stdin, every
-other fd closed, rlimits, the leased uid and gid with no groups (so no capability is left),
-``no_new_privs``, the seccomp filter, the exact environment, default signal dispositions; then
-either ``runpy`` of the handler script as ``__main__`` (a ``.py`` handler run by this server's
-interpreter) or ``execve`` (anything else). Init waits for the job, kills it at its deadline by
-itself, writes ``status N`` (the wait status) on the status pipe and exits, which kills every
-process left in its pid namespace (``setsid`` daemons included). Init dies with the server
-(parent-death signal), and the server kills its children and exits when its control socket
-closes (the drainer died, or retired it).
+The child (the job's *init*) writes itself into its cgroups, unshares mount, IPC, UTS and (unless
+the server's jobs have network) network namespaces, brings loopback up, mounts ``/proc`` and a tmpfs
+``/workspace`` and says ``ready`` on the job socket (the drainer then writes the payload through
+``/proc/<init>/root/workspace``); then it reads its spec and pipe fds from the job socket, caps the
+workspace, mounts a size-capped ``/tmp`` and ``/dev/shm``, and forks the job (pid 2): a new session,
+the pipes as stdout and stderr, ``/dev/null`` as stdin, every other fd closed, rlimits, the leased
+uid and gid with no groups (so no capability is left), ``no_new_privs``, the seccomp filter, the
+exact environment, default signal dispositions; then either ``runpy`` of the handler script as
+``__main__`` (a ``.py`` handler run by this server's interpreter) or ``execve`` (anything else).
+Init waits for the job, kills it at its deadline by itself, writes ``status N`` (the wait status) on
+the status pipe and exits, which kills every process left in its pid namespace (``setsid`` daemons
+included). Init dies with the server (parent-death signal), and the server kills its children and
+exits when its control socket closes (the drainer died, or retired it).
 """
 
 from __future__ import annotations
@@ -134,9 +134,6 @@ def build_root(config: dict) -> None:  # type: ignore[type-arg]
         os.symlink(target, root + link)
     for src, dst in config["binds"]:
         _bind(src, _make_point(root, dst, os.path.isdir(src)), readonly=True)
-    private = root + "/.fleetless"
-    os.mkdir(private, 0o700)
-    _bind(config["workspaces"], _make_point(root, "/.fleetless/ws", True), readonly=False)
     for d in ("/proc", "/tmp", "/workspace", "/dev"):
         os.makedirs(root + d, exist_ok=True)
     _mount("fleetless-dev", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
@@ -177,16 +174,15 @@ def _prepare(network: bool) -> None:
     if not network:
         _loopback_up()
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # The workspace: a tmpfs of this mount namespace (RAM charged to the job's memory cgroup, gone
+    # with the namespace); the drainer writes the payload into it through /proc/<init>/root.
+    _mount("workspace", "/workspace", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700")
 
 
 def _mount_job(spec: dict) -> None:  # type: ignore[type-arg]
-    """The job's own: its workspace (then the work directory goes), ``/tmp`` and ``/dev/shm``."""
-    name = spec["workspace"]
-    if not name or any(part in ("", ".", "..") for part in name.split("/")):
-        raise ValueError(f"bad workspace name {name!r}")
-    _mount(f"/.fleetless/ws/{name}", "/workspace", None, MS_BIND)
-    _mount(None, "/workspace", None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
-    _check(_libc.umount2(b"/.fleetless/ws", MNT_DETACH), "umount the work directory")
+    """The job's own size caps: its workspace's, ``/tmp`` and ``/dev/shm``."""
+    if spec["workspace_bytes"]:
+        _mount(None, "/workspace", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, f"size={int(spec['workspace_bytes'])}")
     tmp = f"mode=1777,size={int(spec['tmp_bytes'])}"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
@@ -309,6 +305,10 @@ def job_init(sock: socket.socket, network: bool, seccomp: bytes | None) -> None:
         failed: BaseException | None = exc
     else:
         failed = None
+    try:
+        sock.send(b"ready" if failed is None else f"error {type(failed).__name__}: {failed}".encode())
+    except OSError:
+        os._exit(0)
     msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 3)
     if not msg or len(fds) != 3:
         os._exit(0)  # the drainer gave this sandbox up before its job (or died)
@@ -396,7 +396,7 @@ def _fork_job(ctl: socket.socket, own_pidns: int, fds: list[int], network: bool,
         os.close(fd)
     pidfd = os.pidfd_open(pid)
     try:
-        socket.send_fds(ctl, [b"ok"], [pidfd])
+        socket.send_fds(ctl, [f"ok {pid}".encode()], [pidfd])
     finally:
         os.close(pidfd)
     return pid

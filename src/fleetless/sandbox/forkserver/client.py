@@ -91,7 +91,7 @@ class Server:
         self._mountpoint = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{os.getpid()}-", dir=_workspace.root()))
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {
-            "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint), "workspaces": str(_workspace.root()),
+            "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint),
             "binds": [list(b) for b in root.binds], "symlinks": [list(s) for s in root.symlinks],
             "seccomp": root.seccomp, "prewarm": list(PREWARM), "network": key.network,
         }
@@ -126,8 +126,9 @@ class Server:
     def pid(self) -> int:
         return self.proc.pid
 
-    def fork(self, job_sock: socket.socket, cgroup_procs: list[str]) -> int:
-        """A fresh job init, in the cgroups of ``cgroup_procs`` before anything runs; its pidfd."""
+    def fork(self, job_sock: socket.socket, cgroup_procs: list[str]) -> tuple[int, int]:
+        """A fresh job init, in the cgroups of ``cgroup_procs`` before anything runs: its pid and
+        a pidfd of it."""
         fds = [job_sock.fileno()]
         try:
             for path in cgroup_procs:
@@ -143,7 +144,8 @@ class Server:
                 except OSError as exc:
                     self.live -= 1
                     raise SandboxUnavailable(f"the fork server is gone: {exc}") from None
-                if msg != b"ok" or len(got) != 1:
+                word, _, pid = msg.partition(b" ")
+                if word != b"ok" or len(got) != 1 or not pid.isdigit():
                     for fd in got:
                         os.close(fd)
                     self.live -= 1
@@ -151,7 +153,7 @@ class Server:
                     raise SandboxUnavailable(f"the fork server cannot fork: {said}")
                 if self.jobs >= self.max_jobs or time.monotonic() >= self.deadline:
                     self.retired = True
-                return got[0]
+                return int(pid), got[0]
         finally:
             for fd in fds[1:]:
                 os.close(fd)
@@ -234,7 +236,7 @@ class Init:
             for attempt in range(2):  # a server retired meanwhile, or gone: once more with the next
                 self.server = server_for(key, root)
                 try:
-                    self.pidfd = self.server.fork(theirs, procs)
+                    self.pid, self.pidfd = self.server.fork(theirs, procs)
                     break
                 except SandboxUnavailable:
                     self.server.retire()
@@ -247,6 +249,16 @@ class Init:
             raise
         finally:
             theirs.close()
+        try:
+            ours.settimeout(START_TIMEOUT)
+            said = ours.recv(4096)  # its namespaces and workspace are made
+            ours.settimeout(None)
+        except OSError as exc:
+            said = f"error {exc}".encode()
+        if said != b"ready":
+            self.discard()
+            reason = said.decode(errors="replace").removeprefix("error ") or "it exited"
+            raise SandboxUnavailable(f"the fork server's job init failed: {reason}")
 
     def alive(self) -> bool:
         return not select.select([self.pidfd], [], [], 0)[0]
