@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("private_workdir")
 TIERS = ["process", "bwrap", "microvm"]
 SQL = Callable[..., list[Any]]
 #: Seconds to wait for what a drain does: a microVM boots a kernel per sandbox under TCG.
-SLOW = {"process": 60.0, "bwrap": 60.0, "microvm": 600.0}
+SLOW = {"process": 60.0, "bwrap": 60.0, "forkserver": 60.0, "microvm": 600.0}
 
 MODULE = """
     import os, time
@@ -210,3 +211,53 @@ def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(tier: str, queue:
         t.join()
     assert reaped == []
     assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 12)]
+
+
+def _spare_waiting() -> bool:
+    """Whether a spare sandbox's runner has its pipe open, waiting for a batch (its fd names
+    ``batch.fifo``: the host's path, or the one inside the sandbox's mount namespace)."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}").endswith("/batch.fifo") for fd in fds):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])  # a microVM's workspace is a copy: no spare
+def test_a_watchers_job_runs_in_a_sandbox_started_before_it_came_and_none_outlives_the_watcher(
+        tier: str, queue: Queue, handlers, sql: SQL, private_workdir: Path, require_tier) -> None:
+    """Watch mode keeps one sandbox started ahead, its runner waiting on a pipe for a batch: the
+    job's runner process is older than the enqueue, so pickup skips the sandbox's and the
+    interpreter's start. The next spare is started as one is taken; at idle exit none is left."""
+    require_tier(tier)
+    h = handlers(**{"born.py": """
+        import os
+        def handle(payload):  # when this interpreter (the batch runner) started, in seconds since boot
+            with open("/proc/self/stat") as f:
+                ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+            return ticks / os.sysconf("SC_CLK_TCK")
+    """})
+    done: list[Any] = []
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=5, concurrency=1, watch=True,
+                                         idle_exit=3))
+    t = threading.Thread(target=lambda: done.append(drainer.run()))
+    t.start()
+    try:
+        for n in range(2):
+            wait_for(_spare_waiting, timeout=SLOW[tier], what="a spare sandbox's runner")
+            enqueued = time.clock_gettime(time.CLOCK_BOOTTIME)
+            job = queue.enqueue("born", {"n": n})
+            wait_for(lambda job=job: sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)],
+                     timeout=SLOW[tier], what="the job to be done")
+            (born,) = sql("SELECT result_json FROM fleetless.jobs WHERE id = %s", job)[0]
+            assert born <= enqueued
+    finally:
+        t.join(SLOW[tier])
+    assert done and (done[0].claimed, done[0].done) == (2, 2)
+    assert not _spare_waiting()
+    assert not private_workdir.exists() or not list(private_workdir.rglob("batch.fifo"))

@@ -16,11 +16,16 @@ the completer writes them. How a batch runs:
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import re
 import signal
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -34,8 +39,13 @@ from .sandbox import ExecResult, Sandbox, Template
 
 __all__ = ["RUNNER_NAME", "Runner", "Slot", "describe_failure", "describe_run", "job_env"]
 
+log = logging.getLogger("fleetless.batch")
 RUNNER = Path(__file__).parent / "sandbox" / "_batch_runner.py"
 RUNNER_NAME = "_fleetless_batch.py"
+#: The named pipe a spare sandbox's runner reads its batch from (watch mode).
+FIFO_NAME = "batch.fifo"
+#: Seconds a spare's runner may take to open its pipe once a batch is handed to it.
+FEED_SECONDS = 10.0
 #: Seconds the batch runner's watchdog allows past a job's timeout before it stops the sandbox.
 HARD_GRACE = 2.0
 #: Room for one job's record on the runner's stdout, beyond the job's own stdout.
@@ -124,6 +134,19 @@ class Slot:
             sbx.kill()
 
 
+class _Spare:
+    """Watch mode's sandbox started ahead of its batch: the batch runner has started and waits on a
+    named pipe in the workspace, so a job that arrives skips the sandbox's and interpreter's start."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Condition()
+        self.sbx: Sandbox | None = None
+        self.result: Future[ExecResult] | None = None
+        self.born = 0.0
+        self.starting = False
+        self.closed = False
+
+
 class SandboxBroken(Exception):
     """The sandbox failed, not the job: the drain cannot go on with this tier."""
 
@@ -136,6 +159,9 @@ class Runner:
     default_timeout: float = 600
     kinds: Mapping[str, KindSettings] = field(default_factory=dict)  # fleetless.toml
     cancelled: Callable[[int], bool] = lambda job_id: False  # an operator cancelled it while it ran
+    #: Watch mode: keep one sandbox started ahead for a batch of up to this many jobs (0: never).
+    spare_jobs: int = 0
+    _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
 
     def _kind(self, kind: str) -> KindSettings:
         return self.kinds.get(kind, KindSettings())
@@ -199,6 +225,93 @@ class Runner:
             left = left[1:]
         return done, None
 
+    # -- the spare sandbox (watch mode) --------------------------------------------------------
+
+    def _spare_template(self) -> Template:
+        limits = self.template.limits
+        per_job = limits.stdout_bytes + RECORD_OVERHEAD
+        return replace(self.template, limits=replace(limits, stdout_bytes=per_job * self.spare_jobs + 65536))
+
+    def prewarm(self) -> None:
+        """Start a spare sandbox in the background unless one is there or starting."""
+        spare = self._spare
+        with spare.lock:
+            if not self.spare_jobs or spare.closed or spare.starting or spare.sbx is not None:
+                return
+            spare.starting = True
+        threading.Thread(target=self._start_spare, name="spare", daemon=True).start()
+
+    def _start_spare(self) -> None:
+        spare, sbx = self._spare, None
+        try:
+            sbx = self.backend.create(self._spare_template(), self.ttl)
+            host = sbx.host_workspace
+            if host is None:  # the job's workspace is a copy (a microVM's): no pipe reaches it
+                with spare.lock:
+                    spare.closed = True
+                return
+            sbx.write(RUNNER_NAME, RUNNER.read_bytes())
+            fifo = host / FIFO_NAME
+            os.mkfifo(fifo, 0o600)
+            owner = host.stat()  # the job's uid owns its workspace, and so its pipe
+            os.chown(fifo, owner.st_uid, owner.st_gid)
+            ws, started = sbx.workspace_path, sbx
+            result: Future[ExecResult] = Future()
+
+            def run() -> None:
+                try:
+                    result.set_result(started.exec([started.python, f"{ws}/{RUNNER_NAME}", f"{ws}/{FIFO_NAME}"],
+                                                   self.ttl))
+                except BaseException as exc:
+                    result.set_exception(exc)
+
+            threading.Thread(target=run, name="spare-exec", daemon=True).start()
+            with spare.lock:
+                if not spare.closed:
+                    spare.sbx, spare.result, spare.born, sbx = started, result, time.monotonic(), None
+        except Exception as exc:  # no spare this time: the next batch starts its own sandbox
+            log.debug("could not start a spare sandbox: %s", exc)
+        finally:
+            if sbx is not None:
+                sbx.kill()
+            with spare.lock:
+                spare.starting = False
+                spare.lock.notify_all()
+
+    def _take_spare(self, jobs: Sequence[Job]) -> tuple[Sandbox, Future[ExecResult]] | None:
+        """The spare sandbox for ``jobs``, if it fits them and its runner still waits (a kind with
+        settings of its own, in fleetless.toml, always starts its own sandbox)."""
+        kind = jobs[0].kind
+        if not self.spare_jobs or len(jobs) > self.spare_jobs:
+            return None
+        if self.template_of(kind) != self.template or self.ttl_of(kind) != self.ttl:
+            return None
+        # its TTL runs from its start: the first job must still fit in what is left of it
+        need = self.timeout_of(jobs[0]) + HARD_GRACE
+        spare = self._spare
+        with spare.lock:
+            # one on its way started before this batch came: it is ready sooner than a new sandbox
+            spare.lock.wait_for(lambda: not spare.starting, timeout=FEED_SECONDS)
+            sbx, result, born = spare.sbx, spare.result, spare.born
+            spare.sbx = spare.result = None
+        self.prewarm()  # for the batch after this one
+        if sbx is None or result is None:
+            return None
+        if result.done() or time.monotonic() - born + need > self.ttl:
+            sbx.kill()
+            return None
+        return sbx, result
+
+    def close(self) -> None:
+        """Destroy the spare sandbox, start no other (the drain ends)."""
+        spare = self._spare
+        with spare.lock:
+            spare.closed = True
+            spare.lock.wait_for(lambda: not spare.starting, timeout=60)  # it kills what it made
+            sbx, spare.sbx, spare.result = spare.sbx, None, None
+        if sbx is not None:
+            sbx.kill()
+
     # -- one sandbox ---------------------------------------------------------------------------
 
     def _sandbox(self, template: Template, slot: Slot, kind: str) -> Sandbox:
@@ -238,6 +351,34 @@ class Runner:
         kind = jobs[0].kind
         base = self.template_of(kind)
         limits = base.limits
+
+        def describe(sbx: Sandbox) -> dict[str, Any]:
+            return {
+                "handler": f"{sbx.handlers_path}/{handler.filename}", "module": handler.module,
+                "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
+                "budget": self.ttl_of(kind), "grace": HARD_GRACE,
+                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS,
+                "jobs": [{"payload": j.payload, "timeout": self.timeout_of(j), "env": _own_env(j)} for j in jobs],
+            }
+
+        spare = self._take_spare(jobs)
+        if spare is not None:
+            sbx, result = spare
+            if not slot.attach(sbx):
+                sbx.kill()
+                return [(j, self._stopped(None)) for j in jobs], None
+            try:
+                host = sbx.host_workspace
+                assert host is not None
+                if _feed(host / FIFO_NAME, json.dumps(describe(sbx)).encode() + b"\n", result):
+                    r = result.result()
+                    return self._parse(jobs, r.stdout), r
+            except Exception as exc:
+                raise SandboxBroken(str(exc)) from None
+            finally:
+                sbx.kill()
+                slot.detach()
+            # its runner was gone before it took the batch: nothing ran, start a sandbox of its own
         per_job = limits.stdout_bytes + RECORD_OVERHEAD
         template = replace(base, limits=replace(limits, stdout_bytes=per_job * len(jobs) + 65536))
         try:
@@ -245,14 +386,7 @@ class Runner:
         except _Aborted:
             return [(j, self._stopped(None)) for j in jobs], None
         try:
-            script = f"{sbx.handlers_path}/{handler.filename}"
-            desc = {
-                "handler": script, "module": handler.module,
-                "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
-                "budget": self.ttl_of(kind), "grace": HARD_GRACE,
-                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS,
-                "jobs": [{"payload": j.payload, "timeout": self.timeout_of(j), "env": _own_env(j)} for j in jobs],
-            }
+            desc = describe(sbx)
             sbx.write(RUNNER_NAME, RUNNER.read_bytes())
             sbx.write("batch.json", json.dumps(desc))
             ws = sbx.workspace_path
@@ -293,6 +427,32 @@ class Runner:
 
 class _Aborted(Exception):
     pass
+
+
+def _feed(fifo: Path, data: bytes, result: Future[ExecResult]) -> bool:
+    """Hand a batch to a spare's runner through its pipe. False when the runner is not there to
+    read it (it ended, or never opened the pipe within FEED_SECONDS): it then ran nothing."""
+    deadline = time.monotonic() + FEED_SECONDS
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: the runner has not opened it yet
+                return False
+        if result.done() or time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:  # the runner went away while reading: it cannot have started a job
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _text(value: object) -> str:

@@ -324,6 +324,9 @@ class Drainer:
         runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
                         cancelled=self._cancelled.__contains__)
         self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
+        if c.watch:  # a sandbox of the drain's own tier started ahead: a job that comes skips its start
+            self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox)
+            self._runners[c.sandbox].prewarm()
         running: dict[Future[_Result], _Unit] = {}
         if self._batched:
             self._completer.start()
@@ -338,6 +341,8 @@ class Drainer:
                     raise
             failed = False
         finally:
+            for each in self._runners.values():
+                each.close()
             self._wind_down(running, failed)
         self.summary.seconds = time.monotonic() - started
         if self._fatal:

@@ -163,6 +163,12 @@ class Sandbox(ABC):
     def write(self, path: str, data: bytes | str) -> None:
         """Write a file into the workspace (``path`` is relative to it)."""
 
+    @property
+    def host_workspace(self) -> Path | None:
+        """The workspace as a directory on the host, shared live with the job (process, bwrap,
+        forkserver); None where the job's workspace is a copy (a microVM's)."""
+        return None
+
     @abstractmethod
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         """Run ``argv`` with the workspace as cwd; never raises for the job's own failures.

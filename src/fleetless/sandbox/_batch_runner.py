@@ -1,7 +1,9 @@
 """The in-sandbox batch runner: many jobs of one kind in one sandbox, one result line each.
 
 The drainer writes this file and ``batch.json`` into a sandbox's workspace and runs
-``python _fleetless_batch.py batch.json`` there, on every tier alike. It uses the standard
+``python _fleetless_batch.py batch.json`` there, on every tier alike. In watch mode a spare
+sandbox's runner starts ahead with a named pipe instead and reads the batch from it when jobs
+come (see ``read_batch``). It uses the standard
 library only (it must not import ``fleetless``: the sandbox's python may not have it)::
 
     {"handler": "/handlers/kind.py", "module": true, "argv": ["/usr/bin/python3", "/handlers/kind.py"],
@@ -38,6 +40,7 @@ import importlib.util
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -215,10 +218,20 @@ def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
                 pass
 
 
+def read_batch(path: str) -> Any:
+    """The batch: a file, or in a spare sandbox (watch mode) a named pipe on which the drainer
+    writes it as one line when jobs come. The pipe is opened read-write, which never blocks and
+    shows (as an open fd) that the runner is waiting."""
+    if not stat.S_ISFIFO(os.stat(path).st_mode):
+        with open(path) as f:
+            return json.load(f)
+    with os.fdopen(os.open(path, os.O_RDWR), "rb") as pipe:
+        return json.loads(pipe.readline())
+
+
 def main() -> None:
-    started = time.monotonic()
-    with open(sys.argv[1]) as f:
-        desc = json.load(f)
+    started = time.monotonic()  # a spare's waiting counts against its budget (the sandbox's TTL)
+    desc = read_batch(sys.argv[1])
     os.unlink(sys.argv[1])
     out = Output()
     if desc["module"]:

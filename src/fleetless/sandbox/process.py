@@ -194,6 +194,10 @@ class ProcessSandbox(Sandbox):
         except OSError as exc:
             raise SandboxUnavailable(f"cannot prepare a process sandbox: {exc}") from None
 
+    @property
+    def host_workspace(self) -> Path | None:
+        return self._workspace
+
     def write(self, path: str, data: bytes | str) -> None:
         target = (self._workspace / path).resolve()
         if not target.is_relative_to(self._workspace):
