@@ -1,4 +1,6 @@
-"""The bwrap tier against the real bubblewrap and this host's real cgroups (no mocks).
+"""What only the bwrap tier does, against the real bubblewrap and this host's real cgroups (no
+mocks): identity, the mount view, the watchdog. What every tier promises (results, limits, kills, no
+network, the exact environment, the workspace's end) is tested once in ``test_contract.py``.
 
 Every handler is written by its test into ``tmp_path``. No test sends a packet to anything but
 loopback: network checks read /proc/net and /sys/class/net inside the sandbox.
@@ -15,7 +17,6 @@ import sys
 import tempfile
 import textwrap
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -83,62 +84,8 @@ def run_py(sbx: BwrapSandbox, kind: str, payload: object = None, timeout: float 
 
 
 # -- results ------------------------------------------------------------------------------------
-def test_payload_round_trip_and_stdout_result(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(
-        **{
-            "echo.py": """
-            import json, os, sys
-            payload = json.load(open(sys.argv[1]))
-            print(json.dumps({"doubled": payload["n"] * 2, "cwd": os.getcwd(), "argv1": sys.argv[1]}))
-            """
-        }
-    )
-    sbx = make(sandboxes, folder)
-    r = run_py(sbx, "echo", {"n": 21})
-    assert r.ok, r
-    assert json.loads(r.stdout) == {"doubled": 42, "cwd": "/workspace", "argv1": "/workspace/payload.json"}
-    assert r.killed is None and r.duration > 0
 
 
-def test_exit_1_keeps_stderr_tail(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(
-        **{
-            "fail.py": """
-            import sys
-            sys.stderr.write("noise\\n" * 50000)
-            raise SystemExit("boom: the real error")
-            """
-        }
-    )
-    r = run_py(make(sandboxes, folder), "fail")
-    assert r.exit_code == 1 and r.killed is None and not r.ok
-    assert r.stderr.rstrip().endswith("boom: the real error")
-    assert len(r.stderr) <= 64 * 1024
-
-
-def test_executable_handlers_with_shebang(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(
-        shell='#!/bin/sh\necho "sh got $(cat "$1")"\n',
-        envpy='#!/usr/bin/env python3\nimport sys\nprint("py got", open(sys.argv[1]).read())\n',
-    )
-    sbx = make(sandboxes, folder)
-    sbx.write("payload.json", "42")
-    r = sbx.exec([f"{sbx.handlers_path}/shell", f"{sbx.workspace_path}/payload.json"], 10)
-    assert r.ok and r.stdout == "sh got 42\n", r
-    r = sbx.exec([f"{sbx.handlers_path}/envpy", f"{sbx.workspace_path}/payload.json"], 10)
-    assert r.ok and r.stdout == "py got 42\n", r
-
-
-def test_missing_handler_is_a_failed_job_not_an_exception(
-    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
-) -> None:
-    sbx = make(sandboxes, handlers())
-    r = sbx.exec([f"{sbx.handlers_path}/nope", "x"], 10)
-    assert r.exit_code != 0 and r.killed is None
-    assert "nope" in r.stderr
-
-
-# -- identity and privileges -------------------------------------------------------------------
 def test_runs_as_65534_without_capabilities_even_as_root(
     handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
 ) -> None:
@@ -322,16 +269,6 @@ print(json.dumps(out))
 """
 
 
-def test_no_network_but_loopback(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    r = run_py(make(sandboxes, handlers(**{"net.py": NET_PROBE})), "net")
-    assert r.ok, r
-    out = json.loads(r.stdout)
-    assert out["dev"] == ["lo"]
-    assert out["routes"] == []
-    assert out["sys"] in (None, ["lo"])
-    assert out["pg"] in ("ECONNREFUSED", "ENETUNREACH")  # the host's PostgreSQL is not reachable
-
-
 def test_network_shared_only_when_allowed(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
     host_ifaces = [line.split(":")[0].strip() for line in Path("/proc/net/dev").read_text().splitlines()[2:]]
     if host_ifaces == ["lo"]:
@@ -343,73 +280,6 @@ def test_network_shared_only_when_allowed(handlers: Callable[..., Path], sandbox
 
 
 # -- limits and kills --------------------------------------------------------------------------
-@needs_cgroups
-def test_memory_bomb_is_killed_by_the_memory_limit(
-    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
-) -> None:
-    folder = handlers(
-        **{
-            "bomb.py": """
-            hog = []
-            for _ in range(4096):  # 4 GiB, every page touched
-                hog.append(b"x" * (1 << 20))
-            print("survived")
-            """
-        }
-    )
-    r = run_py(make(sandboxes, folder, memory_bytes=64 * MiB), "bomb", timeout=30)
-    assert r.killed == "killed: memory limit 64 MiB exceeded", r
-    assert r.exit_code == -signal.SIGKILL and "survived" not in r.stdout
-    assert r.duration < 20
-
-
-@needs_cgroups
-def test_fork_bomb_is_contained_by_the_pids_limit(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(
-        **{
-            "forkbomb.py": """
-            import os, time
-            while True:
-                try:
-                    os.fork()
-                except OSError:
-                    time.sleep(0.01)
-            """
-        }
-    )
-    sbx = make(sandboxes, folder, pids=32)
-    cg = sbx.cgroup
-    assert cg is not None
-    r = run_py(sbx, "forkbomb", timeout=3)
-    assert r.killed is not None and r.killed.startswith("killed: pids limit 32 reached"), r
-    assert r.duration < 10
-    assert cg.pids() == set()  # the whole tree is gone
-    # the host is fine: it can still start processes
-    assert subprocess.run(["true"]).returncode == 0
-
-
-def test_busy_loop_past_timeout(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(**{"spin.py": "while True:\n    pass\n"})
-    r = run_py(make(sandboxes, folder), "spin", timeout=1)
-    assert r.killed == "killed: timeout after 1 s", r
-    assert r.exit_code == -signal.SIGKILL
-    assert 0.9 < r.duration < 4
-
-
-def test_cpu_time_rlimit(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(**{"spin.py": "while True:\n    pass\n"})
-    r = run_py(make(sandboxes, folder, cpu_seconds=1), "spin", timeout=20)
-    assert r.killed == "killed: cpu time limit 1 s exceeded", r
-
-
-def test_ttl_expiry(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
-    folder = handlers(**{"sleep.py": "import time\ntime.sleep(30)\n"})
-    sbx = make(sandboxes, folder, ttl=1.5)
-    r = run_py(sbx, "sleep", timeout=20)
-    assert r.killed == "killed: ttl of 1.5 s expired", r
-    assert r.duration < 5
-    r = run_py(sbx, "sleep", timeout=20)  # the TTL is over: nothing runs any more
-    assert r.killed == "killed: ttl of 1.5 s expired" and r.duration == 0
 
 
 SETSID_DAEMON = """
@@ -428,55 +298,27 @@ if len(sys.argv) > 3:
 """
 
 
-def test_setsid_grandchild_does_not_survive_the_job(
+def test_kill_removes_the_jobs_cgroups_during_an_exec_and_without_one(
     handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
 ) -> None:
+    """Its processes and workspace: test_contract.py. Its cgroups are bwrap's own."""
     marker = f"fleetless-marker-{uuid.uuid4().hex}"
-    sbx = make(sandboxes, handlers(**{"daemon.py": SETSID_DAEMON}))
+    folder = handlers(**{"daemon.py": SETSID_DAEMON})
+    sbx = make(sandboxes, folder)
     sbx.write("payload.json", "{}")
-    r = sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", marker], 20)
-    assert r.ok and "daemon started" in r.stdout, r
-    assert r.duration < 5  # the daemon holding stdout did not keep exec waiting
-    wait_for(lambda: not pids_with(marker), 3, what="the job's processes to be gone")
-
-
-def test_kill_removes_processes_workspace_and_cgroups(
-    handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]
-) -> None:
-    marker = f"fleetless-marker-{uuid.uuid4().hex}"
-    sbx = make(sandboxes, handlers(**{"daemon.py": SETSID_DAEMON}))
-    sbx.write("payload.json", "{}")
-    ws = sbx.host_workspace
     cg_dirs = list(sbx.cgroup.dirs) if sbx.cgroup else []
-    assert ws is not None and ws.is_dir()
     assert all(d.is_dir() for d in cg_dirs)
-    results: list[ExecResult] = []
     t = threading.Thread(
-        target=lambda: results.append(
-            sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", marker, "60"], 60)
-        )
-    )
+        target=lambda: sbx.exec([sbx.python, "/handlers/daemon.py", "/workspace/payload.json", marker, "60"], 60))
     t.start()
-    wait_for(lambda: len(pids_with(marker)) >= 2, 10, what="job and daemon both running")
-    started = time.monotonic()
+    wait_for(lambda: len(pids_with(marker)) >= 2, 30, what="job and daemon both running")
     sbx.kill()  # cancel from another thread, as the drainer does
-    t.join(10)
-    assert not t.is_alive() and time.monotonic() - started < 5
-    assert results[0].killed == "killed: sandbox destroyed", results[0]
-    assert pids_with(marker) == []
-    assert not ws.exists()
     assert not any(d.exists() for d in cg_dirs)
-    sbx.kill()  # idempotent
-    r = sbx.exec(["/bin/true"], 5)
-    assert r.killed == "killed: sandbox destroyed"
-
-
-def test_create_then_kill_without_exec_leaves_nothing(handlers: Callable[..., Path]) -> None:
-    sbx = BwrapSandbox.create(Template(handlers(), Limits(), ENV))
-    ws = sbx.host_workspace
-    cg_dirs = list(sbx.cgroup.dirs) if sbx.cgroup else []
-    sbx.kill()
-    assert ws is not None and not ws.exists()
+    t.join(30)
+    assert not t.is_alive()
+    idle = BwrapSandbox.create(Template(folder, Limits(), ENV))
+    cg_dirs = list(idle.cgroup.dirs) if idle.cgroup else []
+    idle.kill()
     assert not any(d.exists() for d in cg_dirs)
 
 
