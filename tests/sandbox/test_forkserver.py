@@ -273,3 +273,49 @@ def test_the_server_is_replaced_after_n_jobs_and_when_the_handlers_change(
     assert all(s.retired for s in servers)  # the old handlers' servers fork nothing more
     live = [s for s in client.started() if s.proc.poll() is None and not s.retired]
     assert len(live) == 1 and live[0] not in servers
+
+
+def test_sigkill_of_the_drainer_kills_its_fork_server_and_every_process_of_its_jobs(
+        dsn: str, queue: Queue, handlers, sql, private_workdir: Path) -> None:
+    """The server and the running job's whole tree (its setsid daemon too) die with a drainer
+    killed by SIGKILL, and the next drain sweeps what it left (cgroups, the server's directory) and
+    runs the job again."""
+    import signal
+    import subprocess
+    import sys
+
+    from fleetless.sandbox import cgroups
+
+    from proctools import wait_for
+
+    marker = f"fleetless-killed-{uuid.uuid4().hex}"
+    h = handlers(**{"sleeper.py": """
+        import json, os, subprocess, sys, time
+        if os.environ["FLEETLESS_ATTEMPT"] == "1":
+            m = json.load(open(sys.argv[1]))["m"]
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", m], start_new_session=True)
+            subprocess.run([sys.executable, "-c", "import time; time.sleep(600)", m])
+        print("second attempt")
+    """})
+    queue.enqueue("sleeper", {"m": marker}, timeout=3)
+    env = {**os.environ, "DATABASE_URL": dsn, "FLEETLESS_WORKDIR": str(private_workdir)}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
+                             "--sandbox", "forkserver", "--lease-grace", "3"], env=env)
+    wait_for(lambda: len(pids_with(marker)) >= 2, timeout=60, what="the job and its daemon to run")
+    servers = pids_with(f"srv-{proc.pid}-")
+    assert servers, "no fork server of the drainer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    wait_for(lambda: not pids_with(marker) and not pids_with(f"srv-{proc.pid}-"), timeout=30,
+             what="the job's processes and the fork server to die")
+    wait_for(lambda: sql("SELECT lease_expires_at < now() FROM fleetless.jobs") == [(True,)], timeout=60,
+             what="the killed drainer's lease to run out")
+    again = subprocess.run([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
+                            "--sandbox", "forkserver"], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "second attempt\n")]
+    assert list(private_workdir.glob(f"srv-{proc.pid}-*")) == []  # swept
+    layout = cgroups.detect()
+    bases = [*layout.v1.values(), *([layout.unified] if layout.unified else [])]
+    assert [e for base in bases if base.is_dir() for e in base.iterdir()
+            if cgroups._owner_pid(e.name) == proc.pid] == []
