@@ -165,8 +165,8 @@ class Sandbox(ABC):
 
     @property
     def host_workspace(self) -> Path | None:
-        """The workspace as a directory on the host, shared live with the job (process, bwrap,
-        forkserver); None where the job's workspace is a copy (a microVM's)."""
+        """The workspace as a directory on the host, shared live with the job (process, bwrap);
+        None where it is not (a microVM's copy, the forkserver's tmpfs of its mount namespace)."""
         return None
 
     @abstractmethod
