@@ -85,33 +85,43 @@ class Watcher:
         while not self._closing.is_set():
             conn = self._conn
             try:
-                if conn is None:
-                    conn = self._connect()
+                with db.errors_translated():  # the driver's errors become fleetless's here too
+                    conn = self._watch_once(conn)
                     if conn is None:
-                        log.warning("another watcher took over queue(s) %s while the database was away",
-                                    self.key.rsplit(":", 1)[1])
-                        self.lost = True
-                        self.wake.set()
                         return
-                    self._conn = conn
-                    delay = 0.2
-                    self.wake.set()  # notifications sent while we were away were missed: look once
-                for note in conn.notifies(timeout=1.0):
-                    if self._relevant(note.payload):
-                        self.heard = [*self.heard[-99:], note.payload]
-                        self.wake.set()
-                    if self._closing.is_set():
-                        break
-            except (psycopg.Error, ConnectionError) as exc:
+            except db.DatabaseError as exc:  # DatabaseUnavailable, when the connection is lost
                 if self._closing.is_set():
                     return
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 log.warning("watch connection lost (%s); reconnecting", first)
-                if conn is not None:
-                    conn.close()
+                if self._conn is not None:
+                    self._conn.close()
                 self._conn = None
                 self._closing.wait(delay)
                 delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.2
+
+    def _watch_once(self, conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any] | None:
+        """Connect when there is no connection, then pass on about a second of notifications.
+        None: another watcher took the lock while the database was away (this one stops)."""
+        if conn is None:
+            conn = self._connect()
+            if conn is None:
+                log.warning("another watcher took over queue(s) %s while the database was away",
+                            self.key.rsplit(":", 1)[1])
+                self.lost = True
+                self.wake.set()
+                return None
+            self._conn = conn
+            self.wake.set()  # notifications sent while we were away were missed: look once
+        for note in conn.notifies(timeout=1.0):
+            if self._relevant(note.payload):
+                self.heard = [*self.heard[-99:], note.payload]
+                self.wake.set()
+            if self._closing.is_set():
+                break
+        return conn
 
     def close(self) -> None:
         """Stop listening and free the lock (it ends with the session)."""
