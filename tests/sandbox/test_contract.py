@@ -433,10 +433,6 @@ def test_kill_returns_only_once_the_jobs_tree_and_workspace_are_gone(tier: Tier)
     assert not job.is_alive()
     sbx.kill()  # idempotent
     (r,) = results
-    if isinstance(r, OSError) and tier.name == "forkserver":
-        # kill() closes the job's pidfd while exec's thread still waits on it (EBADF, or another fd
-        # that took its number): exec raises where it should answer "killed: sandbox destroyed".
-        pytest.xfail(f"known gap: forkserver exec raises when kill() runs during it ({r})")
     assert isinstance(r, ExecResult), r
     assert (r.killed, r.exit_code) == ("killed: sandbox destroyed", -signal.SIGKILL), r
 

@@ -28,6 +28,7 @@ import re
 import select
 import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,6 +110,8 @@ class ForkServerSandbox(Sandbox):
         self._cgroup: cgroups.JobCgroup | None = None
         self._init: client.Init | None = None
         self._started = False
+        self._lock = threading.Lock()  # kill() may come from another thread during exec()
+        self._running = False  # exec() uses the init: kill() kills it, exec() lets it go after
         self._workspace: int | None = None  # the init's /workspace (a tmpfs of its mount namespace)
         self.python = self.handler_python(template)
         try:
@@ -227,27 +230,39 @@ class ForkServerSandbox(Sandbox):
         return {name: [v, v + 1 if name == "RLIMIT_CPU" else v] for name, v in rl.items()}
 
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
-        from ..process import rlimit_kill_reason
-
         started = time.monotonic()
-        limits = self._template.limits
         ttl_left = self._ttl - (started - self._born)
         budget = min(timeout_seconds, ttl_left)
         reason = (f"killed: timeout after {timeout_seconds:g} s" if timeout_seconds <= ttl_left
                   else f"killed: ttl of {self._ttl:g} s expired")
-        init = self._init
-        if self._workspace is None or self._lease is None or init is None:
-            return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
-        if budget <= 0:
-            return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
-        if self._started:
-            raise SandboxUnavailable("the forkserver tier runs one exec per sandbox")
-        self._started = True
+        with self._lock:
+            init, lease = self._init, self._lease
+            if self._workspace is None or lease is None or init is None:
+                return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
+            if budget <= 0:
+                return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
+            if self._started:
+                raise SandboxUnavailable("the forkserver tier runs one exec per sandbox")
+            self._started = self._running = True
+        try:
+            return self._exec(init, lease, argv, timeout_seconds, started, budget, reason)
+        finally:
+            with self._lock:
+                self._running = False
+                killed_meanwhile = self._init is None
+            if killed_meanwhile:  # kill() killed it and left the rest to us
+                _release(init)
+
+    def _exec(self, init: client.Init, lease: _hostuid.Lease, argv: Sequence[str], timeout_seconds: float,
+              started: float, budget: float, reason: str) -> ExecResult:
+        from ..process import rlimit_kill_reason
+
+        limits = self._template.limits
         rlimits = self._rlimits(timeout_seconds)
         runpy = len(argv) >= 2 and argv[0] == self.python and argv[1].endswith(".py")
         spec = {
             "argv": list(argv), "runpy": runpy, "env": {"HOME": WORKSPACE, **self._template.env},
-            "uid": self._lease.uid, "gid": self._lease.gid, "rlimits": rlimits,
+            "uid": lease.uid, "gid": lease.gid, "rlimits": rlimits,
             "deadline": max(budget, 0) + OWN_DEADLINE_SLACK, "network": limits.network,
             "tmp_bytes": limits.tmp_bytes, "workspace_bytes": limits.memory_bytes,
         }
@@ -256,7 +271,7 @@ class ForkServerSandbox(Sandbox):
         status_r, status_w = os.pipe()
         try:
             for fd in (out_w, err_w):  # the job's own, as a shell's pipe would be: /dev/stderr opens
-                os.fchown(fd, self._lease.uid, self._lease.gid)
+                os.fchown(fd, lease.uid, lease.gid)
             if self._cgroup is not None:
                 self._cgroup.mark()
             socket.send_fds(init.sock, [json.dumps(spec).encode()], [out_w, err_w, status_w])
@@ -273,10 +288,11 @@ class ForkServerSandbox(Sandbox):
         deadline = started + max(budget, 0)
         pidfd = init.pidfd
         with open(out_r, "rb", buffering=0) as out, open(err_r, "rb", buffering=0) as err:
-            hit = _capture.pump(out, err, captured, deadline, self._terminate, exited=(pidfd, lambda: None))
+            hit = _capture.pump(out, err, captured, deadline, lambda: self._terminate(init),
+                                exited=(pidfd, lambda: None))
         if not select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))[0]:
             hit = True
-            self._terminate()
+            self._terminate(init)
         os.set_blocking(status_r, False)
         try:
             raw = os.read(status_r, 4096)
@@ -306,25 +322,26 @@ class ForkServerSandbox(Sandbox):
         return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
                           stdout_cut=captured.stdout_cut)
 
-    def _terminate(self) -> None:
+    def _terminate(self, init: client.Init) -> None:
         """Kill the job's init: its pid namespace, the whole job, dies with it."""
-        if self._init is not None:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                signal.pidfd_send_signal(self._init.pidfd, signal.SIGKILL)
-        if self._cgroup is not None:
-            self._cgroup.kill()
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(init.pidfd, signal.SIGKILL)
+        cgroup = self._cgroup
+        if cgroup is not None:
+            cgroup.kill()
 
     def kill(self) -> None:
         dead = True
         try:
-            init, self._init = self._init, None
+            with self._lock:
+                init, self._init = self._init, None
+                running = self._running
             if init is not None:
                 with contextlib.suppress(ProcessLookupError, OSError):
                     signal.pidfd_send_signal(init.pidfd, signal.SIGKILL)
                 dead = bool(select.select([init.pidfd], [], [], 5)[0])
-                init.sock.close()
-                os.close(init.pidfd)
-                init.server.done()
+                if not running:  # else exec() still reads its pidfd: it lets the init go itself
+                    _release(init)
             if self._workspace is not None:  # the last reference to the workspace's tmpfs
                 os.close(self._workspace)
                 self._workspace = None
@@ -335,6 +352,13 @@ class ForkServerSandbox(Sandbox):
             if self._lease is not None:  # last: nothing of the job runs as it any more
                 self._lease.release(clean=dead)
                 self._lease = None
+
+
+def _release(init: client.Init) -> None:
+    """Close what the drainer holds of a dead init, and count it out of its server."""
+    init.sock.close()
+    os.close(init.pidfd)
+    init.server.done()
 
 
 def _mib(n: int) -> str:
