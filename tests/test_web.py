@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -284,8 +285,8 @@ def test_fleetless_serve_answers_on_loopback_only_by_default_on_a_fresh_install(
         port = s.getsockname()[1]
     env = {**{k: v for k, v in os.environ.items() if k != "FLEETLESS_DASHBOARD_TOKEN"}, "DATABASE_URL": dsn,
            "FLEETLESS_SCHEMA": fresh}
-    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "serve", "--port", str(port),
-                             "--root-path", "/ops/fleetless"], env=env, stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "--log-format", "json", "serve", "--port",
+                             str(port), "--root-path", "/ops/fleetless"], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, start_new_session=True)
     try:
         def listening() -> list[str]:  # local addresses listening on the port, from /proc/net/tcp{,6}
@@ -312,3 +313,7 @@ def test_fleetless_serve_answers_on_loopback_only_by_default_on_a_fresh_install(
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
+    assert proc.stderr is not None
+    logged = [json.loads(line) for line in proc.stderr.read().decode().splitlines()]  # --log-format json: all JSON
+    assert logged[0]["event"] == "serve_started" and logged[0]["url"] == f"http://127.0.0.1:{port}/ops/fleetless/"
+    assert logged[0]["read_only"] is True

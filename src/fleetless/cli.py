@@ -596,11 +596,18 @@ def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
         from .web import create_app
     except ImportError as exc:
         _fail(f"the dashboard needs the web extra: pip install 'fleetless[web]' ({exc.name} is missing)")
-    app = create_app(_queue(ctx), token=os.environ.get("FLEETLESS_DASHBOARD_TOKEN") or None)
-    click.echo(f"fleetless dashboard on http://{host}:{port}{root_path}/ "
-               f"({'actions need the token' if os.environ.get('FLEETLESS_DASHBOARD_TOKEN') else 'read-only'})",
-               err=True)
-    uvicorn.run(app, host=host, port=port, root_path=root_path, log_level="warning", proxy_headers=True)
+    token = os.environ.get("FLEETLESS_DASHBOARD_TOKEN") or None
+    app = create_app(_queue(ctx), token=token)
+    url = f"http://{host}:{port}{root_path}/"
+    said = f"fleetless dashboard on {url} ({'actions need the token' if token else 'read-only'})"
+    if ctx.obj["log_format"] == "json":  # a log record, so --log-format json keeps stderr all JSON
+        logging.getLogger("fleetless.web").warning(
+            "%s", said, extra={"fields": {"event": "serve_started", "url": url, "read_only": token is None}})
+    else:
+        click.echo(said, err=True)
+    # log_config=None: uvicorn's own records go through fleetless's handler (text or JSON) too.
+    uvicorn.run(app, host=host, port=port, root_path=root_path, log_level="warning", proxy_headers=True,
+                log_config=None)
 
 
 @cli.command()
