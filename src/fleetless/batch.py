@@ -46,6 +46,8 @@ RUNNER_NAME = "_fleetless_batch.py"
 FIFO_NAME = "batch.fifo"
 #: Seconds a spare's runner may take to open its pipe once a batch is handed to it.
 FEED_SECONDS = 10.0
+#: Sandboxes a watcher keeps started ahead.
+SPARES = 2
 #: Seconds the batch runner's watchdog allows past a job's timeout before it stops the sandbox.
 HARD_GRACE = 2.0
 #: Room for one job's record on the runner's stdout, beyond the job's own stdout.
@@ -135,15 +137,15 @@ class Slot:
 
 
 class _Spare:
-    """Watch mode's sandbox started ahead of its batch: the batch runner has started and waits on a
-    named pipe in the workspace, so a job that arrives skips the sandbox's and interpreter's start."""
+    """Watch mode's sandboxes started ahead of their batches: each one's batch runner has started and
+    waits on a named pipe in the workspace, so a job that arrives skips the sandbox's and
+    interpreter's start. SPARES of them, so that a job that comes while the one taken before is being
+    replaced still finds one ready."""
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
-        self.sbx: Sandbox | None = None
-        self.result: Future[ExecResult] | None = None
-        self.born = 0.0
-        self.starting = False
+        self.ready: list[tuple[Sandbox, Future[ExecResult], float]] = []  # oldest first, with its start
+        self.starting = 0
         self.closed = False
 
 
@@ -233,13 +235,15 @@ class Runner:
         return replace(self.template, limits=replace(limits, stdout_bytes=per_job * self.spare_jobs + 65536))
 
     def prewarm(self) -> None:
-        """Start a spare sandbox in the background unless one is there or starting."""
+        """Start spare sandboxes in the background until SPARES are ready or starting."""
         spare = self._spare
         with spare.lock:
-            if not self.spare_jobs or spare.closed or spare.starting or spare.sbx is not None:
+            if not self.spare_jobs or spare.closed:
                 return
-            spare.starting = True
-        threading.Thread(target=self._start_spare, name="spare", daemon=True).start()
+            more = SPARES - len(spare.ready) - spare.starting
+            spare.starting += max(more, 0)
+        for _ in range(more):
+            threading.Thread(target=self._start_spare, name="spare", daemon=True).start()
 
     def _start_spare(self) -> None:
         spare, sbx = self._spare, None
@@ -268,14 +272,15 @@ class Runner:
             threading.Thread(target=run, name="spare-exec", daemon=True).start()
             with spare.lock:
                 if not spare.closed:
-                    spare.sbx, spare.result, spare.born, sbx = started, result, time.monotonic(), None
+                    spare.ready.append((started, result, time.monotonic()))
+                    sbx = None
         except Exception as exc:  # no spare this time: the next batch starts its own sandbox
             log.debug("could not start a spare sandbox: %s", exc)
         finally:
             if sbx is not None:
                 sbx.kill()
             with spare.lock:
-                spare.starting = False
+                spare.starting -= 1
                 spare.lock.notify_all()
 
     def _take_spare(self, jobs: Sequence[Job]) -> tuple[Sandbox, Future[ExecResult]] | None:
@@ -289,27 +294,31 @@ class Runner:
         # its TTL runs from its start: the first job must still fit in what is left of it
         need = self.timeout_of(jobs[0]) + HARD_GRACE
         spare = self._spare
+        taken = None
         with spare.lock:
             # one on its way started before this batch came: it is ready sooner than a new sandbox
-            spare.lock.wait_for(lambda: not spare.starting, timeout=FEED_SECONDS)
-            sbx, result, born = spare.sbx, spare.result, spare.born
-            spare.sbx = spare.result = None
-        self.prewarm()  # for the batch after this one
-        if sbx is None or result is None:
-            return None
-        if result.done() or time.monotonic() - born + need > self.ttl:
-            sbx.kill()
-            return None
-        return sbx, result
+            spare.lock.wait_for(lambda: spare.ready or not spare.starting, timeout=FEED_SECONDS)
+            while spare.ready and taken is None:
+                sbx, result, born = spare.ready.pop(0)
+                if result.done() or time.monotonic() - born + need > self.ttl:
+                    spare.lock.release()  # gone, or too little TTL left: replaced below
+                    try:
+                        sbx.kill()
+                    finally:
+                        spare.lock.acquire()
+                else:
+                    taken = sbx, result
+        self.prewarm()  # for the batches after this one
+        return taken
 
     def close(self) -> None:
-        """Destroy the spare sandbox, start no other (the drain ends)."""
+        """Destroy the spare sandboxes, start no other (the drain ends)."""
         spare = self._spare
         with spare.lock:
             spare.closed = True
-            spare.lock.wait_for(lambda: not spare.starting, timeout=60)  # it kills what it made
-            sbx, spare.sbx, spare.result = spare.sbx, None, None
-        if sbx is not None:
+            spare.lock.wait_for(lambda: not spare.starting, timeout=60)  # each kills what it made
+            ready, spare.ready = spare.ready, []
+        for sbx, _, _ in ready:
             sbx.kill()
 
     # -- one sandbox ---------------------------------------------------------------------------
