@@ -49,6 +49,13 @@ def test_job_output_cannot_inject_markup(queue: Queue) -> None:
     text = TestClient(create_app(queue)).get(f"/jobs/{job_id}").text
     assert "<script>alert" not in text and "<img src=x" not in text
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    done_id = queue.enqueue("render", {"title": "</pre><b>payload</b>"})
+    (job,) = queue.claim(1)
+    queue.complete(job, "<iframe src=//evil>\x1b[2J")
+    page = TestClient(create_app(queue)).get(f"/jobs/{done_id}").text
+    assert "<iframe" not in page and "<b>payload" not in page and "\x1b" not in page
+    assert '<pre id=result>&lt;iframe src=//evil&gt;\\x1b[2J</pre>' in page
+    assert "&lt;/pre&gt;&lt;b&gt;payload&lt;/b&gt;" in page
 
 
 def test_jobs_are_paged(queue: Queue) -> None:
