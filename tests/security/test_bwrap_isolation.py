@@ -305,3 +305,64 @@ def test_a_work_directory_only_root_can_reach_is_one_clear_error(
     monkeypatch.setenv("FLEETLESS_WORKDIR", str(hidden / "work"))
     with pytest.raises(SandboxUnavailable, match=f"work directory .* {hidden} is not searchable by other users"):
         BwrapSandbox.check()
+
+
+REACH_DRAINER = """
+import json, os, sys
+drainer = json.load(open(sys.argv[1]))["drainer"]
+out = {"visible": []}
+for name in os.listdir("/proc"):
+    if name.isdigit():
+        try:
+            out["visible"].append(open(f"/proc/{name}/cmdline", "rb").read().replace(b"\\0", b" ").decode())
+        except OSError:
+            out["visible"].append("?")
+def attempt(call):
+    try:
+        call()
+        return "allowed"
+    except OSError as exc:
+        return type(exc).__name__
+out["terminal"] = attempt(lambda: open(f"/proc/{drainer}/fd/2", "w").write("forged\\n"))
+out["environ"] = attempt(lambda: open(f"/proc/{drainer}/environ", "rb").read())
+out["signal"] = attempt(lambda: os.kill(drainer, 0))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("user", [None, 65534], ids=["root-drainer", "nonroot-drainer"])
+def test_a_bwrap_job_cannot_reach_its_drainer(user: int | None, dsn: str, queue: Any, sql: Any) -> None:
+    """Told its drainer's host pid, a bwrap job finds no such process: its /proc is its own pid
+    namespace's (bwrap's pid 1, itself), so it cannot signal the drainer, read its environment nor
+    write the operator's terminal through /proc/<drainer>/fd/2; also under a non-root drainer, whose
+    jobs are the drainer's own uid on the host (what that uid still shares: docs/isolation.md)."""
+    from .drains import drain, handlers_dir, need_user, work_dir
+    from proctools import wait_for
+
+    need_user(user)
+    base = Path(tempfile.mkdtemp(prefix="fleetless-sec-"))
+    d = None
+    try:
+        base.chmod(0o755)
+        h = handlers_dir(base, **{"reach.py": REACH_DRAINER})
+        work = work_dir(base, user)
+        d = drain(dsn, h, work, "--watch", tier="bwrap", user=user, start=True)
+        assert isinstance(d, subprocess.Popen)
+        queue.enqueue("reach", {"drainer": d.pid}, max_attempts=1)  # (the running drainer's pid)
+        wait_for(lambda: sql("SELECT 1 FROM fleetless.jobs WHERE status IN ('done', 'dead')"), timeout=120,
+                 what="the job to finish")
+        d.terminate()
+        _, err = d.communicate(timeout=120)
+        assert "forged" not in err
+        [(status, result)] = sql("SELECT status, result FROM fleetless.jobs")
+        assert status == "done", result
+        out = json.loads(result)
+        assert {k: out[k] for k in ("terminal", "environ", "signal")} == {
+            "terminal": "FileNotFoundError", "environ": "FileNotFoundError", "signal": "ProcessLookupError"}, out
+        assert not any("fleetless.cli" in c for c in out["visible"]), out
+        assert len(out["visible"]) <= 3, out  # bwrap's pid 1, the job (and what it runs)
+    finally:
+        if d is not None and d.poll() is None:
+            d.kill()
+            d.wait()
+        subprocess.run(["rm", "-rf", "--one-file-system", str(base)], check=False)

@@ -26,71 +26,100 @@ from proctools import pids_with, wait_for
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 
-KILL_SUPERVISOR = """
-    import json, os, signal, sys, time
-    marker = json.load(open(sys.argv[1]))["marker"]
-    supervisor = os.getppid()
-    r, w = os.pipe()
+FIND = """
+    import os
+
+    def find(word):
+        \"\"\"Visible pids whose command line holds ``word`` (the job's own aside).\"\"\"
+        out = []
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) != os.getpid():
+                try:
+                    if word.encode() in open(f"/proc/{name}/cmdline", "rb").read():
+                        out.append(int(name))
+                except OSError:
+                    pass
+        return out
+"""
+
+KILL_SUPERVISOR = FIND + """
+    import json, signal, sys, time
+    args = json.load(open(sys.argv[1]))
+    marker = args["marker"]
     if os.fork() == 0:
         os.setsid()
-        if os.fork() == 0:  # a daemon in a session of its own that kills the job's supervisor
-            try:
-                os.kill(supervisor, signal.SIGKILL)
-                outcome = "killed"
-            except PermissionError:
-                outcome = "EPERM"
-            os.write(w, outcome.encode())
-            os.close(w)
+        if os.fork() == 0:  # a daemon in a session of its own
             os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", marker])
         os._exit(0)
-    os.close(w)
-    outcome = os.read(r, 100).decode()
-    print(outcome, flush=True)
-    if outcome != "killed":
-        sys.exit(3)
+    outcome = {}
+    for pid in find("_supervisor.py") + find("fleetless.cli"):  # its supervisor and its drainer
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except PermissionError:
+            outcome[pid] = "EPERM"
+            continue
+        time.sleep(0.5)
+        outcome[pid] = "survived" if os.path.exists(f"/proc/{pid}") else "killed"
+    open(os.path.join(args["seen"], "outcome"), "w").write(json.dumps(sorted(outcome.values())))
     time.sleep(600)
 """
 
-GARBAGE_STATUS = """
-    import os, sys
-    supervisor = os.getppid()
-    argv = open(f"/proc/{supervisor}/cmdline", "rb").read().split(b"\\0")
-    fd = int(argv[4])  # python -I -S _supervisor.py STATUS_FD ...
-    try:
-        with open(f"/proc/{supervisor}/fd/{fd}", "wb") as f:
-            f.write(b"\\x1b]0;pwned\\x07not a status\\ndrained: claimed 9, done 9\\n")
-    except OSError as exc:
-        print(type(exc).__name__)
-        sys.exit(3)
-    print("wrote")
+GARBAGE_STATUS = FIND + """
+    import sys
+    wrote, denied = 0, set()
+    for pid in find("_supervisor.py"):  # whatever of its supervisor it sees: every fd it holds
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError as exc:
+            denied.add(type(exc).__name__)
+            continue
+        for fd in fds:
+            try:
+                with open(f"/proc/{pid}/fd/{fd}", "wb") as f:
+                    f.write(b"\\x1b]0;pwned\\x07not a status\\ndrained: claimed 9, done 9\\n")
+                wrote += 1
+            except OSError as exc:
+                denied.add(type(exc).__name__)
+    print("wrote" if wrote else ",".join(sorted(denied)) or "nothing visible")
+    sys.exit(3)
 """
 
-PROBE_DRAINER = """
-    import json, os, signal, sys, time
+PROBE_DRAINER = FIND + """
+    import json, signal, sys, time
     args = json.load(open(sys.argv[1]))
-    supervisor = os.getppid()
-    stat = open(f"/proc/{supervisor}/stat").read()
-    drainer = int(stat[stat.rindex(")") + 2:].split()[1])
+    drainers, supervisors = find("fleetless.cli"), find("_supervisor.py")
 
-    def attempt(name, call):
-        try:
-            call()
-            return "allowed"
-        except OSError as exc:
-            return type(exc).__name__
+    def attempt(targets, call):
+        if not targets:
+            return "not visible"
+        outcomes = set()
+        for pid in targets:
+            try:
+                call(pid)
+                outcomes.add("allowed")
+            except OSError as exc:
+                outcomes.add(type(exc).__name__)
+        return ",".join(sorted(outcomes))
 
-    def forge():
-        with open(f"/proc/{drainer}/fd/2", "w") as f:
+    def forge(pid):
+        with open(f"/proc/{pid}/fd/2", "w") as f:
             f.write("\\x1b]0;pwned\\x07drained: claimed 1, done 1 (forged)\\n")
+
+    def kill(pid):
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        if os.path.exists(f"/proc/{pid}"):
+            raise ProcessLookupError("survived")  # (pid 1 of its namespace ignores it)
 
     out = {
         "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
-        "environ": attempt("environ", lambda: open(f"/proc/{drainer}/environ", "rb").read()),
-        "mem": attempt("mem", lambda: open(f"/proc/{drainer}/mem", "rb").close()),
-        "terminal": attempt("terminal", forge),
-        "handlers": attempt("handlers", lambda: open(os.path.join(args["handlers"], "planted.py"), "w").close()),
-        "signal": attempt("signal", lambda: os.kill(supervisor, 0)),
-        "signal_drainer": attempt("signal", lambda: os.kill(drainer, 0)),
+        "environ": attempt(drainers, lambda pid: open(f"/proc/{pid}/environ", "rb").read()),
+        "mem": attempt(drainers, lambda pid: open(f"/proc/{pid}/mem", "rb").close()),
+        "terminal": attempt(drainers, forge),
+        "handlers": attempt([0], lambda pid: open(os.path.join(args["handlers"], "planted.py"), "w").close()),
+        "signal": attempt(supervisors, kill),
+        "signal_drainer": attempt(drainers, kill),
+        "supervisor_environ": attempt(supervisors, lambda pid: open(f"/proc/{pid}/environ", "rb").read()),
     }
     open(os.path.join(args["seen"], os.environ["FLEETLESS_JOB_ID"]), "w").write(str(os.getuid()))
     deadline = time.monotonic() + 60  # wait for the other job, to be running alongside it
@@ -127,35 +156,48 @@ def kill_all(marker: str) -> None:
 
 
 @pytest.mark.parametrize("user", AS_ROOT_AND_NOT)
-def test_a_setsid_daemon_that_kills_its_supervisor_is_killed_with_the_job_and_the_job_is_charged(
+def test_a_job_cannot_kill_its_supervisor_and_its_daemon_dies_when_the_supervisor_is_killed(
         user: int | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """A job that leaves a setsid() daemon and tries to SIGKILL its supervisor and its drainer:
+    it cannot (a root drainer's job: another uid; a non-root drainer's: they are outside its pid
+    namespace, and that namespace's init ignores it). When the supervisor dies anyway (here: the
+    test kills it), the job and its daemon die with it, no cgroup needed, and the job is charged.
+    Before, a non-root drainer's job killed its supervisor and its daemon lived on."""
     need_user(user)
     marker = f"fleetless-daemon-{uuid.uuid4().hex}"
     h = handlers_dir(shared, **{"hostile.py": KILL_SUPERVISOR})
     work = work_dir(shared, user)
-    queue.enqueue("hostile", {"marker": marker}, max_attempts=1)
+    seen = open_to_jobs(shared / "seen")
+    queue.enqueue("hostile", {"marker": marker, "seen": str(seen)}, max_attempts=1)
+    d = drain(dsn, h, work, "--timeout", "120", user=user, start=True)
+    assert isinstance(d, subprocess.Popen)
     try:
-        r = drain(dsn, h, work, "--timeout", "120", user=user)
-        assert r.returncode == 0, r.stderr
-        [(status, attempts, error, result)] = sql("SELECT status, attempts, last_error, result FROM fleetless.jobs")
+        wait_for(lambda: (seen / "outcome").exists() and pids_with(marker), timeout=60, what="the job's attempt")
+        assert "killed" not in json.loads((seen / "outcome").read_text())
+        supervisors = [pid for pid in pids_with("_supervisor.py") if pid in descendants(d.pid)
+                       and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(d.pid)]
+        assert len(supervisors) == 1, supervisors
+        os.kill(supervisors[0], signal.SIGKILL)
+        wait_for(lambda: not pids_with(marker), timeout=30, what="the daemon to die with the supervisor")
+        _, err = d.communicate(timeout=120)
+        assert d.returncode == 0, err
+        [(status, attempts, error)] = sql("SELECT status, attempts, last_error FROM fleetless.jobs")
         assert (status, attempts) == ("dead", 1), error
-        if user is None:
-            # A root drainer's job runs as a uid of its own: its supervisor (root) is out of reach;
-            # its daemon dies with the job's tree all the same.
-            assert result.strip() == "EPERM" and error.startswith("exit code 3"), (result, error)
-            wait_for(lambda: not pids_with(marker), timeout=10, what="the daemon to be gone")
-        else:
-            # A non-root drainer's job can kill its supervisor: that is the job's own failure,
-            # charged at once (not after its timeout). Its daemon dies too only where the drainer
-            # can make a cgroup (not here: see docs/isolation.md).
-            assert error.startswith("killed: its supervisor died (killed by SIGKILL)"), error
+        assert error.startswith("killed: its supervisor died (killed by SIGKILL)"), error
     finally:
+        if d.poll() is None:
+            d.kill()
+            d.wait()
         kill_all(marker)
 
 
 @pytest.mark.parametrize("user", AS_ROOT_AND_NOT)
 def test_garbage_in_the_supervisors_status_pipe_is_the_jobs_own_charged_failure(
         user: int | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """A job cannot open the pipes its supervisor holds (a root drainer's job: another uid; any job:
+    the supervisor and its namespace's init are non-dumpable, their /proc/<pid>/fd root's). It fails
+    on its own terms, charged; the drain's output shows none of what it tried to write. Before, a
+    non-root drainer's job wrote into the status pipe."""
     need_user(user)
     h = handlers_dir(shared, **{"garbage.py": GARBAGE_STATUS, "ok.py": "print('ok')"})
     work = work_dir(shared, user)
@@ -167,32 +209,43 @@ def test_garbage_in_the_supervisors_status_pipe_is_the_jobs_own_charged_failure(
     rows = sql("SELECT kind, status, attempts, last_error, result FROM fleetless.jobs ORDER BY id")
     [(_, status, attempts, error, result), *good] = rows
     assert (status, attempts) == ("dead", 1), rows
-    if user is None:  # a root drainer's job cannot even open its supervisor's pipe
-        assert result.strip() == "PermissionError" and error.startswith("exit code 3"), (result, error)
-    else:
-        assert error.startswith("killed: the job wrote into its supervisor's status pipe"), error
+    assert result.strip() in ("PermissionError", "nothing visible") and error.startswith("exit code 3"), \
+        (result, error)
     assert [(k, s, a) for k, s, a, _, _ in good] == [("ok", "done", 1)] * 3
 
 
-def test_a_root_drainers_jobs_run_as_distinct_unprivileged_uids_that_cannot_reach_the_drainer(
-        dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
-    need_user(None)
+@pytest.mark.parametrize("user", AS_ROOT_AND_NOT)
+def test_a_jobs_drainer_and_supervisor_are_out_of_its_reach(
+        user: int | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """Two jobs at once look for their drainer and supervisor: the drainer is not even visible
+    (the job's own pid namespace and /proc), so neither its environment, memory nor terminal
+    (``/proc/<drainer>/fd/2``) can be reached; the supervisor (pid 1 of the job's namespace, as the
+    job sees its init) ignores or refuses SIGKILL and its environment is not readable. Under a root
+    drainer the jobs also run as two distinct unprivileged uids and cannot plant a handler. Before,
+    a non-root drainer's job wrote a forged line to the operator's terminal and read the drainer's
+    environment."""
+    need_user(user)
     h = handlers_dir(shared, **{"probe.py": PROBE_DRAINER})
-    work = work_dir(shared, None)
+    work = work_dir(shared, user)
     seen = open_to_jobs(shared / "seen")
     queue.enqueue_many([{"kind": "probe", "payload": {"handlers": str(h), "seen": str(seen)}}] * 2)
-    r = drain(dsn, h, work, "--concurrency", "2", env={"FLEETLESS_TEST_SECRET": "do-not-leak"})
+    r = drain(dsn, h, work, "--concurrency", "2", user=user, env={"FLEETLESS_TEST_SECRET": "do-not-leak"})
     assert r.returncode == 0, r.stderr
     assert "forged" not in r.stderr and "\x1b" not in r.stderr, r.stderr
     rows = sql("SELECT status, result FROM fleetless.jobs ORDER BY id")
     assert [s for s, _ in rows] == ["done", "done"], rows
     probes = [json.loads(result) for _, result in rows]
-    assert len({p["uid"] for p in probes}) == 2  # two jobs at once: two uids
     for p in probes:
-        assert p["uid"] not in (0, os.getuid()) and p["gid"] == p["uid"] and p["groups"] == [], p
-        for what in ("environ", "mem", "terminal", "handlers", "signal", "signal_drainer"):
-            assert p[what] == "PermissionError", (what, p)
-    assert sorted(os.listdir(h)) == ["probe.py"]
+        for what in ("environ", "mem", "terminal", "signal_drainer"):
+            assert p[what] == "not visible", (what, p)
+        assert p["signal"] in ("PermissionError", "ProcessLookupError"), p
+        assert p["supervisor_environ"] == "PermissionError", p
+    if user is None:
+        assert len({p["uid"] for p in probes}) == 2  # two jobs at once: two uids
+        for p in probes:
+            assert p["uid"] not in (0, os.getuid()) and p["gid"] == p["uid"] and p["groups"] == [], p
+            assert p["handlers"] == "PermissionError", p
+        assert sorted(os.listdir(h)) == ["probe.py"]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -251,3 +304,71 @@ def test_a_root_drainer_refuses_a_work_directory_its_jobs_cannot_reach_before_cl
     assert f"{private} is not searchable by others" in r.stderr and len(r.stderr.strip().splitlines()) == 1, \
         r.stderr
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
+
+
+TMP_WRITER = """
+    import json, os, sys, tempfile, time
+    args = json.load(open(sys.argv[1]))
+    with tempfile.NamedTemporaryFile("w", delete=False) as f:  # in TMPDIR
+        f.write(args["secret"])
+    os.chmod(f.name, 0o644)  # readable by anyone who can reach it
+    shm = f"/dev/shm/{args['name']}"
+    with open(shm, "w") as g:
+        g.write(args["secret"])
+    os.chmod(shm, 0o644)
+    info = {"tmp": f.name, "shm": shm, "tmpdir": tempfile.gettempdir(), "cwd": os.getcwd()}
+    open(os.path.join(args["seen"], "paths.tmp"), "w").write(json.dumps(info))
+    os.rename(os.path.join(args["seen"], "paths.tmp"), os.path.join(args["seen"], "paths"))
+    deadline = time.monotonic() + 60  # alive (its files in place) until the reader is done
+    while not os.path.exists(os.path.join(args["seen"], "read")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(json.dumps(info))
+"""
+
+TMP_READER = """
+    import json, os, sys, time
+    args = json.load(open(sys.argv[1]))
+    paths = os.path.join(args["seen"], "paths")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    info = json.load(open(paths))
+    out = {}
+    for what in ("tmp", "shm"):
+        try:
+            out[what] = "read" if open(info[what]).read() == args["secret"] else "other content"
+        except OSError as exc:
+            out[what] = type(exc).__name__
+    open(os.path.join(args["seen"], "read"), "w").close()
+    print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("user", AS_ROOT_AND_NOT)
+def test_a_jobs_temporary_files_and_dev_shm_are_its_own(
+        user: int | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """Two jobs at once: one writes a world-readable temporary file (``tempfile``, which follows
+    TMPDIR: the job's own workspace) and a file in /dev/shm (a tmpfs of its own mount namespace);
+    the other tries to read both. Under a root drainer it can read neither (its uid cannot enter
+    the other's workspace; the other's /dev/shm is not its own); under a non-root drainer, whose
+    jobs share its uid, it reads the temporary file (as it could read the workspace) but not the
+    /dev/shm one. Nothing is left in the host's /dev/shm. Before, both were in the host's /tmp and
+    /dev/shm, readable by every job."""
+    need_user(user)
+    h = handlers_dir(shared, **{"writer.py": TMP_WRITER, "reader.py": TMP_READER})
+    work = work_dir(shared, user)
+    seen = open_to_jobs(shared / "seen")
+    name = f"fleetless-shm-{uuid.uuid4().hex}"
+    payload = {"seen": str(seen), "secret": uuid.uuid4().hex, "name": name}
+    writer = queue.enqueue("writer", payload, max_attempts=1)
+    reader = queue.enqueue("reader", payload, max_attempts=1)
+    r = drain(dsn, h, work, "--concurrency", "2", user=user)
+    assert r.returncode == 0, r.stderr
+    [(ws, wr)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", writer)
+    [(rs, rr)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", reader)
+    assert (ws, rs) == ("done", "done"), (wr, rr)
+    info, out = json.loads(wr), json.loads(rr)
+    assert info["tmpdir"] == f"{info['cwd']}/.tmp" and info["tmp"].startswith(info["tmpdir"] + "/"), info
+    assert out["shm"] == "FileNotFoundError", out
+    assert out["tmp"] == ("PermissionError" if user is None else "read"), out
+    assert not os.path.exists(f"/dev/shm/{name}")

@@ -9,12 +9,25 @@ the drainer's uid can write into that pipe through /proc). It also kills the job
 after its start by itself, so a job never outlives its lease even when the drainer is stopped
 (SIGSTOP, a frozen VM) and cannot kill it at its timeout.
 
+Where the kernel lets it (root, or unprivileged user namespaces), the job runs *contained*: in a
+pid namespace of its own (with a user namespace mapping only the supervisor's uid, for a non-root
+drainer) whose init is a small fork of the supervisor, the job's parent. That init dies with the
+supervisor (parent-death SIGKILL) and then the kernel kills every process of the namespace, so a
+job's daemon cannot outlive its supervisor even where no cgroup can be made; the job cannot name
+its supervisor or the drainer (they are outside its pid namespace), and init ignores every signal
+from inside. The init also gives the job a mount namespace with a fresh /proc (of its pid
+namespace: no host process is visible) and a private tmpfs /dev/shm. Every job gets TMPDIR in its
+workspace. The supervisor and the init make themselves non-dumpable, so that what they hold (the
+status pipe) is not reachable through /proc even by the same uid.
+
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
-    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE -- ARGV...
+    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV...
 where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"), CREDS is "UID:GID" for the job to run as
 (or "-": the supervisor's own), WAIT is "wait" when the supervisor must first read one byte on
-its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", and DEADLINE a number of
-seconds. The job gets this process's environment and working directory, and /dev/null as its stdin.
+its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", DEADLINE a number of
+seconds, and CONTAIN "-" (run the job uncontained) or "SHM_BYTES" followed by the host paths under
+/dev/shm the job needs (the work directory, the interpreter), newline-separated. The job gets this
+process's environment and working directory, and /dev/null as its stdin.
 """
 
 import ctypes
@@ -24,13 +37,84 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
 
 def _prctl(option: int, value: int) -> None:
     if _libc.prctl(option, value, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl failed")
+
+
+def _unshare(flags: int) -> None:
+    if _libc.unshare(flags) != 0:
+        raise OSError(ctypes.get_errno(), "unshare failed")
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def b(x: str | None) -> bytes | None:
+        return None if x is None else x.encode()
+
+    if _libc.mount(b(source), b(target), b(fstype), flags, b(data)) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _enter_pid_namespace() -> bool:
+    """Make this process's next child the init of a new pid namespace (a non-root supervisor: in a
+    new user namespace mapping only its own uid and gid). False where the kernel refuses."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        if uid == 0:
+            _unshare(CLONE_NEWPID)
+            return True
+        _unshare(CLONE_NEWUSER | CLONE_NEWPID)
+    except OSError:
+        return False
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1\n"), ("gid_map", f"{gid} {gid} 1\n")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    return True
+
+
+def _private_mounts(shm_bytes: int, keep: list[str]) -> None:
+    """In a new mount namespace (the init's, inherited by the job): a fresh /proc of the job's pid
+    namespace and a private tmpfs /dev/shm, the paths of ``keep`` under it bound back from the host
+    (opened before /dev/shm is covered). Best effort: a /proc the kernel will not mount here (a
+    container that masks parts of its own) stays the host's."""
+    try:
+        _unshare(CLONE_NEWNS)
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
+    except OSError:
+        return  # (the job still has its pid namespace)
+    if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm") and "/dev/shm" not in keep:
+        held = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in keep
+                if p.startswith("/dev/shm/") and os.path.exists(p)]
+        try:
+            _mount("fleetless-shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_bytes}")
+            try:
+                for path, fd in held:
+                    if os.path.isdir(f"/proc/self/fd/{fd}"):
+                        os.makedirs(path, mode=0o755, exist_ok=True)
+                    else:
+                        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                        open(path, "wb").close()
+                    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+            except OSError:
+                _libc.umount2(b"/dev/shm", MNT_DETACH)  # the host's again: what the job needs is there
+        except OSError:
+            pass
+        for _, fd in held:
+            os.close(fd)
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    except OSError:
+        pass
 
 
 def _descendants() -> list[int]:
@@ -94,11 +178,69 @@ def _remove_workspace(workspace: str) -> None:
     module.remove(pathlib.Path(workspace))
 
 
+def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> None:
+    """In the forked child: become the job (never returns)."""
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.setsid()
+        if uid >= 0:
+            os.setgroups([])
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
+        for name, value in rlimits:
+            limit = int(value)
+            # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
+            hard = limit + 1 if name == "RLIMIT_CPU" else limit
+            resource.setrlimit(getattr(resource, name), (limit, hard))
+        # Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: restore them.
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
+            signal.signal(signum, signal.SIG_DFL)
+        os.execvp(argv[0], argv)
+    except BaseException as exc:  # report an exec failure the shell's way
+        os.write(2, f"fleetless: cannot run {argv[0]}: {exc}\n".encode())
+    os._exit(127)
+
+
+def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int, gid: int,
+          rlimits: list[list[str]]) -> None:
+    """The job's pid namespace's init (pid 1 there; never returns): private mounts, then the job;
+    its wait status goes to the supervisor on ``report``. When it exits, or dies with the
+    supervisor, the kernel kills whatever is left in the namespace."""
+    try:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _prctl(PR_SET_DUMPABLE, 0)
+        import select
+
+        if select.select([alive], [], [], 0)[0]:  # EOF: the supervisor died before we could ask
+            os._exit(125)
+        os.close(alive)
+        _private_mounts(int(contain[0]), contain[1:])
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # as init: the job's are ignored
+            signal.signal(signum, signal.SIG_DFL)
+        job = os.fork()
+        if job == 0:
+            os.close(report)
+            _exec_job(argv, uid, gid, rlimits)
+        while True:  # reap everything re-parented to us; stop at the job's end
+            pid, status = os.waitpid(-1, 0)
+            if pid == job:
+                break
+        os.write(report, f"{status}".encode())
+    except BaseException as exc:
+        os.write(2, f"fleetless: cannot contain the job: {exc}\n".encode())
+        os._exit(126)
+    os._exit(0)
+
+
 def main() -> None:
-    status_fd, workspace, rlimits_arg, creds, wait, deadline, sep, *argv = sys.argv[1:]
-    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE -- ARGV..."
+    status_fd, workspace, rlimits_arg, creds, wait, deadline, contain_arg, sep, *argv = sys.argv[1:]
+    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV..."
     rlimits = [item.split("=") for item in rlimits_arg.split(",")] if rlimits_arg != "-" else []
     uid, gid = (int(x) for x in creds.split(":")) if creds != "-" else (-1, -1)
+    contain = contain_arg.split("\n") if contain_arg != "-" else []
 
     def die(signum: int, frame: object) -> None:
         # Once only: a multi-threaded drainer's death can deliver the parent-death signal twice
@@ -124,31 +266,26 @@ def main() -> None:
         os._exit(125)  # the drainer gave up on this sandbox before the job started
 
     fd = int(status_fd)
-    pid = os.fork()
-    if pid == 0:
-        try:
+    report_r = report_w = -1
+    contained = bool(contain) and _enter_pid_namespace()  # (it writes /proc/self: dumpable until then)
+    _prctl(PR_SET_DUMPABLE, 0)  # its status pipe out of the job's reach through /proc, same uid or not
+    if contained:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # (again: in case the new credentials cleared it)
+        alive_r, alive_w = os.pipe()
+        report_r, report_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
             os.close(fd)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.close(null)
-            os.setsid()
-            if uid >= 0:
-                os.setgroups([])
-                os.setresgid(gid, gid, gid)
-                os.setresuid(uid, uid, uid)
-            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
-            for name, value in rlimits:
-                limit = int(value)
-                # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
-                hard = limit + 1 if name == "RLIMIT_CPU" else limit
-                resource.setrlimit(getattr(resource, name), (limit, hard))
-            # Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: restore them.
-            for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
-                signal.signal(signum, signal.SIG_DFL)
-            os.execvp(argv[0], argv)
-        except BaseException as exc:  # report an exec failure the shell's way
-            os.write(2, f"fleetless: cannot run {argv[0]}: {exc}\n".encode())
-            os._exit(127)
+            os.close(alive_w)
+            os.close(report_r)
+            _init(alive_r, report_w, contain, argv, uid, gid, rlimits)
+        os.close(alive_r)  # alive_w stays open, unused, until this process dies
+        os.close(report_w)
+    else:
+        pid = os.fork()
+        if pid == 0:
+            os.close(fd)
+            _exec_job(argv, uid, gid, rlimits)
 
     def overdue(signum: int, frame: object) -> None:  # the wait below then reports the kill
         try:
@@ -158,12 +295,21 @@ def main() -> None:
 
     signal.signal(signal.SIGALRM, overdue)
     signal.setitimer(signal.ITIMER_REAL, max(float(deadline), 0.001))
+    status = 0
     while True:
         try:
             _, status = os.waitpid(pid, 0)
             break
         except InterruptedError:
             continue
+    signal.setitimer(signal.ITIMER_REAL, 0)  # (its pid may be another's soon)
+    if report_r >= 0:  # contained: the job's status is what its init reported, if it did
+        reported = os.read(report_r, 32)
+        os.close(report_r)
+        if reported:
+            status = int(reported)
+        elif os.WIFEXITED(status) and os.WEXITSTATUS(status) in (125, 126):
+            status = 127 << 8  # the job never started: as an exec failure
     _kill_tree()  # whatever the job left behind dies with it
     os.set_blocking(fd, False)  # a pipe the job filled through /proc must not hang us
     try:

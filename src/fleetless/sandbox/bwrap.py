@@ -54,7 +54,7 @@ from . import (
     default_python,
     jobs_cannot_reach,
 )
-from .process import describe_signal, handlers_snapshot, rlimit_kill_reason, rlimits_for
+from .process import describe_signal, handlers_snapshot, harden_drainer, rlimit_kill_reason, rlimits_for
 
 __all__ = ["BwrapSandbox", "bwrap_binary", "enforced_caps", "sweep"]
 
@@ -772,6 +772,7 @@ class BwrapSandbox(Sandbox):
             raise SandboxUnavailable(f"handlers directory {template.handlers_dir} does not exist")
         _warn_once()
         _ensure_watchdog()
+        harden_drainer()
         return cls(template, ttl_seconds, binary)
 
     @property

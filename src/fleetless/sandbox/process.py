@@ -130,13 +130,16 @@ class ProcessSandbox(Sandbox):
         self._workspace = _workspace.create()
         self.workspace_path = str(self._workspace)
         self.python = self.handler_python(template)
+        self._tmpdir = str(self._workspace / ".tmp")  # the job's TMPDIR: its own, removed with it
         try:
+            os.mkdir(self._tmpdir, 0o700)
             if _hostuid.needed():  # a root drainer's job runs as a uid of its own, never as root
                 self._lease = _hostuid.lease()
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
+                os.chown(self._tmpdir, self._lease.uid, self._lease.gid)
             caps = tree_cgroup_caps()
-            if caps is not None:  # the supervisor counts against pids.max too: the job gets ``pids``
-                pids = None if template.limits.pids is None else template.limits.pids + 1
+            if caps is not None:  # the supervisor and the job's init count against pids.max too
+                pids = None if template.limits.pids is None else template.limits.pids + 2
                 self._cgroup = cgroups.JobCgroup(pids=pids, caps=caps)
         except BaseException:
             self.kill()
@@ -215,6 +218,7 @@ class ProcessSandbox(Sandbox):
             else f"killed: ttl of {self._ttl:g} s expired"
         )
         rlimits = rlimits_for(self._template, timeout_seconds)
+        harden_drainer()
         status_r, status_w = os.pipe()
         limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
         cgroup = self._cgroup
@@ -225,13 +229,13 @@ class ProcessSandbox(Sandbox):
                 [sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
                  f"{self._lease.uid}:{self._lease.gid}" if self._lease is not None else "-",
                  "wait" if cgroup is not None else "-", f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}",
-                 "--", *argv],
+                 self._contain(), "--", *argv],
                 stdin=subprocess.PIPE if cgroup is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(status_w,),
                 cwd=self.workspace_path,
-                env={"HOME": self.workspace_path, **self._template.env},
+                env={"HOME": self.workspace_path, "TMPDIR": self._tmpdir, **self._template.env},
                 start_new_session=True,
             )
         finally:
@@ -290,6 +294,20 @@ class ProcessSandbox(Sandbox):
         return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
                           stdout_cut=captured.stdout_cut)
 
+    def _contain(self) -> str:
+        """The supervisor's CONTAIN argument: the size of the job's private /dev/shm, then the host
+        paths under /dev/shm the job needs (the work directory, the interpreter's), bound back."""
+        if os.environ.get(CONTAIN_ENV) == "0":
+            return "-"
+        keep = [str(_workspace.root().resolve())]
+        python = os.path.realpath(self.python)
+        if "/dev/shm/" in f"{python} {self.python}":
+            from .bwrap import interpreter_paths
+
+            keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
+        keep = [p for p in keep if p.startswith("/dev/shm/") and "\n" not in p]
+        return "\n".join([str(self._template.limits.tmp_bytes), *keep])
+
     def _kill_leftovers(self) -> None:
         """Whatever of the job's tree outlived its supervisor (one that the job killed): killed, and
         waited for until its group lists no process (exec returns only when the tree is gone)."""
@@ -321,6 +339,25 @@ class ProcessSandbox(Sandbox):
         _workspace.remove(self._workspace)
         if self._lease is not None:
             self._lease.release()  # every process of the job is dead by now
+
+
+#: ``FLEETLESS_PROCESS_CONTAIN=0`` runs process-tier jobs without their own pid and mount namespaces
+#: (as before them; for comparison only: the tree then dies with its supervisor only by cgroup).
+CONTAIN_ENV = "FLEETLESS_PROCESS_CONTAIN"
+_hardened = False
+
+
+def harden_drainer() -> None:
+    """Make the drainer non-dumpable (once): its ``/proc/<pid>`` files (fd, environ, mem) then
+    belong to root, so a job running as the drainer's own uid (a non-root drainer's) cannot write
+    the operator's terminal through ``/proc/<drainer>/fd/2``, read its environment or memory, nor
+    ptrace it. Children that exec a program are dumpable again (the kernel resets it)."""
+    global _hardened
+    if not _hardened:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+        _hardened = True
 
 
 def untraversable(path: Path) -> Path | None:
