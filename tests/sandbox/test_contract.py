@@ -74,7 +74,8 @@ class Promises:
 
 
 PROMISES: dict[str, Promises] = {
-    "process": Promises(no_network=False, memory_kill=False),
+    "process": Promises(no_network=False, memory_kill=False,
+                        extra_env=frozenset({"TMPDIR"})),  # in its workspace: the host's /tmp is shared
     "bwrap": Promises(extra_env=frozenset({"PWD"})),  # bubblewrap's --chdir sets PWD
     "forkserver": Promises(one_exec=True),
     # kill() SIGKILLs QEMU and returns; the exec's thread reaps it.
