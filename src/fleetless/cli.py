@@ -647,14 +647,25 @@ def microvm() -> None:
               help="Add a Debian package (or a .deb file) to the guest, e.g. bash (repeatable).")
 @click.option("--pip", "pip", multiple=True, metavar="REQUIREMENT",
               help="Add a Python requirement to the guest's python (repeatable).")
-def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...]) -> None:
-    """Build and cache the guest kernel + initramfs. With --apt/--pip: an image of its own,
-    beside the default one."""
+@click.option("--snapshot-memory", "snapshot_memory", multiple=True, type=int, metavar="MIB",
+              default=(512,), show_default=True,
+              help="Guest RAM of a snapshot to build with the image (repeatable; jobs with that "
+                   "memory limit restore it instead of booting).")
+@click.option("--snapshot-cpus", type=int, default=1, show_default=True,
+              help="vCPUs of the snapshots.")
+@click.option("--no-snapshot", is_flag=True, help="Build no snapshot (every job cold-boots).")
+def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...],
+                snapshot_memory: tuple[int, ...], snapshot_cpus: int, no_snapshot: bool) -> None:
+    """Build and cache the guest kernel + initramfs, and a snapshot of the booted guest that
+    each job restores. With --apt/--pip: an image of its own, beside the default one."""
     from .sandbox import microvm_image
 
     extras = microvm_image.Extras(apt=apt, pip=pip)
     path = microvm_image.build_image(force=force, extras=extras)
     click.echo(f"microvm image ready: {path}")
+    if not no_snapshot:
+        for snap in microvm_image.build_snapshots(path, [(m, snapshot_cpus) for m in snapshot_memory]):
+            click.echo(f"microvm snapshot ready: {snap}")
     if extras:
         click.echo(f"drain with it: FLEETLESS_CACHE={path} fleetless drain --sandbox microvm ...")
 

@@ -45,8 +45,9 @@ NET_MODULES = ("virtio_ring", "virtio", "virtio_mmio", "failover", "net_failover
 
 
 class Channel:
-    def __init__(self, path: str, nonce: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
+    def __init__(self, path: str | int, nonce: str) -> None:
+        self.fd = path if isinstance(path, int) else \
+            os.open(path, os.O_WRONLY | os.O_NOCTTY | os.O_CLOEXEC)
         self.nonce = nonce
         try:
             import termios
@@ -125,12 +126,15 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
     oom_before = oom_kills()
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(
-            job["argv"], cwd=job.get("cwd", "/workspace"), env=job.get("env", {}),
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            process_group=0, preexec_fn=preexec,
-            close_fds=True,
-        )
+        if can_fork(job):
+            proc: Any = ForkedPython(job, preexec)
+        else:
+            proc = subprocess.Popen(
+                job["argv"], cwd=job.get("cwd", "/workspace"), env=job.get("env", {}),
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                process_group=0, preexec_fn=preexec,
+                close_fds=True,
+            )
     except (OSError, subprocess.SubprocessError) as exc:
         code = 127 if isinstance(exc, FileNotFoundError) else 126
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
@@ -245,10 +249,296 @@ def setup(tmp_bytes: int, network: bool) -> None:
         pass
 
 
+# --------------------------------------------------------------------------- snapshot agent
+#
+# In a snapshot (see fleetless.sandbox.microvm_snapshot) the runner is started as an *agent*:
+# it sets the guest up, imports what handlers commonly import, says "ready" and blocks reading
+# the channel. The host snapshots the VM there; every job restores a copy of it and writes, over
+# the same serial port, one line of JSON (nonce, wall clock, fresh entropy, the jobs, the files)
+# followed by the files' bytes. The agent seeds the kernel's RNG and sets the clock *before*
+# anything of the job runs, writes /handlers and the workspace, and runs the jobs as above.
+
+#: Python handlers run in a fork of the agent (its imports already done) instead of a fresh
+#: interpreter: set in agent mode only.
+FORK_PYTHON = False
+RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)
+#: Imported once in the template, so that a forked handler finds them in sys.modules.
+WARM_MODULES = ("json", "pathlib", "re", "base64", "hashlib", "datetime", "random", "math",
+                "collections", "dataclasses", "typing", "decimal", "uuid", "csv", "io",
+                "itertools", "functools", "traceback", "types", "struct", "string", "textwrap",
+                "time", "urllib.parse", "tempfile", "shutil", "glob", "enum", "copy", "argparse",
+                "logging", "statistics", "secrets", "zlib", "gzip", "html", "heapq", "bisect")
+
+
+def can_fork(job: dict[str, Any]) -> bool:
+    """Whether the job is ``<guest python> script.py ...`` with no PYTHON* variable (those
+    would change how a fresh interpreter starts): then a fork of the agent runs it."""
+    argv = job["argv"]
+    if not FORK_PYTHON or len(argv) < 2 or argv[1].startswith("-"):
+        return False
+    if any(k.startswith("PYTHON") for k in job.get("env", {})):
+        return False
+    try:
+        return bool(os.path.realpath(argv[0]) == os.path.realpath(sys.executable))
+    except OSError:
+        return False
+
+
+class ForkedPython:
+    """A child of the agent running ``python3 script args`` in-process: what ``subprocess.Popen``
+    gives :func:`run_job` (pid, stdout, stderr, poll, wait)."""
+
+    def __init__(self, job: dict[str, Any], preexec: Any) -> None:
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            code = 126
+            try:
+                os.setpgid(0, 0)
+                null = os.open("/dev/null", os.O_RDONLY)
+                os.dup2(null, 0)
+                os.dup2(out_w, 1)
+                os.dup2(err_w, 2)
+                os.closerange(3, 1 << 16)  # the channel above all
+                os.chdir(job.get("cwd", "/workspace"))
+                preexec()
+                code = run_python_main(job["argv"], job.get("env", {}))
+            except BaseException as exc:
+                try:
+                    os.write(2, f"fleetless: cannot run {job['argv'][1]}: {exc}\n".encode())
+                except BaseException:
+                    pass
+            os._exit(code)
+        os.close(out_w)
+        os.close(err_w)
+        self.stdout = os.fdopen(out_r, "rb", buffering=0)
+        self.stderr = os.fdopen(err_r, "rb", buffering=0)
+
+    def _status(self, status: int) -> int:
+        self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped by kill_all_jobs
+                return self.returncode
+            if pid:
+                self._status(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                self._status(status)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL
+        return self.returncode if self.returncode is not None else -signal.SIGKILL
+
+
+def run_python_main(argv: list[str], env: dict[str, str]) -> int:
+    """Do what ``python3 script.py args`` does with the script, in this (forked) interpreter;
+    returns the exit code. ``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]`` the
+    script's directory, the exact environment, stdio on fds 0-2 (stdout block-buffered, stderr
+    line-buffered, UTF-8), uncaught exceptions printed without this function's frame,
+    ``SystemExit`` codes, atexit handlers."""
+    import atexit
+    import builtins
+    import importlib.machinery
+    import io
+    import types
+
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdin = open(0, encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="surrogateescape", closefd=False)
+    sys.stderr = io.TextIOWrapper(
+        open(2, "wb", buffering=0, closefd=False), encoding="utf-8", errors="backslashreplace",
+        line_buffering=True, write_through=True)
+    for name in ("stdin", "stdout", "stderr"):
+        setattr(sys, f"__{name}__", getattr(sys, name))
+    script = argv[1]
+    sys.argv = list(argv[1:])
+    sys.dont_write_bytecode = False
+    try:
+        with open(script, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        sys.stderr.write(f"{argv[0]}: can't open file {os.path.abspath(script)!r}: "
+                         f"[Errno {exc.errno}] {exc.strerror}\n")
+        return 2
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    main = types.ModuleType("__main__")
+    main.__dict__.update({"__file__": script, "__builtins__": builtins, "__cached__": None,
+                          "__loader__": importlib.machinery.SourceFileLoader("__main__", script)})
+    sys.modules["__main__"] = main
+    code = 0
+    try:
+        exec(compile(source, script, "exec"), main.__dict__)
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException as exc:
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # not this frame
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        code = 1
+    try:
+        threading = sys.modules.get("threading")
+        if threading is not None:
+            threading._shutdown()
+        atexit._run_exitfuncs()
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            code = code or 120  # as python does when flushing stdout fails
+    return code
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    try:
+        sys.stderr.write(f"{exc.code}\n")
+    except BaseException:
+        pass
+    return 1
+
+
+def make_raw(fd: int) -> None:
+    """The channel in raw mode (8 bits, no echo, no translation), at the 8250's top speed."""
+    import termios
+
+    attrs = termios.tcgetattr(fd)
+    attrs[0] &= ~(termios.IGNBRK | termios.BRKINT | termios.PARMRK | termios.ISTRIP
+                  | termios.INLCR | termios.IGNCR | termios.ICRNL | termios.IXON | termios.IXOFF)
+    attrs[1] &= ~termios.OPOST
+    attrs[2] = (attrs[2] & ~(termios.CSIZE | termios.PARENB)) | termios.CS8 | termios.CREAD \
+        | termios.CLOCAL
+    attrs[3] &= ~(termios.ECHO | termios.ECHONL | termios.ICANON | termios.ISIG | termios.IEXTEN)
+    attrs[4] = attrs[5] = termios.B115200
+    attrs[6][termios.VMIN] = 1
+    attrs[6][termios.VTIME] = 0
+    termios.tcsetattr(fd, termios.TCSANOW, attrs)
+
+
+def read_line(fd: int) -> bytes:
+    buf = bytearray()
+    while not buf.endswith(b"\n"):
+        chunk = os.read(fd, 1)
+        if not chunk:
+            raise EOFError("channel closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, min(n - len(buf), 1 << 16))
+        if not chunk:
+            raise EOFError("channel closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def seed_entropy(data: bytes) -> None:
+    """Mix the host's random bytes into the kernel's pool, credit them and reseed the CRNG now:
+    every clone of the snapshot starts with the same RNG state until this runs."""
+    import struct
+
+    fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, RNDADDENTROPY, struct.pack("ii", len(data) * 8, len(data)) + data)
+        fcntl.ioctl(fd, RNDRESEEDCRNG)
+    finally:
+        os.close(fd)
+
+
+def unpack(entries: list[list[Any]], data: bytes) -> None:
+    """``[path, kind, mode, uid, size_or_target]`` entries: ``d`` directory, ``f`` file (its
+    bytes next in ``data``), ``l`` symlink."""
+    pos = 0
+    for path, kind, mode, uid, extra in entries:
+        if kind == "d":
+            os.makedirs(path, exist_ok=True)
+        elif kind == "l":
+            os.symlink(extra, path)
+            continue
+        else:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            os.write(fd, data[pos:pos + int(extra)])
+            os.close(fd)
+            pos += int(extra)
+        os.chown(path, uid, uid)
+        os.chmod(path, mode)
+
+
+def agent_main(desc: dict[str, Any]) -> None:
+    global FORK_PYTHON
+    FORK_PYTHON = True
+    fd = os.open(CHANNEL, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    os.unlink(CHANNEL)
+    make_raw(fd)
+    channel = Channel(fd, desc["nonce"])
+    tmp_bytes = int(desc.get("tmp_bytes", 64 << 20))
+    setup(tmp_bytes, False)
+    import importlib
+
+    for name in WARM_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    channel.send("ready", {})
+    channel.drain()
+    # ---- the snapshot is taken while this read waits; every restored copy continues here.
+    header = json.loads(read_line(fd))
+    channel.nonce = header["nonce"]
+    try:
+        time.clock_settime_ns(time.CLOCK_REALTIME, int(header["time_ns"]))
+        seed_entropy(bytes.fromhex(header["entropy"]))
+        body = read_exact(fd, int(header["bytes"]))
+        if int(header.get("tmp_bytes", tmp_bytes)) != tmp_bytes:
+            sh("/bin/busybox", "mount", "-o", f"remount,size={int(header['tmp_bytes'])}", "/tmp")
+        unpack(header["entries"], body)
+        del body
+        channel.send("hello", {"uptime": open("/proc/uptime").read().split()[0]})
+        uid = int(header.get("uid", 65534))
+        gid = int(header.get("gid", 65534))
+        for job in header["jobs"]:
+            channel.send("start", {"id": job["id"]})
+            channel.send("result", run_job(job, uid, gid))
+        channel.send("done", {})
+    except BaseException as exc:
+        channel.send("error", {"error": f"{type(exc).__name__}: {exc}"})
+    channel.drain()
+    try:
+        with open("/proc/sysrq-trigger", "w") as f:
+            f.write("b")
+    except OSError:
+        pass
+    sys.exit(0)
+
+
 def main() -> None:
     with open(JOBS) as f:
         desc = json.load(f)
     os.unlink(JOBS)
+    if desc.get("mode") == "agent":
+        agent_main(desc)
+        return
     channel = Channel(CHANNEL, desc["nonce"])
     os.unlink(CHANNEL)
     try:

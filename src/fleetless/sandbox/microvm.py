@@ -135,6 +135,7 @@ class BootOutcome:
     console: str = ""  # the last 8 KiB of the guest console (kernel messages)
     pid: int = 0  # of the VMM process (gone when boot() returns)
     guest_uptime: float | None = None  # guest clock when the runner started (kernel boot time)
+    restored: bool = False  # True: a copy of the snapshot ran the jobs (False: a cold boot)
 
 
 def _job_archive(jobs: Sequence[GuestJob], handlers_dir: Path, nonce: str,
@@ -175,8 +176,14 @@ class _QemuEngine:
         self.binary = binary
         self.image = image
 
-    def argv(self, *, accel: str, memory_mib: int, cpus: int, initrd_fd: int, console_fd: int,
-             channel_fd: int, network: str | None) -> list[str]:
+    def argv(self, *, accel: str, memory_mib: int, cpus: int, initrd_fd: int | str,
+             console_fd: int, channel_fd: int | None, network: str | None,
+             ram_file: Path | None = None, ram_shared: bool = False,
+             qmp_fd: int | None = None) -> list[str]:
+        """``channel_fd`` None: the channel is QEMU's stdin/stdout (the host writes to the guest,
+        as a snapshot's restored agent needs). ``ram_file``: guest RAM is that file, mapped
+        shared (building a snapshot) or private, copy-on-write (restoring one). ``qmp_fd``: a
+        connected socket for QMP. ``initrd_fd`` may be a path."""
         cmdline = ["console=ttyS0", "quiet", "reboot=t", "panic=-1", "tsc=reliable",
                    "init_on_alloc=0", "nokaslr", "rdinit=/init", "8250.nr_uarts=2",
                    "i8042.noaux", "i8042.nokbd", "pci=off", "cryptomgr.notests",
@@ -190,13 +197,22 @@ class _QemuEngine:
             "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
             "-m", f"{memory_mib}M", "-smp", str(cpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
-            "-kernel", str(self.image.kernel), "-initrd", f"/proc/self/fd/{initrd_fd}",
+            "-kernel", str(self.image.kernel),
+            "-initrd", initrd_fd if isinstance(initrd_fd, str) else f"/proc/self/fd/{initrd_fd}",
             "-append", " ".join(c for c in cmdline if c),
             "-chardev", f"file,id=con,path=/proc/self/fd/{console_fd}",
             "-serial", "chardev:con",
-            "-chardev", f"file,id=chan,path=/proc/self/fd/{channel_fd}",
+            "-chardev", f"file,id=chan,path=/proc/self/fd/{channel_fd}" if channel_fd is not None
+            else "stdio,id=chan,signal=off",
             "-device", "isa-serial,chardev=chan,iobase=0x2f8,irq=3",
         ]
+        if ram_file is not None:
+            share = "on" if ram_shared else "off"
+            argv += ["-object", f"memory-backend-file,id=ram,size={memory_mib}M,"
+                                f"mem-path={ram_file},share={share}",
+                     "-machine", "memory-backend=ram"]
+        if qmp_fd is not None:
+            argv += ["-chardev", f"socket,id=qmp,fd={qmp_fd}", "-mon", "chardev=qmp,mode=control"]
         if network is not None:
             # QEMU's user-mode stack (no host privileges, no tap/bridge); "restricted" (the
             # default) cannot reach the host or anything outside the guest.
@@ -566,10 +582,12 @@ class MicroVMSandbox(Sandbox):
             if self._cancel.is_set():
                 proc.kill()
 
-        out = boot(self.image, [job], self.template.handlers_dir, accel=accel(self.image),
-                   memory_mib=mem, cpus=self.cpus(), tmp_bytes=limits.tmp_bytes,
-                   network=limits.network, hard_deadline=ttl_deadline, on_spawn=on_spawn,
-                   cancelled=self._cancel)
+        out = self._restore(job, mem, ttl_deadline, on_spawn)
+        if out is None:
+            out = boot(self.image, [job], self.template.handlers_dir, accel=accel(self.image),
+                       memory_mib=mem, cpus=self.cpus(), tmp_bytes=limits.tmp_bytes,
+                       network=limits.network, hard_deadline=ttl_deadline, on_spawn=on_spawn,
+                       cancelled=self._cancel)
         with self._lock:
             self._proc = None
         self.last_boot = out
@@ -602,6 +620,33 @@ class MicroVMSandbox(Sandbox):
             return ExecResult(-signal.SIGKILL, "", "", wall, killed)
         detail = f"fleetless microvm: {killed}" + (f" ({out.detail})" if out.detail else "")
         return ExecResult(-signal.SIGKILL, "", detail[-limits.stderr_bytes:], wall, killed)
+
+    def _restore(self, job: GuestJob, mem: int, ttl_deadline: float,
+                 on_spawn: Any) -> BootOutcome | None:
+        """The job in a copy of the snapshot; None when it must cold-boot instead (the reason
+        logged once: see :mod:`fleetless.sandbox.microvm_snapshot`)."""
+        from fleetless.sandbox import microvm_snapshot
+
+        binary = _qemu_binary()
+        limits = self.template.limits
+        if binary is None:
+            return None
+        snap = microvm_snapshot.usable(self.image, binary, mem, self.cpus(), accel(self.image),
+                                       limits.network)
+        if snap is None:
+            return None
+        out = microvm_snapshot.restore(snap, self.image, [job], self.template.handlers_dir,
+                                       tmp_bytes=limits.tmp_bytes, hard_deadline=ttl_deadline,
+                                       on_spawn=on_spawn, cancelled=self._cancel)
+        if isinstance(out, str):
+            microvm_snapshot.say_once(out)
+            return None
+        if not out.restored and out.failure and out.failure.startswith("restore failed") \
+                and not self._cancel.is_set():
+            # Nothing of the job ran (the copy never resumed): a cold boot runs it.
+            microvm_snapshot.say_once(f"{out.failure} {out.detail}".strip())
+            return None
+        return out
 
     def kill(self) -> None:
         self._killed = True
