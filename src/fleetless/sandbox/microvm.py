@@ -179,11 +179,13 @@ class _QemuEngine:
     def argv(self, *, accel: str, memory_mib: int, cpus: int, initrd_fd: int | str,
              console_fd: int, channel_fd: int | None, network: str | None,
              ram_file: Path | None = None, ram_shared: bool = False,
-             qmp_fd: int | None = None) -> list[str]:
+             qmp_fd: int | None = None, restoring: bool = False) -> list[str]:
         """``channel_fd`` None: the channel is QEMU's stdin/stdout (the host writes to the guest,
         as a snapshot's restored agent needs). ``ram_file``: guest RAM is that file, mapped
         shared (building a snapshot) or private, copy-on-write (restoring one). ``qmp_fd``: a
-        connected socket for QMP. ``initrd_fd`` may be a path."""
+        connected socket for QMP. ``initrd_fd`` may be a path. ``restoring``: no kernel, initrd
+        or command line (the guest is already booted in the RAM file; QEMU need not read ~70 MB
+        of kernel and initramfs per job)."""
         cmdline = ["console=ttyS0", "quiet", "reboot=t", "panic=-1", "tsc=reliable",
                    "init_on_alloc=0", "nokaslr", "rdinit=/init", "8250.nr_uarts=2",
                    "i8042.noaux", "i8042.nokbd", "pci=off", "cryptomgr.notests",
@@ -206,6 +208,10 @@ class _QemuEngine:
             else "stdio,id=chan,signal=off",
             "-device", "isa-serial,chardev=chan,iobase=0x2f8,irq=3",
         ]
+        if restoring:
+            for flag in ("-kernel", "-initrd", "-append"):
+                i = argv.index(flag)
+                del argv[i:i + 2]
         if ram_file is not None:
             share = "on" if ram_shared else "off"
             argv += ["-object", f"memory-backend-file,id=ram,size={memory_mib}M,"

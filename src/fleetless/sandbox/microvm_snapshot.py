@@ -6,10 +6,11 @@ as an *agent* (see :mod:`fleetless.sandbox._guest_init`): it sets the guest up, 
 handlers commonly import, says ``ready`` and blocks reading its serial channel. The host then
 stops the VM and migrates its device state to a file with the ``x-ignore-shared`` capability
 (the RAM is not copied: it is the file). The result, in ``<image>/snapshots/<mem>m-<cpus>c/``:
-``ram`` (the guest's memory), ``state`` (devices and vCPUs, tens of KB), ``initrd`` (what the
-template booted with) and ``snapshot.json`` (the key below; written last).
+``ram`` (the guest's memory), ``state`` (devices and vCPUs, tens of KB) and ``snapshot.json``
+(the key below; written last).
 
-Restoring (:func:`restore`, one per job, never reused): QEMU starts with the same RAM file
+Restoring (:func:`restore`, one per job, never reused): QEMU starts, with no kernel or
+initrd, on the same RAM file
 mapped ``share=off`` (copy-on-write: the template never changes), ``-incoming defer``, then
 ``migrate-incoming`` of the state over QMP; the VM resumes inside the agent's read. The host
 writes the job over the channel: a nonce, the wall clock, 64 fresh random bytes, the jobs and
@@ -81,10 +82,6 @@ class Snapshot:
     @property
     def state(self) -> Path:
         return self.directory / "state"
-
-    @property
-    def initrd(self) -> Path:
-        return self.directory / "initrd"
 
 
 def snapshot_dir(image: ImageInfo, memory_mib: int, cpus: int) -> Path:
@@ -164,7 +161,7 @@ def find(image: ImageInfo, binary: str, memory_mib: int, cpus: int,
                 return f"{words} (snapshot: {stored.get(field)!r}, now: {want[field]!r})"
             return words
     snap = Snapshot(directory, stored)
-    for path in (snap.ram, snap.state, snap.initrd):
+    for path in (snap.ram, snap.state):
         if not path.is_file():
             return f"snapshot file missing: {path}"
     if snap.ram.stat().st_size != memory_mib << 20:
@@ -292,6 +289,7 @@ def build_snapshot(image: ImageInfo, memory_mib: int = DEFAULT_MEMORY_MIB, cpus:
         work = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
         try:
             _boot_and_save(image, binary, accel, memory_mib, cpus, work)
+            (work / "initrd").unlink()  # a restore needs no kernel or initrd
             (work / "snapshot.json").write_text(json.dumps(key, indent=2) + "\n")
             old = target.parent / f".old-{os.getpid()}-{secrets.token_hex(4)}"
             if target.exists():
@@ -484,9 +482,9 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
         mine, theirs = socket.socketpair()
         argv = microvm._QemuEngine(binary, image).argv(
             accel=str(snap.key["accel"]), memory_mib=int(snap.key["memory_mib"]),
-            cpus=int(snap.key["cpus"]), initrd_fd=str(snap.initrd), console_fd=con_w,
+            cpus=int(snap.key["cpus"]), initrd_fd="", console_fd=con_w,
             channel_fd=None, network=None, ram_file=snap.ram, ram_shared=False,
-            qmp_fd=theirs.fileno())
+            qmp_fd=theirs.fileno(), restoring=True)
         argv += ["-incoming", "defer"]
         parent = os.getpid()
         proc = subprocess.Popen(
