@@ -433,24 +433,25 @@ def make_raw(fd: int) -> None:
     termios.tcsetattr(fd, termios.TCSANOW, attrs)
 
 
-def read_line(fd: int) -> bytes:
+def read_message(fd: int) -> tuple[dict[str, Any], bytes]:
+    """The host's header line and the ``header["bytes"]`` bytes after it (a raw tty returns what
+    has arrived: read in large chunks, one syscall per FIFO's worth rather than per byte)."""
     buf = bytearray()
-    while not buf.endswith(b"\n"):
-        chunk = os.read(fd, 1)
+    while b"\n" not in buf:
+        chunk = os.read(fd, 1 << 16)
         if not chunk:
             raise EOFError("channel closed")
         buf += chunk
-    return bytes(buf)
-
-
-def read_exact(fd: int, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = os.read(fd, min(n - len(buf), 1 << 16))
+    line, _, rest = bytes(buf).partition(b"\n")
+    header: dict[str, Any] = json.loads(line)
+    body = bytearray(rest)
+    need = int(header["bytes"])
+    while len(body) < need:
+        chunk = os.read(fd, min(need - len(body), 1 << 16))
         if not chunk:
             raise EOFError("channel closed")
-        buf += chunk
-    return bytes(buf)
+        body += chunk
+    return header, bytes(body[:need])
 
 
 def seed_entropy(data: bytes) -> None:
@@ -504,12 +505,11 @@ def agent_main(desc: dict[str, Any]) -> None:
     channel.send("ready", {})
     channel.drain()
     # ---- the snapshot is taken while this read waits; every restored copy continues here.
-    header = json.loads(read_line(fd))
+    header, body = read_message(fd)
     channel.nonce = header["nonce"]
     try:
         time.clock_settime_ns(time.CLOCK_REALTIME, int(header["time_ns"]))
         seed_entropy(bytes.fromhex(header["entropy"]))
-        body = read_exact(fd, int(header["bytes"]))
         if int(header.get("tmp_bytes", tmp_bytes)) != tmp_bytes:
             sh("/bin/busybox", "mount", "-o", f"remount,size={int(header['tmp_bytes'])}", "/tmp")
         unpack(header["entries"], body)

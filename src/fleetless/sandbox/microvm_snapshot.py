@@ -380,8 +380,9 @@ def _boot_and_save(image: ImageInfo, binary: str, accel: str, memory_mib: int, c
 
 
 def _channel_payload(jobs: Sequence[Any], handlers_dir: Path, nonce: str,
-                     tmp_bytes: int) -> bytes | str:
-    """The header line and the files' bytes the restored agent reads; or why it cannot be sent."""
+                     tmp_bytes: int) -> tuple[dict[str, Any], bytes] | str:
+    """The header (its clock set when sent) and the files' bytes the restored agent reads; or
+    why they cannot be sent."""
     from fleetless.sandbox.microvm import GUEST_HANDLERS, JOB_UID
 
     entries: list[list[Any]] = []
@@ -436,10 +437,10 @@ def _channel_payload(jobs: Sequence[Any], handlers_dir: Path, nonce: str,
     if size > MAX_CHANNEL_BYTES:
         return (f"the job's handlers and files are more than the {MAX_CHANNEL_BYTES >> 20} MiB a "
                 "restored guest takes over its channel")
-    header = {"nonce": nonce, "time_ns": time.time_ns(), "entropy": secrets.token_hex(64),
+    header = {"nonce": nonce, "time_ns": 0, "entropy": secrets.token_hex(64),
               "uid": JOB_UID, "gid": JOB_UID, "tmp_bytes": tmp_bytes, "jobs": descs,
               "entries": entries, "bytes": size}
-    return json.dumps(header, separators=(",", ":")).encode() + b"\n" + b"".join(blobs)
+    return header, b"".join(blobs)
 
 
 def _writer(fd: int, data: bytes) -> None:
@@ -524,8 +525,11 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
                                       failure=f"restore failed: {exc}",
                                       detail=err.decode(errors="replace").strip()[-300:])
             return out
+        header, blobs = payload
+        header["time_ns"] = time.time_ns()  # the guest's clock, set as it reads this
+        data = json.dumps(header, separators=(",", ":")).encode() + b"\n" + blobs
         fds.remove(in_w)
-        threading.Thread(target=_writer, args=(in_w, payload), daemon=True).start()
+        threading.Thread(target=_writer, args=(in_w, data), daemon=True).start()
         out = microvm._collect(proc, jobs, con_r, chan_r, nonce, str(snap.key["accel"]), started,
                                hard_deadline, cancelled)
         out.restored = True
