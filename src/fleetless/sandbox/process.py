@@ -5,10 +5,14 @@ private workspace, removed afterwards), resources by rlimit (address space, CPU 
 open files) and pids by a per-job pids cgroup where the drainer can write one, and the process
 tree (a supervisor in a session of its own, so signals meant for the drainer's process group never
 reach it; it is a subreaper that kills every descendant at exit, timeout, TTL and when the drainer
-dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Under a root drainer the job
-runs as a leased unprivileged uid (:mod:`._hostuid`), so it cannot reach its supervisor, the
-drainer or other jobs. What it does not: the filesystem and the network are the job uid's (the
-drainer's own uid under a non-root drainer). Use ``bwrap`` or ``microvm`` for untrusted code.
+dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Where the kernel allows, the
+job runs in a pid namespace of its own whose init dies with the supervisor (so nothing of the job
+outlives it, cgroup or not), with a fresh /proc and a private /dev/shm (see ``_supervisor.py``);
+its TMPDIR is in its workspace; the drainer and supervisor are non-dumpable. Under a root drainer
+the job runs as a leased unprivileged uid (:mod:`._hostuid`), so it cannot reach its supervisor,
+the drainer or other jobs. What it does not: the filesystem (the host's /tmp included) and the
+network are the job uid's (the drainer's own uid under a non-root drainer). Use ``bwrap`` or
+``microvm`` for untrusted code.
 """
 
 from __future__ import annotations
