@@ -29,6 +29,7 @@ from __future__ import annotations
 import base64
 import ctypes
 import json
+import logging
 import math
 import os
 import re
@@ -664,4 +665,10 @@ class MicroVMSandbox(Sandbox):
                 proc.kill()
             except (ProcessLookupError, OSError):
                 pass
+            # kill() returns only when the machine is gone (Popen.wait is safe beside the exec's
+            # thread waiting for the same process)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                logging.getLogger(__name__).warning("QEMU pid %d did not exit within 30 s of SIGKILL", proc.pid)
         self.files.clear()

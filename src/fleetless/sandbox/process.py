@@ -131,6 +131,7 @@ class ProcessSandbox(Sandbox):
         self._stopped = False  # the drainer (not the job) stopped the supervisor
         self._lease: _hostuid.Lease | None = None
         self.handlers_path = str(handlers_snapshot(template.handlers_dir))  # may fail: nothing made yet
+        self._killed = False
         self._workspace = _workspace.create()
         self.workspace_path = str(self._workspace)
         self.python = self.handler_python(template)
@@ -221,6 +222,8 @@ class ProcessSandbox(Sandbox):
             if timeout_seconds <= ttl_left
             else f"killed: ttl of {self._ttl:g} s expired"
         )
+        if self._killed:
+            return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         rlimits = rlimits_for(self._template, timeout_seconds)
         harden_drainer()
         status_r, status_w = os.pipe()
@@ -337,6 +340,7 @@ class ProcessSandbox(Sandbox):
                 self._kill_leftovers()
 
     def kill(self) -> None:
+        self._killed = True
         self._stop()
         if self._cgroup is not None:
             self._cgroup.remove()
