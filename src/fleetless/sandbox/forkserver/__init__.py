@@ -1,14 +1,15 @@
 """The ``forkserver`` tier: each job in fresh namespaces, forked from a pre-warmed Python.
 
 A per-drainer fork server (:mod:`._server`, started by :mod:`.client`) has imported the standard
-library and lives in a minimal root of its own (read-only ``/usr``, ``/etc`` and handlers). Per
-job it forks an *init* that is pid 1 of a fresh pid namespace; init unshares fresh mount, IPC, UTS
-and network namespaces, mounts its own ``/proc``, workspace, ``/tmp`` and ``/dev/shm``, and forks
-the job, which drops to the leased uid (no capability left), sets rlimits, ``no_new_privs`` and
-bwrap's seccomp filter, and runs the ``.py`` handler with ``runpy`` as ``__main__`` (no new
-interpreter to start: that is the saving) or execs anything else. The job's cgroups (memory,
-pids, CPU) are joined by init before the job exists. Killing init (its pidfd) kills the whole pid
-namespace, ``setsid()`` daemons included.
+library and lives in a minimal root of its own (read-only ``/usr``, ``/etc`` and handlers). Per job
+it forks an *init* that is pid 1 of a fresh pid namespace; init joins the job's cgroups, unshares
+fresh mount, IPC, UTS and network namespaces and mounts its own ``/proc`` and workspace (a tmpfs the
+drainer writes the payload into through ``/proc/<init>/root``; inits are made ahead by
+:data:`.client.pool`), then, given the job, its ``/tmp`` and ``/dev/shm``, and forks the job, which
+drops to the leased uid (no capability left), sets rlimits, ``no_new_privs`` and bwrap's seccomp
+filter, and runs the ``.py`` handler with ``runpy`` as ``__main__`` (no new interpreter to start:
+that is the saving) or execs anything else. Killing init (its pidfd) kills the whole pid namespace,
+``setsid()`` daemons included.
 
 Handler behaviour is ``python3 -s handler.py payload.json``'s, with these differences (see
 ``docs/isolation.md``): modules the server pre-imported (:data:`.client.PREWARM`) are already in

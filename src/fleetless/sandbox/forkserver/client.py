@@ -7,6 +7,10 @@ passes it nothing but paths (what to bind) and, per job, a socket and the job's 
 fds. It answers with a pidfd of the job's init, to which the drainer then sends the job's spec and
 pipes directly (:mod:`._server`). A retired server takes no more jobs; its socket is closed once
 its last job is dead, and it exits.
+
+:data:`pool` keeps two :class:`Init` ready per server key (forked, in fresh limit-less cgroups, its
+namespaces and workspace made): a thread refills it once a job runs, so a job's sandbox is a
+lease, a workspace chown and the cgroup limits.
 """
 
 from __future__ import annotations
