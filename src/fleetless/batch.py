@@ -136,6 +136,9 @@ class Slot:
             sbx.kill()
 
 
+_NO_SETTINGS = KindSettings()
+
+
 class _Spare:
     """Watch mode's sandboxes started ahead of their batches: each one's batch runner has started and
     waits on a named pipe in the workspace, so a job that arrives skips the sandbox's and
@@ -166,14 +169,14 @@ class Runner:
     _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
 
     def _kind(self, kind: str) -> KindSettings:
-        return self.kinds.get(kind, KindSettings())
+        return self.kinds.get(kind, _NO_SETTINGS)  # one shared default: this runs for every job of a batch
 
     def ttl_of(self, kind: str) -> float:
         return self._kind(kind).ttl or self.ttl
 
     def timeout_of(self, job: Job) -> float:
         ks = self._kind(job.kind)
-        return min(float(job.timeout_seconds or ks.timeout or self.default_timeout), self.ttl_of(job.kind))
+        return min(float(job.timeout_seconds or ks.timeout or self.default_timeout), ks.ttl or self.ttl)
 
     def template_of(self, kind: str) -> Template:
         ks = self._kind(kind)
