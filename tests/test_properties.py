@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from fleetless import Queue
-from fleetless.queue import RESULT_CUT_MARKER
+from fleetless.queue import DEFAULT_MAX_ATTEMPTS, RESULT_CUT_MARKER
 
 Sql = Callable[..., list[tuple[object, ...]]]
 
@@ -231,7 +231,7 @@ def test_options_are_stored_exactly_or_refused_in_one_line(queue: Queue, sql: Sq
 
     valid = (
         isinstance(queue_name, str) and bool(QUEUE_RE.fullmatch(queue_name))
-        and whole(priority, -PG_INT, PG_INT) and whole(max_attempts, 1, 1000)
+        and whole(priority, -PG_INT, PG_INT) and (max_attempts is None or whole(max_attempts, 1, 1000))
         and finite(seconds) and (seconds is None or 0 <= seconds <= HUNDRED_YEARS)
         and finite(timeout) and (timeout is None or 1 <= timeout <= PG_INT)
         and (run_after is None or (run_after.tzinfo is not None and in_utc_range(run_after)))
@@ -249,7 +249,8 @@ def test_options_are_stored_exactly_or_refused_in_one_line(queue: Queue, sql: Sq
         return
     job_id = queue.enqueue("k", {}, **options)
     row = queue.get(job_id)
-    assert (row["queue"], row["priority"], row["max_attempts"]) == (queue_name, priority, max_attempts)
+    stored = DEFAULT_MAX_ATTEMPTS if max_attempts is None else max_attempts  # None: the kind's, at claim
+    assert (row["queue"], row["priority"], row["max_attempts"]) == (queue_name, priority, stored)
     assert row["timeout_seconds"] == (None if timeout is None else round(timeout))
     if run_after is not None:
         assert row["run_after"] == run_after

@@ -177,8 +177,9 @@ class ProcessSandbox(Sandbox):
             default_python()
             return
         path = template.env.get("PATH", os.defpath)
-        if shutil.which(python, path=path) is None and not ("/" in python and os.path.isfile(python)):
-            # (one that exists but the job's uid cannot execute: its kinds are not claimed, said per kind)
+        if shutil.which(python, path=path) is None and not ("/" in python and _has_exec_bit(python)):
+            # (one that someone may execute but the job's uid cannot: its kinds are not claimed, said
+            # per kind; a file no one may execute, /etc/passwd, is no interpreter at all)
             raise SandboxUnavailable(
                 f"cannot use {python} as the handler interpreter: no executable file by that name"
                 + ("" if "/" in python else f" on PATH {path}"))
@@ -347,6 +348,14 @@ class ProcessSandbox(Sandbox):
         _workspace.remove(self._workspace)
         if self._lease is not None:
             self._lease.release()  # every process of the job is dead by now
+
+
+def _has_exec_bit(path: str) -> bool:
+    """A file someone may execute (its owner at least)."""
+    try:
+        return os.path.isfile(path) and bool(os.stat(path).st_mode & 0o111)
+    except OSError:
+        return False
 
 
 #: ``FLEETLESS_PROCESS_CONTAIN=0`` runs process-tier jobs without their own pid and mount namespaces
