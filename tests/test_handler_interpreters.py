@@ -178,13 +178,13 @@ def _app_venv(base: Path) -> Path:
 
 
 def _drain_under(python: Path | str, dsn: str, handlers_dir: Path, work: Path, tier: str,
-                 ) -> subprocess.CompletedProcess[str]:
+                 extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`fleetless drain` run by ``python`` (fleetless and its dependencies found through PYTHONPATH,
     which no job inherits)."""
     src = str(Path(fleetless.__file__).resolve().parent.parent)
     path = [src, *(p for p in sys.path if p.endswith("site-packages"))]
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn,
-           "FLEETLESS_WORKDIR": str(work), "PYTHONPATH": ":".join(path)}
+           "FLEETLESS_WORKDIR": str(work), "PYTHONPATH": ":".join(path), **(extra_env or {})}
     return subprocess.run([str(python), "-m", "fleetless.cli", "drain", "--handlers", str(handlers_dir),
                            "--sandbox", tier], env=env, text=True, capture_output=True, timeout=300)
 
@@ -220,8 +220,9 @@ def test_py_handlers_run_under_the_apps_interpreter_and_import_its_packages(
 def test_a_root_drainer_whose_interpreter_jobs_cannot_reach_says_so_and_uses_the_system_python(
         dsn: str, queue: Queue, sql, tmp_path: Path) -> None:
     """fleetless under a Python only root can reach (here: a pyenv under /root, if that is where
-    this test runs): one line says .py handlers run under /usr/bin/python3 instead, and why;
-    jobs run (not charged for a missing interpreter)."""
+    this test runs), on a process tier that cannot bind it back (no namespaces: here turned off
+    with FLEETLESS_PROCESS_CONTAIN=0): one line says .py handlers run under /usr/bin/python3
+    instead, and why; jobs run (not charged for a missing interpreter)."""
     if jobs_cannot_reach(sys.executable) is None:
         pytest.skip(f"{sys.executable} is reachable by other users here")
     base = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
@@ -234,7 +235,7 @@ def test_a_root_drainer_whose_interpreter_jobs_cannot_reach_says_so_and_uses_the
         job = queue.enqueue("which", {}, max_attempts=1)
         work = base / "work"
         work.mkdir(mode=0o711)
-        r = _drain_under(sys.executable, dsn, h, work, "process")
+        r = _drain_under(sys.executable, dsn, h, work, "process", {"FLEETLESS_PROCESS_CONTAIN": "0"})
         assert r.returncode == 0, r.stderr
         notes = [line for line in r.stderr.splitlines() if "handlers run under /usr/bin/python3" in line]
         assert len(notes) == 1 and f"not {sys.executable} (fleetless's own)" in notes[0], r.stderr
@@ -299,13 +300,15 @@ def test_an_interpreter_the_jobs_uid_cannot_execute_is_not_claimed_and_spends_no
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the unprivileged job uids exist under a root drainer only")
-def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_bwrap_handlers_interpreter(
-        dsn: str, queue: Queue, sql, require_tier) -> None:
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_handlers_interpreter(
+        tier: str, dsn: str, queue: Queue, sql, require_tier) -> None:
     """fleetless run by root from a virtual environment inside a directory only root may search
-    (as a venv in /root, mode 0700): bwrap jobs, which run as unprivileged uids, still run under it
-    and import the app's packages from it (each launcher binds it back in a mount namespace of its
-    own), and see nothing else of that directory. Before, .py handlers ran under /usr/bin/python3."""
-    require_tier("bwrap")
+    (as a venv in /root, mode 0700): jobs, which run as unprivileged uids, still run under it and
+    import the app's packages from it (bwrap: each launcher binds it back in a mount namespace of its
+    own; process: the job's own mount namespace does), and see nothing else of that directory.
+    Before, .py handlers ran under /usr/bin/python3."""
+    require_tier(tier)
     private = Path(tempfile.mkdtemp(prefix="fleetless-rootonly-"))  # 0700, like /root
     outside = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
     try:
@@ -325,11 +328,14 @@ def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_bwrap_handl
         job = queue.enqueue("bill", {"lines": [1, 2, 39]}, max_attempts=1)
         work = outside / "work"
         work.mkdir(mode=0o711)
-        r = _drain_under(python, dsn, h, work, "bwrap")
+        r = _drain_under(python, dsn, h, work, tier)
         assert r.returncode == 0, r.stderr
         assert "handlers run under /usr/bin/python3" not in r.stderr
         (status, result, error), = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", job)
-        assert (status, error, result) == ("done", None, f"{python} 42 ['venv'] 65534\n")
+        assert (status, error) == ("done", None), result
+        executable, total, seen, uid = result.split()
+        assert (executable, total, seen) == (str(python), "42", "['venv']"), result
+        assert int(uid) != 0 and (tier == "process" or int(uid) == 65534), result
     finally:
         for folder in (private, outside):
             subprocess.run(["rm", "-rf", "--one-file-system", str(folder)], check=False)

@@ -25,8 +25,10 @@ Usage (kept to argv and the inherited environment and cwd, so start-up imports a
 where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"), CREDS is "UID:GID" for the job to run as
 (or "-": the supervisor's own), WAIT is "wait" when the supervisor must first read one byte on
 its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", DEADLINE a number of
-seconds, and CONTAIN "-" (run the job uncontained) or "SHM_BYTES" followed by the host paths under
-/dev/shm the job needs (the work directory, the interpreter), newline-separated. The job gets this
+seconds, and CONTAIN "-" (run the job uncontained) or newline-separated lines: SHM_BYTES, then
+"K PATH" for each host path under /dev/shm the job needs (the work directory, the interpreter),
+"T DIR" for each directory the job's uid cannot search that holds its interpreter (a root
+drainer's /root) and "V PATH<tab>DIR" for each path under such a DIR to bind back for it. The job gets this
 process's environment and working directory, and /dev/null as its stdin.
 """
 
@@ -82,16 +84,40 @@ def _enter_pid_namespace() -> bool:
     return True
 
 
-def _private_mounts(shm_bytes: int, keep: list[str]) -> None:
+def _bind_back(tops: list[str], paths: list[tuple[str, str]]) -> None:
+    """Cover each directory of ``tops`` (one the job's uid may not search, such as /root) with a
+    small tmpfs holding only ``paths`` (real path, its top), each bound back from the original
+    through a descriptor of its top opened before: a root drainer's interpreter under /root."""
+    held = {top: os.open(top, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) for top in tops}
+    for top in tops:
+        _mount("fleetless-view", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for path, top in paths:
+        source = f"/proc/self/fd/{held[top]}/{os.path.relpath(path, top)}"
+        if os.path.isdir(source):
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+            open(path, "wb").close()
+        _mount(source, path, None, MS_BIND | MS_REC)
+    for fd in held.values():
+        os.close(fd)
+
+
+def _private_mounts(shm_bytes: int, keep: list[str], tops: list[str], view: list[tuple[str, str]]) -> None:
     """In a new mount namespace (the init's, inherited by the job): a fresh /proc of the job's pid
     namespace and a private tmpfs /dev/shm, the paths of ``keep`` under it bound back from the host
-    (opened before /dev/shm is covered). Best effort: a /proc the kernel will not mount here (a
-    container that masks parts of its own) stays the host's."""
+    (opened before /dev/shm is covered), and the ``view`` of :func:`_bind_back`. Best effort but for
+    the view, which the job's interpreter needs: a /proc the kernel will not mount here (a container
+    that masks parts of its own) stays the host's."""
     try:
         _unshare(CLONE_NEWNS)
         _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
     except OSError:
+        if view:
+            raise
         return  # (the job still has its pid namespace)
+    if view:
+        _bind_back(tops, view)
     if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm") and "/dev/shm" not in keep:
         held = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in keep
                 if p.startswith("/dev/shm/") and os.path.exists(p)]
@@ -217,7 +243,11 @@ def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int
         if select.select([alive], [], [], 0)[0]:  # EOF: the supervisor died before we could ask
             os._exit(125)
         os.close(alive)
-        _private_mounts(int(contain[0]), contain[1:])
+        keep = [line[2:] for line in contain[1:] if line.startswith("K ")]
+        tops = [line[2:] for line in contain[1:] if line.startswith("T ")]
+        view = [(path, top) for path, _, top in (line[2:].partition("\t") for line in contain[1:]
+                                                  if line.startswith("V "))]
+        _private_mounts(int(contain[0]), keep, tops, view)
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # as init: the job's are ignored
             signal.signal(signum, signal.SIG_DFL)
         job = os.fork()

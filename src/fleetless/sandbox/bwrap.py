@@ -320,6 +320,15 @@ def _blocked_at(path: str) -> str | None:
 _view_cache: dict[tuple[str, ...], str] = {}
 
 
+def blocked_paths(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """(real path, the directory in its way) for each of ``paths`` that the job uids of a root
+    drainer cannot reach for a directory above it (:func:`_blocked_at`); one inside another is
+    left out (it comes with it)."""
+    blocked = {os.path.realpath(p): _blocked_at(p) for p in paths}
+    rescue = sorted((real, top) for real, top in blocked.items() if top is not None)
+    return [(real, top) for real, top in rescue if not any(o != real and _covered(real, [o]) for o, _ in rescue)]
+
+
 def _view(paths: Sequence[str]) -> str:
     """Shell commands that, run as root at a launcher's start in a mount namespace of its own, make
     each of ``paths`` (a root drainer's interpreter under ``/root``, mode 0700) reachable there by
@@ -328,15 +337,12 @@ def _view(paths: Sequence[str]) -> str:
     link reaches it without searching the directory in the way). bwrap, now the job's uid, then
     binds it read-only as any other; nothing changes on the host, and the namespace goes with the
     launcher. "" when every path is reachable as it is (the usual case: no namespace, no cost)."""
-    blocked = {os.path.realpath(p): _blocked_at(p) for p in paths}
-    rescue = sorted((real, top) for real, top in blocked.items() if top is not None)
-    # one inside another is bound with it (and nothing is ever made inside a bound path)
-    rescue = [(real, top) for real, top in rescue if not any(o != real and _covered(real, [o]) for o, _ in rescue)]
+    rescue = blocked_paths(paths)
     key = tuple(real for real, _ in rescue)
     cached = _view_cache.get(key)
     if cached is not None:
         return cached
-    tops = sorted({top for _, top in rescue if top is not None})
+    tops = sorted({top for _, top in rescue})
     if len(tops) > 5:  # the launcher's shell has fds 5-9 for them
         raise SandboxUnavailable(f"the handler interpreter's paths are under {len(tops)} directories the "
                                  f"job uids cannot search ({', '.join(tops)}); at most 5 are bound back")
@@ -347,7 +353,6 @@ def _view(paths: Sequence[str]) -> str:
         for top in tops:
             lines.append(f"mount -t tmpfs -o mode=0755,size=1m,nosuid,nodev fleetless-view {_quote(top)} || exit 125")
         for real, top in rescue:
-            assert top is not None
             source = f"/proc/self/fd/{fd[top]}/{os.path.relpath(real, top)}"
             make = (f"mkdir -p {_quote(real)}" if os.path.isdir(real)
                     else f"mkdir -p {_quote(os.path.dirname(real))} && : > {_quote(real)}")

@@ -151,9 +151,40 @@ class ProcessSandbox(Sandbox):
             raise
 
     @classmethod
+    def handler_python(cls, template: Template) -> str:
+        """``template.python``, else fleetless's own interpreter, also under a root drainer where it
+        lives under a directory the job uids cannot search (``/root``): the job's mount namespace
+        binds it back, where the kernel gives the job one; else the system's (said once)."""
+        if template.python:
+            return template.python
+        if _hostuid.needed() and os.environ.get(CONTAIN_ENV) != "0" and _namespaces_work():
+            own = default_python(binds_blocked=True)
+            from .bwrap import _require_job_paths
+
+            try:
+                _require_job_paths(own)
+                return own
+            except (SandboxUnavailable, OSError):
+                pass
+        return default_python()
+
+    @classmethod
     def has_program(cls, template: Template, path: str) -> bool:
-        """On the host, and (under a root drainer) reachable by the job's unprivileged uid."""
-        return super().has_program(template, path) and jobs_cannot_reach(path) is None
+        """On the host, and (under a root drainer) reachable by the job's unprivileged uid, or one
+        of the default interpreter's paths, which the job's mount namespace binds back."""
+        if not super().has_program(template, path):
+            return False
+        if jobs_cannot_reach(path) is None:
+            return True
+        if template.python is None and _hostuid.needed():
+            from .bwrap import _covered, interpreter_paths
+
+            try:
+                bound = interpreter_paths(cls.handler_python(template))
+            except SandboxUnavailable:
+                return False
+            return _covered(path, bound) and _covered(os.path.realpath(path), bound)
+        return False
 
     @classmethod
     def check_template(cls, template: Template) -> None:
@@ -174,7 +205,7 @@ class ProcessSandbox(Sandbox):
                     "others (chmod o+x, or set FLEETLESS_WORKDIR elsewhere)")
         python = template.python
         if python is None:
-            default_python()
+            cls.handler_python(template)
             return
         path = template.env.get("PATH", os.defpath)
         if shutil.which(python, path=path) is None and not ("/" in python and _has_exec_bit(python)):
@@ -314,7 +345,15 @@ class ProcessSandbox(Sandbox):
 
             keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
         keep = [p for p in keep if p.startswith("/dev/shm/") and "\n" not in p]
-        return "\n".join([str(self._template.limits.tmp_bytes), *keep])
+        lines = [str(self._template.limits.tmp_bytes), *(f"K {p}" for p in keep)]
+        if self._lease is not None:  # a root drainer's interpreter under /root: bound back for the job
+            from .bwrap import blocked_paths, interpreter_paths
+
+            view = [(p, top) for p, top in blocked_paths(interpreter_paths(self.python))
+                    if not any(c in p + top for c in "\n\t")]
+            lines += [f"T {top}" for top in sorted({top for _, top in view})]
+            lines += [f"V {p}\t{top}" for p, top in view]
+        return "\n".join(lines)
 
     def _kill_leftovers(self) -> None:
         """Whatever of the job's tree outlived its supervisor (one that the job killed): killed, and
@@ -356,6 +395,22 @@ def _has_exec_bit(path: str) -> bool:
         return os.path.isfile(path) and bool(os.stat(path).st_mode & 0o111)
     except OSError:
         return False
+
+
+_namespaces_ok: bool | None = None
+
+
+def _namespaces_work() -> bool:
+    """Whether this (root) drainer's supervisors can give jobs pid and mount namespaces here (a
+    container may forbid it): tried once with ``unshare``."""
+    global _namespaces_ok
+    if _namespaces_ok is None:
+        try:
+            _namespaces_ok = subprocess.run(["unshare", "--pid", "--mount", "--fork", "true"], capture_output=True,
+                                            timeout=30, stdin=subprocess.DEVNULL).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _namespaces_ok = False
+    return _namespaces_ok
 
 
 #: ``FLEETLESS_PROCESS_CONTAIN=0`` runs process-tier jobs without their own pid and mount namespaces
