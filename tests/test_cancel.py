@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from fleetless import Queue, Status
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.job import Outcome
 
-from proctools import alive, wait_for
+from proctools import pids_with, wait_for
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
 
@@ -21,19 +22,20 @@ pytestmark = pytest.mark.usefixtures("private_workdir")
 def test_cancelling_a_running_job_kills_its_sandbox_and_ends_it_cancelled(queue: Queue, sql, handlers,
                                                                          tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
+    marker = f"fleetless-forever-{uuid.uuid4().hex}"  # (a job's pids are its pid namespace's)
     h = handlers(**{"forever.py": f"""
-        import os, time
+        import os, sys
         open({str(pid_file)!r}, "w").write(str(os.getpid()))
-        time.sleep(600)
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", {marker!r}])
     """, "quick.py": "print('ok')"})
     job_id = queue.enqueue("forever", {}, max_attempts=5)
     drainer = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2))
     thread = threading.Thread(target=drainer.run)
     thread.start()
     try:
-        pid = int(wait_for(lambda: pid_file.exists() and pid_file.read_text(), what="the job to start"))
+        wait_for(lambda: pid_file.exists() and pids_with(marker), what="the job to start")
         assert queue.cancel(job_id) is Status.RUNNING
-        wait_for(lambda: not alive(pid), timeout=30, what="the cancelled job's process to die")
+        wait_for(lambda: not pids_with(marker), timeout=30, what="the cancelled job's process to die")
         thread.join(timeout=60)
         assert not thread.is_alive()
     finally:

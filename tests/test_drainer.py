@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from fleetless import Queue, RetryPolicy
 from fleetless.drainer import DrainConfig, Drainer, DrainError
 from fleetless.queue import RESULT_CUT_MARKER
 
-from proctools import alive, wait_for
+from proctools import pids_with, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -112,20 +113,21 @@ def test_death_by_signal_is_named(queue: Queue, handlers, sql) -> None:
 def test_a_timeout_kills_the_whole_tree_including_setsid_grandchildren(queue: Queue, handlers, sql,
                                                                       tmp_path: Path) -> None:
     pidfile = tmp_path / "grandchild.pid"
+    marker = f"fleetless-grandchild-{uuid.uuid4().hex}"  # (a job's pids are its pid namespace's)
     h = handlers(**{"hang.py": f"""
-        import os, time
+        import os, sys, time
         if os.fork() == 0:
             os.setsid()
             if os.fork() == 0:
                 open({str(pidfile)!r}, "w").write(str(os.getpid()))
-                time.sleep(600)
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", {marker!r}])
             os._exit(0)
         time.sleep(600)
     """})
     queue.enqueue("hang", {}, max_attempts=1, timeout=2)
     drain(queue, h, timeout=600)  # the job's own timeout wins
     assert sql("SELECT status, last_error FROM fleetless.jobs") == [("dead", "killed: timeout after 2 s")]
-    assert not alive(int(pidfile.read_text()))
+    assert pidfile.exists() and not pids_with(marker)
 
 
 def test_the_environment_is_scrubbed(queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -138,7 +140,7 @@ def test_the_environment_is_scrubbed(queue: Queue, handlers, sql, monkeypatch: p
     drain(queue, h, pass_env=("ALLOWED_TOKEN", "MODE=fast"))
     (result,) = sql("SELECT result FROM fleetless.jobs")[0]
     assert str(result).split() == ["ALLOWED_TOKEN", "FLEETLESS_ATTEMPT", "FLEETLESS_JOB_ID", "FLEETLESS_KIND",
-                                   "HOME", "LANG", "MODE", "PATH"]
+                                   "HOME", "LANG", "MODE", "PATH", "TMPDIR"]  # (the process tier's, in the workspace)
 
 
 def test_huge_stdout_is_read_and_capped_without_harm(queue: Queue, handlers, sql) -> None:
@@ -276,15 +278,17 @@ def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(ds
                                                                              fleetless) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()
+    marker = f"fleetless-sigkilled-{uuid.uuid4().hex}"  # (a job's pids are its pid namespace's)
     h = handlers(**{"work.py": f"""
-        import os, time
+        import os, sys
         if os.environ["FLEETLESS_ATTEMPT"] == "1":
+            sleep = [sys.executable, "-c", "import time; time.sleep(600)", {marker!r}]
             open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
             if os.fork() == 0:
                 os.setsid()
                 open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
-                time.sleep(600)
-            time.sleep(600)
+                os.execv(sys.executable, sleep)
+            os.execv(sys.executable, sleep)
         print("recovered")
     """})
     queue.enqueue("work", {}, timeout=3)
@@ -293,8 +297,7 @@ def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(ds
     assert started
     proc.kill()
     proc.wait()
-    job_pids = [int(p.name) for p in pids.iterdir()]
-    wait_for(lambda: not any(alive(p) for p in job_pids), timeout=10, what="job processes to die")
+    wait_for(lambda: not pids_with(marker), timeout=10, what="job processes to die")
     wait_for(lambda: not any(private_workdir.glob("ws-*")), timeout=10, what="workspace removal")
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("running", 1)]
     # The lease (timeout 3 s + grace 0) has not expired yet: nothing to recover.

@@ -5,6 +5,7 @@ table (jobs, job_attempts), never a drainer's memory."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -145,7 +146,7 @@ def test_a_kinds_tier_is_applied_by_the_drain(queue: Queue, sql, handlers, requi
     bwrap, swept = get_backend("bwrap"), []
     real_sweep = bwrap.sweep
     monkeypatch.setattr(bwrap, "sweep", classmethod(lambda cls: swept.append(cls) or real_sweep()))
-    probe = "print(open('/proc/1/comm').read().strip())"
+    probe = "import os; print(os.uname().nodename)"
     h = settings_file(handlers(**{"boxed.py": probe, "plain.py": probe}), "[kinds.boxed]\ntier = \"bwrap\"\n")
     queue.enqueue("boxed", {})
     queue.enqueue("plain", {})
@@ -155,14 +156,14 @@ def test_a_kinds_tier_is_applied_by_the_drain(queue: Queue, sql, handlers, requi
         "SELECT j.kind, j.tier, a.tier, j.result FROM fleetless.jobs j JOIN fleetless.job_attempts a"
         " ON a.job_id = j.id"))
     assert rows["boxed"][:2] == ("bwrap", "bwrap") and rows["plain"][:2] == ("process", "process")
-    host_init = Path("/proc/1/comm").read_text().strip()
-    assert rows["plain"][2].strip() == host_init  # the process tier shares the host's pid namespace
-    assert rows["boxed"][2].strip() != host_init  # bwrap has one of its own
+    assert rows["plain"][2].strip() == socket.gethostname()  # the process tier shares the host's UTS namespace
+    assert rows["boxed"][2].strip() == "fleetless"  # bwrap has one of its own
     assert swept == [bwrap]  # the drain swept what dead bwrap drainers left, too
 
 
 def test_a_kinds_batch_size_runs_its_jobs_that_many_per_sandbox(queue: Queue, sql, handlers) -> None:
-    pid_module = "import os\n\ndef handle(payload):\n    return os.getpid()\n"
+    pid_module = ("import uuid\nSANDBOX = uuid.uuid4().hex  # one per import: one per sandbox\n\n"
+                  "def handle(payload):\n    return SANDBOX\n")
     h = settings_file(handlers(**{"many.py": pid_module, "single.py": pid_module}),
                       "[kinds.many]\nbatch_size = 5\n")
     for i in range(10):
@@ -277,7 +278,8 @@ def test_a_schedule_without_max_attempts_takes_its_kinds(queue: Queue, sql, hand
 
 
 def test_a_kinds_concurrency_caps_its_batches_in_batch_mode(queue: Queue, sql, handlers) -> None:
-    slow_pid = "import os, time\n\ndef handle(payload):\n    time.sleep(0.3)\n    return os.getpid()\n"
+    slow_pid = ("import time, uuid\nSANDBOX = uuid.uuid4().hex  # one per import: one per sandbox\n\n"
+                "def handle(payload):\n    time.sleep(0.3)\n    return SANDBOX\n")
     h = settings_file(handlers(**{"capped.py": slow_pid}), "[kinds.capped]\nbatch_size = 5\nconcurrency = 2\n")
     for i in range(6):
         queue.enqueue("capped", {"i": i})

@@ -20,7 +20,7 @@ import pytest
 from fleetless import Queue
 
 from .conftest import APP_NAME, executions, processes_mentioning
-from proctools import alive, wait_for
+from proctools import pids_with, wait_for
 
 ADMIN_DSN = os.environ.get("FLEETLESS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # The drainer as a user runs it, but giving up on the database after 2 s instead of 30.
@@ -147,26 +147,26 @@ def test_a_drainer_that_cannot_reach_the_database_exits_3_in_one_line_and_kills_
         fleetless: Any, database_away: Callable[[], None]) -> None:
     pids = tmp_path / "pids"
     pids.mkdir()
+    marker = f"fleetless-hang-{time.monotonic_ns()}"  # (a job's pids are its pid namespace's)
     h = handlers(hang=f"""
         #!/bin/sh
         if [ "$FLEETLESS_ATTEMPT" = 1 ]; then
             echo $$ > {pids}/job
-            sleep 600
+            exec /usr/bin/python3 -c 'import time; time.sleep(600)' {marker}
         fi
         echo "attempt $FLEETLESS_ATTEMPT"
     """)
     job_id = queue.enqueue("hang", {}, timeout=3)
     # Concurrency 2 with one job: the free slot keeps claiming, so the loss is noticed at once.
     drain = start_drain(dsn, h, "--concurrency", "2", "--lease-grace", "3", prefix=SHORT_DB_RETRY)
-    wait_for(lambda: (pids / "job").exists(), what="the job to start")
-    job_pid = int((pids / "job").read_text())
+    wait_for(lambda: (pids / "job").exists() and pids_with(marker), what="the job to start")
     database_away()
     assert drain.wait(timeout=30) == 3, drain.stderr
     lines = drain.stderr.strip().splitlines()
     assert all(line.startswith("fleetless: ") for line in lines), drain.stderr  # no traceback
     assert [line for line in lines if line.startswith("fleetless: error: ")] == [lines[-1]]
     assert lines[-1].startswith("fleetless: error: lost the database connection: "), lines[-1]
-    wait_for(lambda: not alive(job_pid), timeout=10, what="the job to be killed")
+    wait_for(lambda: not pids_with(marker), timeout=10, what="the job to be killed")
     assert processes_mentioning(str(workdir)) == []
     wait_for(lambda: not any(workdir.iterdir()), timeout=10, what="the workspace to be removed")
     # The claim is still held until its lease runs out; then the next drain reaps it and finishes.
