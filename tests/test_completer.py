@@ -7,11 +7,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import psycopg
 import pytest
 
-from fleetless import Queue
+from fleetless import Queue, RetryPolicy
 from fleetless.completer import Completer
+from fleetless.db import DatabaseError, DatabaseUnavailable
 from fleetless.job import Job, Outcome
 
 from proctools import wait_for
@@ -51,7 +51,7 @@ def test_one_flush_writes_mixed_outcomes_in_one_statement(queue: Queue, sql: Cal
     assert rows[ids[1]] == ("done", 1, None, {"a": [1, 2]}, None, False, True, False)
     assert rows[ids[2]] == ("pending", 1, None, None, "ValueError: x\ntraceback", True, False, False)  # backoff
     assert rows[ids[3]] == ("dead", 1, None, None, "no handler", False, True, False)
-    assert rows[ids[4]] == ("pending", 0, None, None, "released: stopping", False, False, True)
+    assert rows[ids[4]] == ("pending", 0, None, None, "released: stopping", False, False, False)  # token kept
     assert rows[6] == ("dead", 1, None, None, "last try", False, True, False)
     counts = c.counts
     assert (counts.done, counts.retried, counts.dead, counts.released, counts.fenced_out) == (2, 1, 2, 1, 0)
@@ -106,12 +106,12 @@ def test_a_failed_flush_keeps_its_outcomes_and_retries(queue: Queue, sql: Callab
         with lock:
             if failures[0]:
                 failures[0] -= 1
-                raise psycopg.OperationalError("server closed the connection unexpectedly")
+                raise DatabaseUnavailable("database unavailable: server closed the connection unexpectedly")
         return real(items)
 
     monkeypatch.setattr(queue, "finish_many", flaky)
     c = Completer(queue, flush_size=1, flush_interval=0.01)
-    with pytest.raises(psycopg.OperationalError):
+    with pytest.raises(DatabaseUnavailable):
         c.add(jobs[0], Outcome("done"))
         c.flush()
     assert c.holding() == [jobs[0]]  # kept
@@ -122,3 +122,56 @@ def test_a_failed_flush_keeps_its_outcomes_and_retries(queue: Queue, sql: Callab
     c.close()
     assert sorted(r[0] for r in sql("SELECT status FROM fleetless.jobs")) == ["done", "done", "pending"]
     assert (c.counts.done, c.counts.retried, c.counts.fenced_out) == (2, 1, 0)  # each acknowledged once
+
+
+def test_one_outcome_the_database_refuses_fails_that_job_alone_and_the_flush_writes_the_rest(
+        queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    ids = queue.enqueue_many([("k", {}) for _ in range(4)])
+    jobs = claim_all(queue, 4)
+
+    class Never(RetryPolicy):  # a retry delay PostgreSQL cannot add to now()
+        def delay(self, attempt: int) -> float:
+            return 1e300
+
+    c = Completer(queue, flush_size=100, retry_of=lambda job: Never() if job is jobs[1] else RetryPolicy())
+    c.add(jobs[0], Outcome("done", result="fine"))
+    c.add(jobs[1], Outcome("fail", error="boom"))
+    c.add(jobs[2], Outcome("fail", error="try again"))
+    c.add(jobs[3], Outcome("release", error="stopping"))
+    c.flush()
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, attempts, last_error FROM fleetless.jobs")}
+    assert rows == {
+        ids[0]: ("done", 1, None),
+        ids[1]: ("dead", 1, "its outcome cannot be stored: database refused a value: timestamp out of range"),
+        ids[2]: ("pending", 1, "try again"),
+        ids[3]: ("pending", 0, "stopping")}
+    counts = c.counts
+    assert (counts.done, counts.dead, counts.retried, counts.released, c.buffered) == (1, 1, 1, 1, 0)
+
+
+def test_a_row_refused_for_no_known_reason_stops_the_flush_there_and_keeps_the_rest(
+        queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    sql("""CREATE OR REPLACE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+             IF NEW.status = 'done' AND NEW.payload ? 'refuse' THEN RAISE EXCEPTION 'audit log is full'; END IF;
+             RETURN NEW;
+           END $$""")
+    sql("CREATE TRIGGER refuse_done BEFORE UPDATE ON fleetless.jobs FOR EACH ROW EXECUTE FUNCTION refuse_done()")
+    try:
+        first = queue.enqueue("k", {}, priority=3)
+        refused = queue.enqueue("k", {"refuse": True}, priority=2)
+        last = queue.enqueue("k", {}, priority=1)
+        jobs = claim_all(queue, 3)
+        c = Completer(queue, flush_size=100)
+        for job in jobs:
+            c.add(job, Outcome("done"))
+        with pytest.raises(DatabaseError, match="audit log is full"):
+            c.flush()
+        # What came before it is written; it and what follows stay buffered for the drainer to
+        # decide (it gives them back: settle).
+        assert [j.id for j in c.holding()] == [refused, last]
+        assert c.settle("released: the drain stopped") == (1, 1)
+        assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
+            (first, "done", 1), (refused, "pending", 0), (last, "done", 1)]
+    finally:
+        sql("DROP TRIGGER refuse_done ON fleetless.jobs")

@@ -18,7 +18,7 @@ import pytest
 from test_drainer import drain, private_workdir  # noqa: F401  (the autouse fixture, and the helper)
 
 from fleetless import Queue, RetryPolicy
-from fleetless.drainer import DrainError
+from fleetless.drainer import DrainConfig, Drainer, DrainError
 from fleetless.queue import MAX_RELEASES
 
 from conftest import ADMIN_DSN, _dsn_for, _fleetless
@@ -29,6 +29,93 @@ def _cli_drain(dsn: str, h: Path, *extra: str) -> subprocess.CompletedProcess[st
     return subprocess.run(
         [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), *extra],
         env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, timeout=300)
+
+
+# -- an error nobody planned for ------------------------------------------------------------------
+
+@pytest.fixture
+def refuse_done(queue: Queue, sql):  # type: ignore[no-untyped-def]
+    """The application's own trigger refuses to let a job whose payload has "refuse" be marked
+    done: an error the drainer has no rule for, raised by the finish of one job."""
+    sql("""CREATE OR REPLACE FUNCTION refuse_done() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+             IF NEW.status = 'done' AND NEW.payload ? 'refuse' THEN RAISE EXCEPTION 'audit log is full'; END IF;
+             RETURN NEW;
+           END $$""")
+    sql("CREATE TRIGGER refuse_done BEFORE UPDATE ON fleetless.jobs FOR EACH ROW EXECUTE FUNCTION refuse_done()")
+    yield
+    sql("DROP TRIGGER refuse_done ON fleetless.jobs")
+
+
+_FOREVER = "import time; time.sleep(600)"  # ends only when its sandbox is destroyed
+
+
+@pytest.mark.usefixtures("refuse_done")
+@pytest.mark.parametrize("mode", ["per-job", "batch"])
+def test_an_unexpected_error_from_a_finish_releases_every_held_claim_and_exits_3_in_one_line(
+        dsn: str, queue: Queue, handlers, sql, mode: str) -> None:
+    # Per-job mode: the refused finish is written inline, in the drain loop. Batch mode: by the
+    # completer's own thread, in one statement with the other outcomes of its batch.
+    h = handlers(**{"ok.py": "print('ok')", "slow.py": _FOREVER})
+    refused = queue.enqueue("ok", {"refuse": True}, priority=9)
+    held = [queue.enqueue("slow", {}, priority=5) for _ in range(2)]
+    others = queue.enqueue_many([("ok", {})] * 3)
+    args = ["--concurrency", "3", "--batch", "3"] if mode == "per-job" else ["--per-sandbox", "4", "--concurrency", "2"]
+    r = _cli_drain(dsn, h, *args)
+    assert r.returncode == 3, r
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "fleetless: error: unexpected error: database: audit log is full; 3 held claim(s) released"), r.stderr
+    # Nothing is left running until its lease ends: what was held is pending, uncharged.
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, attempts FROM fleetless.jobs")}
+    assert [rows[i] for i in [refused, *held]] == [("pending", 0)] * 3, rows
+    # Per-job mode had not claimed the others yet; batch mode ran them with the refused one, and
+    # their outcomes were written row by row when the batch's statement was refused.
+    assert [rows[i] for i in others] == [("pending", 0) if mode == "per-job" else ("done", 1)] * 3, rows
+    assert sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", refused) == [
+        ("released: the drain stopped on an error (database: audit log is full)",)]
+
+
+def test_an_unexpected_error_from_a_claim_releases_every_held_claim(queue: Queue, handlers, sql) -> None:
+    sql("""CREATE OR REPLACE FUNCTION refuse_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+             IF NEW.status = 'running' AND NEW.payload ? 'refuse' THEN RAISE EXCEPTION 'not today'; END IF;
+             RETURN NEW;
+           END $$""")
+    sql("CREATE TRIGGER refuse_claim BEFORE UPDATE ON fleetless.jobs FOR EACH ROW EXECUTE FUNCTION refuse_claim()")
+    try:
+        h = handlers(**{"slow.py": _FOREVER})
+        held = [queue.enqueue("slow", {}, priority=9) for _ in range(2)]
+        refused = queue.enqueue("slow", {"refuse": True})
+        with pytest.raises(DrainError) as caught:  # one claim at a time: the third one fails
+            drain(queue, h, concurrency=3, batch=1)
+        assert str(caught.value) == "unexpected error: database: not today; 2 held claim(s) released"
+        assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
+            (held[0], "pending", 0), (held[1], "pending", 0), (refused, "pending", 0)]
+    finally:
+        sql("DROP TRIGGER refuse_claim ON fleetless.jobs")
+
+
+def test_an_unexpected_error_looking_up_a_handler_releases_every_held_claim(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless import batch
+
+    real = batch.handlers.resolve
+
+    def resolve(folder: Path, kind: str):  # type: ignore[no-untyped-def]
+        if kind == "broken" and threading.current_thread().name.startswith("job"):  # the job's lookup
+            raise RuntimeError("handler index is corrupt")
+        return real(folder, kind)
+
+    h = handlers(**{"slow.py": _FOREVER, "broken.py": "print('never')"})
+    held = queue.enqueue("slow", {}, priority=9)
+    broken = queue.enqueue("broken", {})
+    monkeypatch.setattr(batch.handlers, "resolve", resolve)
+    with pytest.raises(DrainError) as caught:
+        drain(queue, h, concurrency=2, batch=2)
+    assert str(caught.value) == "unexpected error: RuntimeError: handler index is corrupt; 2 held claim(s) released"
+    assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
+        (held, "pending", 0), (broken, "pending", 0)]
 
 
 # -- payloads and outcomes that cannot be handled -------------------------------------------------
@@ -43,6 +130,25 @@ def test_a_payload_nested_2000_levels_by_another_producer_fails_alone(queue: Que
     (error,) = sql("SELECT last_error FROM fleetless.jobs WHERE status = 'dead'")[0]
     assert "RecursionError" in str(error)  # the handler's own failure: the drain never parsed it
     assert (summary.claimed, summary.done, summary.dead) == (5, 4, 1)
+
+
+@pytest.mark.parametrize("options", [{"concurrency": 2}, {"concurrency": 1, "per_sandbox": 4}],
+                         ids=["per-job", "batch"])
+def test_an_outcome_the_database_refuses_fails_that_job_alone_permanently(
+        queue: Queue, handlers, sql, options: dict[str, int]) -> None:
+    sql("ALTER TABLE fleetless.jobs ADD CONSTRAINT no_poison CHECK (result NOT LIKE '%poison%')")
+    try:
+        h = handlers(**{"echo.py": "import json, sys; print(json.load(open(sys.argv[1]))['say'])"})
+        bad = queue.enqueue("echo", {"say": "poison"}, max_attempts=3)
+        queue.enqueue_many([("echo", {"say": f"fine {i}"}) for i in range(3)])
+        summary = drain(queue, h, **options).summary
+        assert sql("SELECT status, attempts, last_error FROM fleetless.jobs WHERE id = %s", bad) == [
+            ("dead", 1, 'its outcome cannot be stored: database refused a value: new row for relation "jobs"'
+             ' violates check constraint "no_poison"')]
+        assert sql("SELECT status, count(*) FROM fleetless.jobs WHERE id <> %s GROUP BY 1", bad) == [("done", 3)]
+        assert (summary.done, summary.dead) == (3, 1)
+    finally:
+        sql("ALTER TABLE fleetless.jobs DROP CONSTRAINT no_poison")
 
 
 @pytest.fixture
@@ -118,6 +224,64 @@ def test_a_deploy_that_swaps_the_handlers_symlink_mid_drain_is_followed(queue: Q
     assert sql("SELECT kind, status, result, count(*) FROM fleetless.jobs GROUP BY 1, 2, 3 ORDER BY 1") == [
         ("first", "done", "v1\n", 1),
         ("later", "done", "v2\n", 3)]
+
+
+def test_a_kind_whose_handler_vanishes_mid_drain_is_retried_not_dead(queue: Queue, sql, tmp_path: Path) -> None:
+    later = queue.enqueue("later", {})
+    _drain_across_a_deploy(queue, sql, tmp_path, v2_has_later=False)
+    ((status, attempts, error),) = sql("SELECT status, attempts, last_error FROM fleetless.jobs WHERE id = %s", later)
+    assert (status, attempts) == ("pending", 1)
+    assert "no handler for kind 'later'" in str(error) and "it had one when the drain started" in str(error)
+
+
+def test_a_kind_that_never_had_a_handler_is_dead_at_once(queue: Queue, handlers, sql) -> None:
+    h = handlers(**{"a.py": "print(1)"})
+    queue.enqueue("nowhere", {}, max_attempts=3)
+    drain(queue, h)
+    ((status, attempts, error),) = sql("SELECT status, attempts, last_error FROM fleetless.jobs")
+    assert (status, attempts) == ("dead", 1)
+    assert "no handler for kind 'nowhere'" in str(error) and "it had one" not in str(error)
+
+
+# -- one job id, two claims ---------------------------------------------------------------------------
+
+def test_a_job_cancelled_retried_and_claimed_again_by_the_same_drain_ends_as_its_new_run_did(
+        queue: Queue, handlers, sql, tmp_path: Path) -> None:
+    """The drain's bookkeeping is keyed by claim (job id and token), not job id: the cancel of the
+    first run must not reach the second run of the same job in the same drain."""
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    signals.chmod(0o777)  # the job may run as another uid (a root drainer's process tier)
+    h = handlers(**{"twice.py": f"""
+        import os, sys, time
+        if os.environ["FLEETLESS_ATTEMPT"] == "1":
+            open({str(signals / "first")!r}, "w").close()
+            time.sleep(600)  # until its sandbox is killed by the cancel
+        sys.exit(1)  # the second run fails by itself
+        """, "keeper.py": f"""
+        import os, time
+        while not os.path.exists({str(signals / "go")!r}):
+            time.sleep(0.05)
+        """})
+    job = queue.enqueue("twice", {}, max_attempts=1, priority=9)
+    queue.enqueue("keeper", {})  # keeps the drain going until the second run has ended
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2, batch=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(lambda: (signals / "first").exists(), what="the first run to start")
+        queue.cancel(job)
+        wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("cancelled",)],
+                 what="the first run to end cancelled")
+        queue.retry(job)  # the operator changes their mind: one more attempt
+        wait_for(lambda: sql("SELECT status <> 'running' AND attempts = 2 FROM fleetless.jobs WHERE id = %s",
+                             job) == [(True,)], timeout=120, what="the second run to end")
+    finally:
+        (signals / "go").touch()
+        thread.join(timeout=120)
+    ((status, error),) = sql("SELECT status, last_error FROM fleetless.jobs WHERE id = %s", job)
+    assert (status, str(error).splitlines()[0]) == ("dead", "exit code 1"), error
+    assert (drainer.summary.cancelled, drainer.summary.dead, drainer.summary.done) == (1, 1, 1)
 
 
 # -- a sandbox that breaks every time ---------------------------------------------------------------

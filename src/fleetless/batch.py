@@ -163,7 +163,10 @@ class Runner:
     ttl: float = 900
     default_timeout: float = 600
     kinds: Mapping[str, KindSettings] = field(default_factory=dict)  # fleetless.toml
-    cancelled: Callable[[int], bool] = lambda job_id: False  # an operator cancelled it while it ran
+    cancelled: Callable[[Job], bool] = lambda job: False  # an operator cancelled this claim while it ran
+    #: kinds that had a handler when the drain started: one missing now was taken away by a
+    #: deploy mid-drain, and its jobs are retried (not dead) so the new release can run them
+    had_handler: frozenset[str] = frozenset()
     #: Watch mode: keep one sandbox started ahead for a batch of up to this many jobs (0: never).
     spare_jobs: int = 0
     _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
@@ -194,8 +197,11 @@ class Runner:
         if handler is None:
             error = (f"no handler for kind {kind!r}: neither {kind}.py nor an executable {kind} in "
                      f"{self.template.handlers_dir}")
+            vanished = kind in self.had_handler
+            if vanished:
+                error += " (it had one when the drain started: retried, for the release that replaced it)"
             never = Run(tier=self.backend.name)
-            return [(j, Outcome("fail", error=error, permanent=True, run=never)) for j in jobs], None
+            return [(j, Outcome("fail", error=error, permanent=not vanished, run=never)) for j in jobs], None
         done: list[tuple[Job, Outcome]] = []
         left = list(jobs)
         while left:
@@ -221,7 +227,7 @@ class Runner:
                 continue
             if r.ok and got:  # the runner stopped before its TTL: the rest go to a fresh sandbox
                 continue
-            if self.cancelled(left[0].id):
+            if self.cancelled(left[0]):
                 run = replace(describe_run(self.backend.name, r), kill_reason="cancelled")
                 done.append((left[0], Outcome("fail", error=CANCELLED, permanent=True, run=run)))
             else:
@@ -347,11 +353,13 @@ class Runner:
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
             r = sbx.exec(argv, self.timeout_of(job))
         except Exception as exc:
+            if slot.aborted:  # destroyed under it by the drainer's stop: not a broken sandbox
+                return job, self._stopped(None)
             raise SandboxBroken(str(exc)) from None
         finally:
             sbx.kill()
             slot.detach()
-        if self.cancelled(job.id) and not r.ok:
+        if self.cancelled(job) and not r.ok:
             return job, Outcome("fail", error=CANCELLED, permanent=True,
                                 run=replace(describe_run(self.backend.name, r), kill_reason="cancelled"))
         if slot.aborted and r.killed is not None:  # one that ended on its own keeps its outcome
@@ -404,6 +412,8 @@ class Runner:
             ws = sbx.workspace_path
             r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], self.ttl_of(kind))
         except Exception as exc:
+            if slot.aborted:  # destroyed under it by the drainer's stop: not a broken sandbox
+                return [(j, self._stopped(None)) for j in jobs], None
             raise SandboxBroken(str(exc)) from None
         finally:
             sbx.kill()

@@ -11,10 +11,16 @@ Two ways to use it:
   outcome is durable before anything else happens; a crash loses at most the job that was
   running, which the reaper gives back.
 - **batched** (``start``): a background thread flushes when ``flush_size`` outcomes are waiting
-  or ``flush_interval`` seconds after the first of them arrived. A flush that fails keeps its
-  outcomes and is tried again (backing off to 5 s); ``close`` flushes what is left. A drainer
-  SIGKILLed between a job's end and the flush has written nothing for that job: its claim is
-  reaped and the job runs again (at-least-once, as documented in docs/guarantees.md).
+  or ``flush_interval`` seconds after the first of them arrived. A flush that loses the database
+  keeps its outcomes and is tried again (backing off to 5 s); ``close`` flushes what is left. A
+  drainer SIGKILLed between a job's end and the flush has written nothing for that job: its claim
+  is reaped and the job runs again (at-least-once, as documented in docs/guarantees.md).
+
+One bad row never fails the others: when the database refuses a flush for any reason but a lost
+connection, its outcomes are written one by one; an outcome the database cannot store (a value
+out of range, a constraint, text it cannot encode) fails that job alone, permanently, with a
+one-line reason. Any other error stops the background thread (:attr:`Completer.failure`) and
+leaves the outcomes buffered: the drainer then gives back what it holds (:meth:`settle`).
 """
 
 from __future__ import annotations
@@ -25,13 +31,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from .job import Job, Outcome, Status
+from . import db
+from .job import Job, Outcome, Run, Status
 from .queue import Queue
 from .retry import RetryPolicy
 
-__all__ = ["Completer", "Counts"]
+__all__ = ["NOT_STORABLE", "Completer", "Counts"]
 
 log = logging.getLogger("fleetless.completer")
+#: Heads last_error when the database refused a job's outcome (the job fails alone, permanently).
+NOT_STORABLE = "its outcome cannot be stored: "
 
 
 @dataclass
@@ -56,6 +65,7 @@ class Completer:
         flush_interval: float = 0.05,
         on_written: Callable[[Job, Outcome, Status | None], None] | None = None,
         retry_of: Callable[[Job], RetryPolicy] | None = None,
+        on_failure: Callable[[], None] | None = None,
     ) -> None:
         if flush_size < 1 or flush_interval <= 0:
             raise ValueError("flush_size must be at least 1 and flush_interval positive")
@@ -74,6 +84,9 @@ class Completer:
         self._thread: threading.Thread | None = None
         self._closing = False
         self.last_error: str | None = None  # the latest failed flush's reason (batched mode)
+        #: batched mode: the error (not a lost connection) that stopped the background thread
+        self.failure: BaseException | None = None
+        self.on_failure = on_failure  # called once when ``failure`` is set
 
     # -- adding -------------------------------------------------------------------------------
 
@@ -103,22 +116,94 @@ class Completer:
     # -- writing ------------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Write everything buffered, in one statement. On a database error the outcomes stay
-        buffered (nothing is lost) and the error propagates."""
+        """Write everything buffered, in one statement. When the database refuses it (anything but
+        a lost connection), row by row: an outcome it cannot store fails its job alone. On any
+        other error the outcomes not written stay buffered (nothing is lost) and it propagates."""
         with self._flushing:
-            with self._cond:
-                items, self._buffer = self._buffer, []
-                self._first_at = None
+            items = self._take()
             if not items:
                 return
             try:
                 written = self.queue.finish_many(items)
+            except ConnectionError:
+                self._put_back(items)
+                raise
+            except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
+                if len(items) > 1:
+                    log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
+                                len(items), _first_line(exc))
+                self._one_by_one(items, refused=exc if len(items) == 1 else None)
+                return
             except BaseException:
-                with self._cond:
-                    self._buffer[:0] = items
-                    self._first_at = time.monotonic()
+                self._put_back(items)
                 raise
             self._count(items, written)
+
+    def settle(self, reason: str) -> tuple[int, int]:
+        """After the drain failed: write each buffered outcome once; give back (release, fenced,
+        uncharged) each one whose write fails. Stops at a lost connection, leaving the rest
+        buffered. Returns (outcomes written, claims released)."""
+        written = released = 0
+        with self._flushing:
+            items = self._take()
+            for i, (job, outcome) in enumerate(items):
+                try:
+                    self._count([(job, outcome)], self._write_one(job, outcome))
+                    written += 1
+                    continue
+                except ConnectionError:
+                    self._put_back(items[i:])
+                    break
+                except Exception as exc:
+                    log.warning("job %d: its outcome could not be written (%s); giving its claim back",
+                                job.id, _first_line(exc))
+                back = Outcome("release", error=reason, run=outcome.run)
+                try:
+                    self._count([(job, back)], self.queue.finish_many([(job, back)]))
+                    released += 1
+                except ConnectionError:
+                    self._put_back(items[i:])
+                    break
+                except Exception as exc:
+                    log.warning("job %d: could not give its claim back (%s); it runs again after its lease",
+                                job.id, _first_line(exc))
+        return written, released
+
+    def _take(self) -> list[tuple[Job, Outcome]]:
+        with self._cond:
+            items, self._buffer = self._buffer, []
+            self._first_at = None
+        return items
+
+    def _put_back(self, items: list[tuple[Job, Outcome]]) -> None:
+        with self._cond:
+            self._buffer[:0] = items
+            self._first_at = time.monotonic()
+
+    def _one_by_one(self, items: list[tuple[Job, Outcome]], refused: db.DatabaseError | None = None) -> None:
+        """``refused``: the error the one item's own write met already (not tried again)."""
+        for i, (job, outcome) in enumerate(items):
+            try:
+                written = self._write_one(job, outcome, refused)
+            except BaseException:
+                self._put_back(items[i:])
+                raise
+            self._count([(job, outcome)], written)
+
+    def _write_one(self, job: Job, outcome: Outcome, refused: db.DatabaseError | None = None) -> dict[int, Status]:
+        """One outcome; one the database cannot store becomes a permanent failure of its job."""
+        try:
+            if refused is not None:
+                raise refused
+            return self.queue.finish_many([(job, outcome)])
+        except db.ValueNotStorable as exc:
+            if outcome.action == "release":  # its text is the drainer's own: nothing to drop
+                raise
+            run = outcome.run or Run()
+            stored = Outcome("fail", error=NOT_STORABLE + _first_line(exc), permanent=True,
+                             run=Run(tier=run.tier, exit_code=run.exit_code, signal=run.signal))
+            log.warning("job %d: %s%s; failed", job.id, NOT_STORABLE, _first_line(exc))
+            return self.queue.finish_many([(job, stored)])
 
     def _count(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
         c = self.counts
@@ -170,22 +255,38 @@ class Completer:
                 self.flush()
                 backoff = self.flush_interval
                 self.last_error = None
-            except Exception as exc:  # the database is away: keep the outcomes and try again
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                self.last_error = first
-                log.warning("writing %d outcome(s) failed (%s); retrying", self.buffered, first)
+            except ConnectionError as exc:  # the database is away: keep the outcomes and try again
+                self.last_error = _first_line(exc)
+                log.warning("writing %d outcome(s) failed (%s); retrying", self.buffered, self.last_error)
                 backoff = min(max(backoff * 2, 0.2), 5.0)
+            except Exception as exc:  # no rule for it: the outcomes stay buffered, the drainer decides
+                self.last_error = _first_line(exc)
+                self.failure = exc
+                if self.on_failure is not None:
+                    self.on_failure()
+                return
 
-    def close(self, flush: Callable[[Callable[[], None]], None] | None = None) -> None:
-        """Stop the background thread, then write what is left: ``flush(self.flush)`` lets the
-        caller wrap the last write in its own retry (the drainer's database ride-out)."""
+    def stop(self) -> None:
+        """Stop the background thread (after its flush in progress); nothing more is written."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def close(self, flush: Callable[[Callable[[], None]], None] | None = None) -> None:
+        """Stop the background thread, then write what is left: ``flush(self.flush)`` lets the
+        caller wrap the last write in its own retry (the drainer's database ride-out). The error
+        that stopped the background thread, if one did, is raised here."""
+        self.stop()
+        if self.failure is not None:
+            raise self.failure
         if flush is None:
             self.flush()
         else:
             flush(self.flush)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

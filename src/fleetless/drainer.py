@@ -34,7 +34,7 @@ from .batch import Runner, Slot, describe_failure, describe_run, job_env
 from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
 from .insights import error_head
-from .job import Job, Outcome, Status
+from .job import Job, Outcome, Run, Status
 from .queue import Queue
 from .retry import RetryPolicy
 from .sandbox import Limits, Sandbox, SandboxUnavailable, Template, choose_tier, get_backend
@@ -180,6 +180,7 @@ def base_env(passed: dict[str, str]) -> dict[str, str]:
 
 
 _Unit = tuple[list[Job], Slot]  # one claim's jobs of one kind, and the sandbox slot they run in
+_Claim = tuple[int, uuid.UUID]  # (job id, claim token): one run of a job, as every fenced write names it
 _Result = tuple[list[tuple[Job, Outcome]], str | None]
 
 
@@ -189,7 +190,9 @@ class Drainer:
         tier, self.tier_note = choose_tier(config.sandbox)  # "auto": one line says which, and why
         self.config = config = replace(config, sandbox=tier)
         self.reporter: Reporter = reporter or NullReporter()
-        self._claimed_at: dict[int, float] = {}  # job id -> monotonic time of its claim
+        # Keyed by claim, not job id: this drain may claim a job id again (reaped under it) while
+        # it still tears down the first run, and the two runs must not share anything.
+        self._claimed_at: dict[_Claim, float] = {}  # claim -> monotonic time it was claimed
         self._claimed_by = f"{socket.gethostname()}:{os.getpid()}"
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
@@ -203,13 +206,14 @@ class Drainer:
                                   python=config.python)
         self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
         self._batched = config.per_sandbox > 1
+        self._wake = threading.Event()  # set by a finished unit, a NOTIFY, the completer's failure, or stop()
         self._completer = self._new_completer()
         self._backends: dict[str, type[Sandbox]] = {config.sandbox: self._backend}  # tier -> backend
         self._runners: dict[str, Runner] = {}  # tier -> the runner of its kinds
-        self._wake = threading.Event()  # set by a finished unit, a NOTIFY, or stop()
         self._watcher: Watcher | None = None
         self._kinds: dict[str, kinds.KindSettings] = {}  # fleetless.toml, read when the drain starts
-        self._cancelled: set[int] = set()  # jobs an operator cancelled while this drain held them
+        self._cancelled: set[_Claim] = set()  # claims an operator cancelled while this drain held them
+        self._had_handler: frozenset[str] = frozenset()  # kinds with a handler when the drain started
         self._next_cancel_poll = 0.0
 
     def _new_completer(self) -> Completer:
@@ -217,7 +221,7 @@ class Drainer:
         c = self.config
         return Completer(Queue(self.queue.conninfo, schema=self.queue.schema) if self._batched else self.queue,
                          c.retry, flush_size=c.flush_size, flush_interval=c.flush_interval,
-                         on_written=self._written, retry_of=self._retry_of)
+                         on_written=self._written, retry_of=self._retry_of, on_failure=self._wake.set)
 
     @property
     def _limited(self) -> bool:
@@ -287,11 +291,20 @@ class Drainer:
 
     def run(self) -> Summary:
         """One drain. In watch mode, when another watcher serves these queues already, it returns
-        at once with ``watching_elsewhere`` set (the cron tick that finds one costs one query)."""
+        at once with ``watching_elsewhere`` set (the cron tick that finds one costs one query).
+
+        Any error it has no rule for (from a claim, a handler's lookup, a finish, the completer)
+        gives back every claim the drain still holds (fenced, uncharged) and becomes a one-line
+        DrainError naming it and how many claims were given back (the CLI: exit 3)."""
         try:
             return self._run()
-        except db.DatabaseError as exc:  # a database error it has no rule for: one line, exit 3
-            raise DrainError(f"unexpected database error: {exc}") from exc
+        except (DrainError, KeyboardInterrupt, SystemExit):
+            raise
+        except db.SchemaNotInitialised as exc:
+            raise DrainError(str(exc)) from exc
+        except Exception as exc:
+            log.debug("unexpected error", exc_info=True)
+            raise DrainError(f"unexpected error: {_what(exc)}") from exc
         finally:
             self.reporter.close()
 
@@ -306,6 +319,7 @@ class Drainer:
             self._kinds = kinds.load(self._handlers_dir)
             declared = kinds.load_schedules(self._handlers_dir)
             self._load_kind_tiers()
+            self._had_handler = handlers.kinds(self._handlers_dir)
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError, OSError) as exc:
             raise DrainError(str(exc)) from None
         if declared:  # periodic jobs declared in fleetless.toml: stored (or updated) in the table
@@ -322,7 +336,7 @@ class Drainer:
                 self.summary.watching_elsewhere = True
                 return self.summary
         runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
-                        cancelled=self._cancelled.__contains__)
+                        cancelled=lambda job: _claim_of(job) in self._cancelled, had_handler=self._had_handler)
         self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
         if c.watch:  # a sandbox of the drain's own tier started ahead: a job that comes skips its start
             self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox)
@@ -330,21 +344,27 @@ class Drainer:
         running: dict[Future[_Result], _Unit] = {}
         if self._batched:
             self._completer.start()
-        failed = True
         try:
             self._maintenance()
             with ThreadPoolExecutor(max_workers=c.concurrency, thread_name_prefix="job") as pool:
                 try:
                     self._loop(pool, runner, running, started)
                 except BaseException:
-                    self._abort(running.values())
+                    self._abort(running.values())  # every sandbox destroyed: its jobs are released
                     raise
-            failed = False
-        finally:
-            for each in self._runners.values():
-                each.close()
-            self._wind_down(running, failed)
-        self.summary.seconds = time.monotonic() - started
+            self._completer.close(flush=lambda f: self._db(f))
+        except BaseException as exc:
+            released = self._give_back(running, exc)
+            self._close(started)
+            if isinstance(exc, DrainError | KeyboardInterrupt | SystemExit):
+                if released and isinstance(exc, DrainError):
+                    raise DrainError(f"{exc}; {released} held claim(s) released") from exc
+                raise
+            if isinstance(exc, db.SchemaNotInitialised):
+                raise
+            log.debug("unexpected error", exc_info=True)
+            raise DrainError(f"unexpected error: {_what(exc)}; {released} held claim(s) released") from exc
+        self._close(started)
         if self._fatal:
             raise DrainError(self._fatal)
         return self.summary
@@ -378,7 +398,7 @@ class Drainer:
                         if jobs:
                             slot = Slot()
                             for job in jobs:
-                                self._claimed_at[job.id] = time.monotonic()
+                                self._claimed_at[_claim_of(job)] = time.monotonic()
                                 self.reporter.claimed(job)
                             fut = pool.submit(self._run_unit, runner, jobs, slot)
                             if self._batched:  # leases run from the claim: renew within a third of one
@@ -426,29 +446,42 @@ class Drainer:
                 pause = min(pause, max(self._stop_at - now, 0.0) + 0.01)
             self._wake.wait(pause)
             self._wake.clear()
+            if self._completer.failure is not None:  # batch mode: a write it has no rule for
+                raise self._completer.failure
             for fut in [f for f in running if f.done()]:
+                result = fut.result()  # a unit that raised stays in running: its claims are given back
                 running.pop(fut)
-                self._record(fut.result())
+                self._record(result)
 
-    def _wind_down(self, running: dict[Future[_Result], _Unit], failed: bool) -> None:
-        """Write what is left. After an error, what ran still counts (best effort: one try, and
-        a job whose outcome cannot be written runs again once its lease has passed)."""
-        for fut in running:
+    def _give_back(self, running: dict[Future[_Result], _Unit], exc: BaseException) -> int:
+        """After an error: what ran still counts, and every other claim the drain holds is given
+        back (fenced, uncharged), each with one try. Returns how many claims were given back; a
+        job whose outcome or give-back cannot be written runs again once its lease has passed."""
+        before = self._completer.counts.released
+        self._completer.stop()
+        reason = f"released: the drain stopped on an error ({_what(exc)})"
+        for fut, (jobs, _) in running.items():  # every unit has ended: its sandbox was destroyed
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._record(fut.result(), flush=False)
-        try:
-            self._completer.close(flush=None if failed else (lambda f: self._db(f)))
-        except Exception as exc:
-            if not failed:
-                raise
-            log.warning("could not write %d outcome(s) (%s); those jobs run again after their leases",
-                        self._completer.buffered, (str(exc).splitlines() or [type(exc).__name__])[0])
-        finally:
-            if self._watcher is not None:
-                self._watcher.close()
-            if self._completer.queue is not self.queue:
-                self._completer.queue.close()
-            self._take_counts()
+            else:  # it raised: its jobs have no outcome
+                for job in jobs:
+                    self._completer.add(job, Outcome("release", error=reason, run=Run(tier=self._tier_of(job.kind))))
+        running.clear()
+        self._completer.settle(reason)
+        if self._completer.buffered:
+            log.warning("could not write %d outcome(s) (the database is away); those jobs run again after"
+                        " their leases", self._completer.buffered)
+        return self._completer.counts.released - before
+
+    def _close(self, started: float) -> None:
+        for each in self._runners.values():  # spare sandboxes (watch mode)
+            each.close()
+        if self._watcher is not None:
+            self._watcher.close()
+        if self._completer.queue is not self.queue:
+            self._completer.queue.close()
+        self._take_counts()
+        self.summary.seconds = time.monotonic() - started
 
     def _lease_bounds(self) -> tuple[float, float]:
         """The timeout and TTL a lease is computed from: a kind's own may be longer than the drain's."""
@@ -497,14 +530,14 @@ class Drainer:
             return
         self._next_cancel_poll = now + CANCEL_POLL_SECONDS
         units = list(units)
-        held = [j.id for jobs, _ in units for j in jobs if j.id not in self._cancelled]
+        held = [j for jobs, _ in units for j in jobs if _claim_of(j) not in self._cancelled]
         cancelled = self._db(lambda: self.queue.cancel_requested(held)) if held else set()
-        for job_id in cancelled:
+        for job_id, _ in cancelled:
             log.warning("job %d: cancelled by request; killing its sandbox", job_id)
-            self._cancelled.add(job_id)
+        self._cancelled |= cancelled
         if cancelled:
             for jobs, slot in units:
-                if any(j.id in cancelled for j in jobs):
+                if any(_claim_of(j) in cancelled for j in jobs):
                     slot.kill_current()
 
     def _run_unit(self, runner: Runner, jobs: list[Job], slot: Slot) -> _Result:
@@ -528,7 +561,8 @@ class Drainer:
             what = "dead"
         else:
             what = "retried"
-        started = self._claimed_at.pop(job.id, None)
+        started = self._claimed_at.pop(_claim_of(job), None)
+        self._cancelled.discard(_claim_of(job))
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,
@@ -605,3 +639,15 @@ class Drainer:
                 log.warning("database unavailable (%s); retrying", first)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+def _claim_of(job: Job) -> _Claim:
+    return job.id, job.claim_token
+
+
+def _what(exc: BaseException) -> str:
+    """An error in one line: fleetless's own say what they are; others are named by their type."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, db.DatabaseError | DrainError):
+        return first or type(exc).__name__
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__

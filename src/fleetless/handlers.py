@@ -18,7 +18,7 @@ from pathlib import Path
 from .job import validate_kind
 from .sandbox import Sandbox, Template
 
-__all__ = ["Handler", "HandlersDirError", "check_dir", "resolve", "unrunnable"]
+__all__ = ["Handler", "HandlersDirError", "check_dir", "kinds", "resolve", "unrunnable"]
 
 
 class HandlersDirError(RuntimeError):
@@ -65,7 +65,6 @@ def check_dir(handlers_dir: Path) -> Path:
     return Path(os.path.abspath(handlers_dir))
 
 
-
 def resolve(handlers_dir: Path, kind: str) -> Handler | None:
     """The handler for ``kind``, or None when there is none."""
     validate_kind(kind)
@@ -91,6 +90,11 @@ def _all(handlers_dir: Path) -> list[Handler]:
         if handler is not None:
             found[kind] = handler
     return list(found.values())
+
+
+def kinds(handlers_dir: Path) -> frozenset[str]:
+    """The kinds that have a handler in the directory now (a drain notes them when it starts)."""
+    return frozenset(h.kind for h in _all(handlers_dir))
 
 
 def _shebang(path: Path) -> tuple[str, str] | None:

@@ -521,7 +521,8 @@ class Queue:
 
     def finish_many(self, outcomes: Sequence[tuple[Job, Outcome]]) -> dict[int, Status]:
         """Write many outcomes in one statement, each fenced on its claim. Returns the new status
-        of every job written; a job missing from it was fenced out (its claim was taken over)."""
+        of every job written; a job missing from it was fenced out (its claim was taken over). A
+        retry whose first reply was lost recognises its own earlier writes (their status is in it)."""
         if not outcomes:
             return {}
         cols: dict[str, Any] = {k: [] for k in (
@@ -542,7 +543,12 @@ class Queue:
             cols["signals"].append(run.signal)
             cols["kill_reasons"].append(clean_text(run.kill_reason, 500))
         cols["host"], cols["pid"], cols["max_releases"] = socket.gethostname(), os.getpid(), MAX_RELEASES
-        return {r["id"]: Status(r["status"]) for r in self._run("finish_many", cols)}
+        written = {r["id"]: Status(r["status"]) for r in self._run("finish_many", cols)}
+        missing = [job for job, _ in outcomes if job.id not in written]
+        if missing:  # fenced out, or written by this call's own earlier try whose reply was lost
+            written.update((r["id"], Status(r["status"])) for r in self._run(
+                "outcomes_of", {"ids": [j.id for j in missing], "tokens": [j.claim_token for j in missing]}))
+        return written
 
     def extend_leases(
         self, jobs: Iterable[Job], *, default_timeout: float = 600, ttl: float = 900, lease_grace: float = 60
@@ -602,10 +608,14 @@ class Queue:
             raise ValueError(f"job {job_id} is {status}; only pending or running jobs can be cancelled")
         return Status(rows[0]["status"])
 
-    def cancel_requested(self, job_ids: Iterable[int]) -> set[int]:
-        """Which of these running jobs an operator asked to cancel (the drainer's poll)."""
-        ids = list(job_ids)
-        return {r["id"] for r in self._run("cancel_requested", {"ids": ids})} if ids else set()
+    def cancel_requested(self, jobs: Iterable[Job]) -> set[tuple[int, uuid.UUID]]:
+        """Which of these claims (job id, claim token) an operator asked to cancel (the drainer's
+        poll). A request reaches only the claim holding the job now."""
+        jobs = list(jobs)
+        if not jobs:
+            return set()
+        rows = self._run("cancel_requested", {"ids": [j.id for j in jobs], "tokens": [j.claim_token for j in jobs]})
+        return {(r["id"], r["claim_token"]) for r in rows}
 
     def delete(self, job_id: int) -> None:
         """Delete a finished (done, dead or cancelled) job and its attempt history."""

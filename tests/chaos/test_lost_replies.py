@@ -11,11 +11,13 @@ from pgproxy import pg_proxy
 from fleetless import Queue, Status
 from fleetless.db import DatabaseUnavailable
 from fleetless.drainer import DrainConfig, Drainer
+from fleetless.job import Outcome
 
 CLAIM = b"attempts = j.attempts + 1"  # in the claim statement only
 COMPLETE = b"SET status = 'done'"
 FAIL = b"max_attempts AND NOT"
 RELEASE = b"times in a row; charged"
+FINISH_MANY = b"u(id, token, action"  # in the completer's batched finish only
 
 
 def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: Queue, handlers, sql) -> None:
@@ -31,6 +33,46 @@ def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: 
     assert sql("SELECT status, attempts, result, count(*) FROM fleetless.jobs GROUP BY 1, 2, 3") == [
         ("done", 1, "ran\n", 5)]
     assert (summary.claimed, summary.done, summary.fenced_out) == (5, 5, 0)
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 3], ids=["per-job", "batch"])
+@pytest.mark.parametrize(("source", "status", "counted"), [
+    ("print('ok')", "done", "done"),
+    ("import sys; sys.exit(1)", "pending", "retried"),
+], ids=["done", "retried"])
+def test_a_finish_whose_reply_is_lost_is_recognised_as_the_drainers_own(
+        dsn: str, queue: Queue, handlers, sql, source: str, status: str, counted: str, per_sandbox: int) -> None:
+    h = handlers(**{"job.py": source})
+    queue.enqueue_many([("job", {})] * 3)
+    with pg_proxy(dsn) as proxy:
+        proxy.drop_reply_to(FINISH_MANY)
+        through = Queue(proxy.dsn)
+        summary = Drainer(through, DrainConfig(handlers_dir=h, concurrency=1, per_sandbox=per_sandbox)).run()
+        through.close()
+    assert proxy.dropped == [FINISH_MANY]
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [(status, 1, 3)]
+    assert getattr(summary, counted) == 3 and summary.fenced_out == 0, summary
+
+
+def test_a_batched_finish_retried_after_a_lost_reply_reports_every_row_as_its_own(
+        dsn: str, queue: Queue, sql) -> None:
+    queue.enqueue_many([("k", {})] * 3)
+    with pg_proxy(dsn) as proxy:
+        through = Queue(proxy.dsn)
+        done, failed, released = jobs = through.claim(3)
+        items = [(done, Outcome("done", result="r")), (failed, Outcome("fail", error="boom")),
+                 (released, Outcome("release", error="stopping"))]
+        proxy.drop_reply_to(FINISH_MANY)
+        with pytest.raises(DatabaseUnavailable):
+            through.finish_many(items)
+        assert through.finish_many(items) == {  # the retry: every write is ours
+            done.id: Status.DONE, failed.id: Status.PENDING, released.id: Status.PENDING}
+        through.close()
+    assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
+        (jobs[0].id, "done", 1), (jobs[1].id, "pending", 1), (jobs[2].id, "pending", 0)]
+    # Once another claim holds a job, the old token is fenced out as before.
+    assert len(queue.claim(2)) == 2
+    assert queue.finish_many(items[1:]) == {}
 
 
 def test_every_fenced_write_retried_after_a_lost_reply_reports_its_own_outcome(dsn: str, queue: Queue,

@@ -41,3 +41,14 @@ def test_handlers_are_a_read_only_snapshot_refreshed_when_they_change(hdir: Path
     assert r.stdout == "v2\n"
     mode = os.stat(f"{sbx.handlers_path}/job.py").st_mode & 0o777
     assert mode == 0o444
+
+
+def test_a_write_after_kill_is_refused_and_makes_no_workspace_again(hdir: Path) -> None:
+    """The drainer's stop destroys sandboxes from another thread, possibly between a sandbox's
+    creation and its payload's write: the write must not bring the workspace back (the exec after
+    it then runs nothing: test_contract's test_an_exec_after_kill_runs_nothing_and_says_why)."""
+    sbx = get_backend("process").create(Template(handlers_dir=hdir), 60)
+    sbx.kill()
+    with pytest.raises(RuntimeError, match="sandbox already destroyed"):
+        sbx.write("payload.json", "{}")
+    assert not os.path.exists(sbx.workspace_path)

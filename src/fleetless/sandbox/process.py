@@ -26,6 +26,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -129,6 +130,9 @@ class ProcessSandbox(Sandbox):
         self._proc: subprocess.Popen[bytes] | None = None
         self._cgroup: cgroups.JobCgroup | None = None
         self._stopped = False  # the drainer (not the job) stopped the supervisor
+        # kill() may come from another thread (the drainer's stop) while exec starts the
+        # supervisor: then the job must not go on, or it would outlive its sandbox unseen.
+        self._lock = threading.Lock()
         self._lease: _hostuid.Lease | None = None
         self.handlers_path = str(handlers_snapshot(template.handlers_dir))  # may fail: nothing made yet
         self._killed = False
@@ -239,6 +243,8 @@ class ProcessSandbox(Sandbox):
         return self._workspace
 
     def write(self, path: str, data: bytes | str) -> None:
+        if self._killed:
+            raise RuntimeError("sandbox already destroyed")
         target = (self._workspace / path).resolve()
         if not target.is_relative_to(self._workspace):
             raise ValueError(f"path {path!r} is outside the workspace")
@@ -264,7 +270,7 @@ class ProcessSandbox(Sandbox):
         try:
             # Its own session: signals aimed at the drainer's process group (Ctrl-C, kill -- -PGID,
             # systemd's KillMode=control-group aside) do not reach the job's supervisor.
-            self._proc = proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
                  f"{self._lease.uid}:{self._lease.gid}" if self._lease is not None else "-",
                  "wait" if cgroup is not None else "-", f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}",
@@ -279,6 +285,11 @@ class ProcessSandbox(Sandbox):
             )
         finally:
             os.close(status_w)
+        with self._lock:
+            self._proc = proc
+            destroyed = self._killed
+        if destroyed:  # killed while the supervisor started: it stops the job at once
+            self._stop_supervisor()
         assert proc.stdout is not None and proc.stderr is not None
         try:
             if cgroup is not None:  # in the job's cgroup before the job exists
@@ -380,7 +391,8 @@ class ProcessSandbox(Sandbox):
                 self._kill_leftovers()
 
     def kill(self) -> None:
-        self._killed = True
+        with self._lock:
+            self._killed = True
         self._stop()
         if self._cgroup is not None:
             self._cgroup.remove()

@@ -130,6 +130,14 @@ WHERE j.status = 'running' AND j.claim_token = %(token)s;
 SELECT status FROM {schema}.jobs
 WHERE id = %(id)s AND claim_token = %(token)s AND status <> 'running';
 
+-- name: outcomes_of
+-- outcome_of for a batched finish (finish_many): of the rows it did not update, those still
+-- carrying their claim's token and no longer running were written by this claim's own earlier
+-- try, whose reply was lost; the rest were fenced out (reaped, or claimed again by another).
+SELECT j.id, j.status FROM {schema}.jobs AS j
+JOIN unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token) ON j.id = c.id AND j.claim_token = c.token
+WHERE j.status <> 'running';
+
 -- name: complete
 -- Fenced: matches only while this claim still holds the job. A drainer whose lease was reaped
 -- (and the job claimed again by another) updates nothing here and learns it lost the job.
@@ -295,9 +303,11 @@ RETURNING status;
 
 -- name: cancel_requested
 -- The drainer's poll, about once a second while it holds jobs: which of them an operator cancelled.
--- By primary key, so its cost does not grow with the table.
-SELECT id FROM {schema}.jobs
-WHERE id = ANY(%(ids)s::bigint[]) AND status = 'running' AND cancel_requested_at IS NOT NULL;
+-- By primary key, so its cost does not grow with the table; matched on the claim (id and token), so
+-- a request never reaches another claim of the same job id (one this drain still tears down).
+SELECT j.id, j.claim_token FROM {schema}.jobs AS j
+JOIN unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token) ON j.id = c.id AND j.claim_token = c.token
+WHERE j.status = 'running' AND j.cancel_requested_at IS NOT NULL;
 
 -- name: delete
 -- Operator delete of a finished job, with its attempt history (ON DELETE CASCADE). Pending and
@@ -369,7 +379,9 @@ RETURNING id;
 -- The completer's one statement per flush: many outcomes (done, failed, released) in one UPDATE
 -- over unnest()ed arrays, so a batch of small jobs costs one round trip instead of one per job.
 -- Each row is still fenced on (id, claim_token, status = 'running'): a drainer whose claim was
--- reaped and taken over matches nothing and learns it from the rows not returned.
+-- reaped and taken over matches nothing and learns it from the rows not returned. Every outcome,
+-- a release too, keeps the claim's token, so that a retry after a lost reply recognises its own
+-- earlier write (outcomes_of).
 -- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
 -- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault),
 -- bounded as in release: the max_releases-th in a row is charged as a failure instead.
@@ -400,7 +412,6 @@ SET status = CASE
     releases = CASE WHEN o.act = 'release' THEN j.releases + 1 WHEN o.act = 'fail' THEN 0 ELSE j.releases END,
     result = CASE WHEN o.act = 'release' THEN j.result ELSE o.result END,
     result_json = CASE WHEN o.act = 'release' THEN j.result_json ELSE o.result_json::jsonb END,
-    claim_token = CASE WHEN o.act = 'release' THEN NULL ELSE j.claim_token END,
     started_at = CASE WHEN o.act = 'release' THEN NULL ELSE j.started_at END,
     locked_at = NULL, lease_expires_at = NULL
 FROM (SELECT u.*,
