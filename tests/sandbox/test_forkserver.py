@@ -20,7 +20,7 @@ from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import Limits
 from fleetless.sandbox.forkserver import client
 
-from proctools import pids_with
+from proctools import pids_with, wait_for
 
 MiB = 1024 * 1024
 pytestmark = pytest.mark.usefixtures("private_workdir")
@@ -180,6 +180,15 @@ def test_a_job_cannot_find_the_drainers_environment(queue: Queue, handlers, sql,
     found = json.loads(result)
     # the only processes it sees are its init and itself; the marker is only its own copy
     assert found["where"] == [] and found["processes"] == 2 and found["in_memory"] <= 2
+    # the server itself: started with an empty environment, one thread, no fd but its socket and
+    # its pid namespace's (and /dev/null as 0-2)
+    (server,) = client.running()
+    assert open(f"/proc/{server.pid}/environ", "rb").read() == b""
+    status = open(f"/proc/{server.pid}/status").read()
+    assert "\nThreads:\t1\n" in status
+    fds = {int(fd): os.readlink(f"/proc/{server.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{server.pid}/fd")}
+    assert [fds[n] for n in (0, 1, 2)] == ["/dev/null"] * 3
+    assert sorted(t.split(":")[0] for n, t in fds.items() if n > 2) == ["pid", "socket"], fds
 
 
 def test_a_jobs_setsid_daemon_dies_with_it(queue: Queue, handlers, sql) -> None:
@@ -221,6 +230,7 @@ def test_concurrent_jobs_run_as_distinct_uids_never_root(queue: Queue, handlers,
         start = time.time()
         time.sleep(1.5)
         print(json.dumps({"uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
+                          "fds": sorted(os.listdir("/proc/self/fd")),
                           "caps": [l.split()[1] for l in open("/proc/self/status") if l.startswith("Cap")],
                           "nnp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("NoNewPrivs")],
                           "seccomp": [l.split()[1] for l in open("/proc/self/status") if l.startswith("Seccomp:")],
@@ -235,6 +245,7 @@ def test_concurrent_jobs_run_as_distinct_uids_never_root(queue: Queue, handlers,
         assert set(g["caps"]) == {"0000000000000000"} | ({g["caps"][3]} if len(g["caps"]) > 3 else set())
         assert g["caps"][:3] == ["0000000000000000"] * 3  # inheritable, permitted, effective
         assert g["nnp"] == ["1"] and g["seccomp"] == ["2"]
+        assert g["fds"] == ["0", "1", "2", "3"]  # stdin, stdout, stderr, and the listing's own
     overlapping = [(a, b) for i, a in enumerate(got) for b in got[i + 1:]
                    if a["span"][0] < b["span"][1] and b["span"][0] < a["span"][1]]
     assert overlapping, "no two jobs ran at once"
@@ -273,6 +284,19 @@ def test_the_server_is_replaced_after_n_jobs_and_when_the_handlers_change(
     assert all(s.retired for s in servers)  # the old handlers' servers fork nothing more
     live = [s for s in client.started() if s.proc.poll() is None and not s.retired]
     assert len(live) == 1 and live[0] not in servers
+    # and after FLEETLESS_FORKSERVER_SECONDS: the next job runs in a new server
+    client.close_all()
+    monkeypatch.setenv(client.SECONDS_ENV, "1")
+    early = queue.enqueue("which", {})
+    _drain(queue, h)
+    before = client.started()
+    wait_for(lambda: all(s.expired() for s in before), timeout=30, what="the servers' lifetime to run out")
+    late = queue.enqueue("which", {})
+    _drain(queue, h)
+    rows = _rows(sql)
+    assert rows[early][0] == rows[late][0] == "done"
+    assert rows[early][1].split()[0] != rows[late][1].split()[0]
+    assert len(client.started()) > len(before)  # a new server, not an expired one's ready init
 
 
 def test_sigkill_of_the_drainer_kills_its_fork_server_and_every_process_of_its_jobs(
@@ -285,8 +309,6 @@ def test_sigkill_of_the_drainer_kills_its_fork_server_and_every_process_of_its_j
     import sys
 
     from fleetless.sandbox import cgroups
-
-    from proctools import wait_for
 
     marker = f"fleetless-killed-{uuid.uuid4().hex}"
     h = handlers(**{"sleeper.py": """
