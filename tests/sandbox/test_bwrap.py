@@ -369,6 +369,24 @@ def test_enforced_caps_and_check() -> None:
         assert f"memory (cgroup {mode})" in caps
 
 
+CHECK_ONLY = """
+import json, os, sys
+sys.path.insert(0, {src!r})
+from fleetless.sandbox import _workspace
+from fleetless.sandbox.bwrap import BwrapSandbox
+BwrapSandbox.check()
+print(json.dumps(sorted(p.name for p in _workspace.root().glob(f"etc-{{os.getpid()}}-*"))))
+"""
+
+
+def test_the_tier_check_copies_no_etc_so_an_empty_cron_tick_stays_cheap() -> None:
+    # The /etc copy (hundreds of symlinks) was half an empty tick's time: it waits for a sandbox.
+    out = subprocess.run([sys.executable, "-c", CHECK_ONLY.format(src=SRC)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == []
+
+
 def test_venv_interpreter_outside_usr_is_bound(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:
     """A venv outside /usr (made here from the system python, in a directory every user can reach,
     as a root drainer's job uids must) runs handlers: its prefix is bound at the same path."""

