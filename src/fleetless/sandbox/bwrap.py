@@ -383,11 +383,23 @@ def enforced_caps() -> list[str]:
 _warned = False
 
 
+def own_uid_notice() -> str | None:
+    """The one line that says a non-root drainer's jobs are its own uid on the host (None when the
+    drainer is root: each job then leases a uid of its own, :mod:`._hostuid`)."""
+    if _hostuid.needed():
+        return None
+    return (f"jobs run as the drainer's own uid {os.getuid()} on the host, all of them (a root drainer "
+            "gives each job an unprivileged uid of its own; see docs/isolation.md)")
+
+
 def _warn_once() -> None:
     global _warned
     if _warned:
         return
     _warned = True
+    notice = own_uid_notice()
+    if notice is not None:
+        log.warning("bwrap sandbox: %s", notice)
     caps = cgroups.available()
     missing = [n for n in ("memory", "pids", "cpu") if not getattr(caps, n)]
     if missing:
@@ -765,7 +777,7 @@ class BwrapSandbox(Sandbox):
 
     @classmethod
     def describe(cls) -> str:
-        uids = ""
+        uids = f"; {own_uid_notice()}"
         if _hostuid.needed():
             try:
                 uids = f"; jobs run as host uids {_hostuid.configured_range()}, one each"
