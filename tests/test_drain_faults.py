@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -345,6 +346,43 @@ def test_a_reaper_in_a_tight_loop_beside_long_drains_never_takes_a_live_drainers
     rows = sql("SELECT status, attempts, last_error FROM fleetless.jobs")
     assert len(rows) == 8 and all(r[0] == "dead" and r[1] == 1 for r in rows), rows
     assert all(str(r[2]).startswith("killed: timeout after") for r in rows), rows
+
+
+def test_a_sandbox_slow_to_start_does_not_let_its_lease_expire_under_a_live_drainer(
+        dsn: str, queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lease runs from the claim, the timeout from the exec: a sandbox that takes longer to
+    start than the grace would leave the job running past its lease, reaped under its drainer.
+    The drainer renews what it holds (per-job mode too), with a reaper in a tight loop beside it."""
+    from fleetless.sandbox.process import ProcessSandbox
+
+    real = ProcessSandbox.create.__func__  # type: ignore[attr-defined]
+
+    def slow(cls, template, ttl_seconds=900):  # type: ignore[no-untyped-def]
+        time.sleep(4)  # the fault: a start slower than the whole 3 s grace (a loaded host)
+        return real(cls, template, ttl_seconds)
+
+    monkeypatch.setattr(ProcessSandbox, "create", classmethod(slow))
+    h = handlers(**{"job.py": "import time; time.sleep(1.5); print('ran')"})
+    job = queue.enqueue("job", {}, max_attempts=1, timeout=2)
+    stop = threading.Event()
+    reaped: list[int] = []
+
+    def reaper() -> None:
+        q = Queue(dsn)
+        while not stop.is_set():
+            reaped.extend(q.reap())
+        q.close()
+
+    t = threading.Thread(target=reaper)
+    t.start()
+    try:
+        summary = drain(queue, h, concurrency=1, lease_grace=3).summary
+    finally:
+        stop.set()
+        t.join()
+    assert reaped == []
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs WHERE id = %s", job) == [("done", 1, "ran\n")]
+    assert (summary.done, summary.fenced_out) == (1, 0)
 
 
 def test_payload_json_reaches_the_handler_as_stored(queue: Queue, handlers, sql) -> None:

@@ -374,7 +374,7 @@ class Drainer:
         c = self.config
         budget_end = started + c.max_runtime if c.max_runtime else None
         idle_since: float | None = None
-        next_beat = float("inf")  # the next lease renewal (batch mode): set by the claims themselves
+        next_beat = float("inf")  # the next lease renewal: set by the claims themselves
         while True:
             self._maintenance()  # a no-op until the maintenance interval has passed
             claiming = (
@@ -401,8 +401,10 @@ class Drainer:
                                 self._claimed_at[_claim_of(job)] = time.monotonic()
                                 self.reporter.claimed(job)
                             fut = pool.submit(self._run_unit, runner, jobs, slot)
-                            if self._batched:  # leases run from the claim: renew within a third of one
-                                next_beat = min(next_beat, time.monotonic() + self._lease_beat(jobs))
+                            # Leases run from the claim, the timeout from the exec: renew within a
+                            # third of a lease, so a slow sandbox start or teardown never lets a
+                            # lease expire under a live drainer (batch mode: jobs also wait in line).
+                            next_beat = min(next_beat, time.monotonic() + self._lease_beat(jobs))
                             fut.add_done_callback(lambda _: self._wake.set())
                             running[fut] = (jobs, slot)
                     self.summary.claimed += got
@@ -437,7 +439,7 @@ class Drainer:
             if running:
                 self._poll_cancels(running.values())
                 pause = min(pause, CANCEL_POLL_SECONDS)
-            if self._batched and running:
+            if running:
                 if now >= next_beat:
                     self._extend_leases(running)
                     next_beat = now + self._lease_beat([j for jobs, _ in running.values() for j in jobs])
@@ -592,8 +594,10 @@ class Drainer:
         return max((shortest + self._grace) / 3, 0.2)
 
     def _extend_leases(self, running: dict[Future[_Result], _Unit]) -> None:
-        """Batch mode: jobs wait behind each other in one sandbox, and finished ones wait for the
-        completer's flush; renew every lease this drainer holds, in one fenced statement."""
+        """Renew every lease this drainer holds, in one fenced statement: a sandbox may be slow to
+        start or tear down, and in batch mode jobs wait behind each other in one sandbox and
+        finished ones for the completer's flush. A renewed lease still ends after the job's own
+        deadline (exec start + timeout), which every sandbox enforces without the drainer."""
         held = [j for jobs, _ in running.values() for j in jobs] + self._completer.holding()
         if held:
             timeout, ttl = self._lease_bounds()
