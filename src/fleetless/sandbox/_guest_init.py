@@ -437,7 +437,10 @@ def read_message(fd: int) -> tuple[dict[str, Any], bytes]:
     """The host's header line and the ``header["bytes"]`` bytes after it (a raw tty returns what
     has arrived: read in large chunks, one syscall per FIFO's worth rather than per byte)."""
     buf = bytearray()
-    while b"\n" not in buf:
+    while True:
+        buf = bytearray(buf.lstrip(b"\n"))  # the host's padding (see microvm_snapshot)
+        if b"\n" in buf:
+            break
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             raise EOFError("channel closed")

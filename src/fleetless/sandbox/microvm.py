@@ -648,9 +648,9 @@ class MicroVMSandbox(Sandbox):
         if isinstance(out, str):
             microvm_snapshot.say_once(out)
             return None
-        if not out.restored and out.failure and out.failure.startswith("restore failed") \
-                and not self._cancel.is_set():
-            # Nothing of the job ran (the copy never resumed): a cold boot runs it.
+        if not out.restored and out.failure == "restore failed" and not self._cancel.is_set():
+            # The copy died before its runner said anything (nothing of the job ran): a cold
+            # boot runs it.
             microvm_snapshot.say_once(f"{out.failure} {out.detail}".strip())
             return None
         return out

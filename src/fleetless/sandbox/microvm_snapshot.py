@@ -60,8 +60,6 @@ SNAPSHOT_FORMAT = 1
 DEFAULT_MEMORY_MIB = 512
 #: Handlers + workspace bytes the restored agent takes over its serial channel; more cold-boots.
 MAX_CHANNEL_BYTES = 1 << 20
-#: How long restoring may take before the host gives up (TCG on a loaded host).
-RESTORE_TIMEOUT = 60.0
 _TEMPLATE_INIT = b"""#!/bin/sh
 /bin/busybox mount -t proc proc /proc
 /bin/busybox mount -t sysfs sysfs /sys
@@ -443,6 +441,23 @@ def _channel_payload(jobs: Sequence[Any], handlers_dir: Path, nonce: str,
     return header, b"".join(blobs)
 
 
+F_SETPIPE_SZ = 1031
+
+
+def _qmp_errors(sock: socket.socket) -> str:
+    """What QEMU's monitor answered with an error (for the one line saying why)."""
+    sock.setblocking(False)
+    text = b""
+    try:
+        while chunk := sock.recv(65536):
+            text += chunk
+    except OSError:
+        pass
+    errors = [json.loads(line)["error"].get("desc", "") for line in text.splitlines()
+              if line.startswith(b'{"error"')]
+    return "; ".join(errors)
+
+
 def _writer(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
@@ -469,6 +484,7 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
     payload = _channel_payload(jobs, handlers_dir, nonce, tmp_bytes)
     if isinstance(payload, str):
         return payload
+    header, blobs = payload
     started = time.monotonic()
     fds: list[int] = []
     proc: subprocess.Popen[bytes] | None = None
@@ -480,7 +496,29 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
         fds += [con_r, con_w, chan_r, chan_w, in_r, in_w]
         state = os.open(snap.state, os.O_RDONLY)
         fds.append(state)
+        # Everything QEMU needs is in its pipes before it starts, so that the copy runs its job
+        # to the end by itself (a SIGSTOPped or dying drainer cannot leave it half-restored):
+        # the QMP commands (``cont`` during the incoming migration starts the VM once it is
+        # loaded) and the job. Before the serial port's state is loaded it may swallow a byte of
+        # its input: the job is preceded by newlines the agent skips.
         mine, theirs = socket.socketpair()
+        caps = [{"capability": "x-ignore-shared", "state": True}]
+        for cmd in ({"execute": "qmp_capabilities"},
+                    {"execute": "migrate-set-capabilities", "arguments": {"capabilities": caps}},
+                    {"execute": "migrate-incoming", "arguments": {"uri": f"fd:{state}"}},
+                    {"execute": "cont"}):
+            mine.sendall(json.dumps(cmd).encode() + b"\n")
+        header["time_ns"] = time.time_ns()  # the guest's clock (a restore takes ~0.1 s)
+        data = b"\n" * 64 + json.dumps(header, separators=(",", ":")).encode() + b"\n" + blobs
+        try:
+            size = fcntl.fcntl(in_w, F_SETPIPE_SZ, max(len(data), 65536))
+        except OSError:
+            size = 65536
+        if len(data) > size:
+            return (f"the job's handlers and files ({len(data)} bytes) are more than a pipe "
+                    f"takes here ({size})")
+        _writer(in_w, data)
+        fds.remove(in_w)
         argv = microvm._QemuEngine(binary, image).argv(
             accel=str(snap.key["accel"]), memory_mib=int(snap.key["memory_mib"]),
             cpus=int(snap.key["cpus"]), initrd_fd="", console_fd=con_w,
@@ -494,45 +532,16 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
             preexec_fn=lambda: microvm._pdeathsig_preexec(parent), start_new_session=True)
         if on_spawn is not None:
             on_spawn(proc)
-        for fd in (con_w, chan_w, in_r):
+        for fd in (con_w, chan_w, in_r, state):
             os.close(fd)
             fds.remove(fd)
         theirs.close()
-        deadline = min(started + RESTORE_TIMEOUT, hard_deadline or started + RESTORE_TIMEOUT)
-        try:
-            qmp = _Qmp(mine, deadline)
-            qmp.cmd("migrate-set-capabilities",
-                    capabilities=[{"capability": "x-ignore-shared", "state": True},
-                                  {"capability": "events", "state": True}])
-            qmp.cmd("migrate-incoming", uri=f"fd:{state}")
-            # Bytes written before the serial port's state is loaded would be lost; the
-            # template was stopped when saved, so the copy waits for "cont".
-            qmp.wait_migration()
-            qmp.cmd("cont")
-        except (OSError, ValueError) as exc:
-            if cancelled is not None and cancelled.is_set():
-                out = microvm.BootOutcome([None] * len(jobs), str(snap.key["accel"]),
-                                          time.monotonic() - started, pid=proc.pid,
-                                          failure="killed")
-                return out
-            proc.kill()
-            err = b""
-            if proc.stderr is not None:
-                proc.wait()
-                err = proc.stderr.read()
-            out = microvm.BootOutcome([None] * len(jobs), str(snap.key["accel"]),
-                                      time.monotonic() - started, pid=proc.pid,
-                                      failure=f"restore failed: {exc}",
-                                      detail=err.decode(errors="replace").strip()[-300:])
-            return out
-        header, blobs = payload
-        header["time_ns"] = time.time_ns()  # the guest's clock, set as it reads this
-        data = json.dumps(header, separators=(",", ":")).encode() + b"\n" + blobs
-        fds.remove(in_w)
-        threading.Thread(target=_writer, args=(in_w, data), daemon=True).start()
         out = microvm._collect(proc, jobs, con_r, chan_r, nonce, str(snap.key["accel"]), started,
                                hard_deadline, cancelled)
-        out.restored = True
+        out.restored = out.boot is not None
+        if not out.restored and out.failure == "vm exited":
+            out.failure = "restore failed"
+            out.detail = f"{out.detail} {_qmp_errors(mine)}".strip()
         return out
     finally:
         if proc is not None:
