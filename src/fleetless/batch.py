@@ -137,6 +137,8 @@ class Slot:
 
 
 _NO_SETTINGS = KindSettings()
+# json.dumps with options builds an encoder per call: one, built once, for every handle() result
+_RESULT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=(",", ":"))
 
 
 class _Spare:
@@ -492,7 +494,7 @@ def _script_outcome(tier: str, r: ExecResult) -> Outcome:
 def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
     if "ok" in rec:  # handle(): it returned (exit code 0 in the history) or raised (no exit code)
         if rec["ok"]:
-            text = json.dumps(rec["result"], allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+            text = _RESULT_JSON.encode(rec["result"])
             return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)),
                            run=Run(tier=tier, exit_code=0))
         error = _text(rec["error"])

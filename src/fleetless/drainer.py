@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from .watch import Watcher
 
 log = logging.getLogger("fleetless.drainer")
+_NO_SETTINGS = kinds.KindSettings()  # a kind fleetless.toml does not name (frozen: shared, built once)
 T = TypeVar("T")
 
 #: How long the drainer keeps trying to reach a database that went away before giving up.
@@ -229,7 +230,7 @@ class Drainer:
         return any(ks.limited for ks in self._kinds.values())
 
     def _tier_of(self, kind: str) -> str:
-        return self._kinds.get(kind, kinds.KindSettings()).tier or self.config.sandbox
+        return self._kinds.get(kind, _NO_SETTINGS).tier or self.config.sandbox
 
     def _load_kind_tiers(self) -> None:
         """fleetless.toml's per-kind tiers: each one checked (with the kinds' interpreters) before
@@ -389,7 +390,7 @@ class Drainer:
                         units = [self._claim(c.per_sandbox, one_kind=True)]
                         want = c.per_sandbox  # or the claimed kind's batch_size
                         if units[0]:
-                            want = self._kinds.get(units[0][0].kind, kinds.KindSettings()).batch_size or want
+                            want = self._kinds.get(units[0][0].kind, _NO_SETTINGS).batch_size or want
                     else:
                         want = min(c.batch, c.concurrency - len(running))
                         units = [[job] for job in self._claim(want)]
@@ -522,7 +523,7 @@ class Drainer:
         return self._db(claim)
 
     def _retry_of(self, job: Job) -> RetryPolicy:
-        return self._kinds.get(job.kind, kinds.KindSettings()).retry(self.config.retry)
+        return self._kinds.get(job.kind, _NO_SETTINGS).retry(self.config.retry)
 
     def _poll_cancels(self, units: Iterable[_Unit]) -> None:
         """About once a second while jobs run: kill the sandbox of a job an operator cancelled (in
