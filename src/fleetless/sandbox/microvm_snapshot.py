@@ -458,6 +458,28 @@ def _qmp_errors(sock: socket.socket) -> str:
     return "; ".join(errors)
 
 
+def _wait_resume(sock: socket.socket, deadline: float, hard_deadline: float | None,
+                 cancelled: threading.Event | None) -> bool:
+    """Until QEMU's monitor says the VM runs (``RESUME``); False if it did not in time."""
+    buf = b""
+    end = min(deadline, hard_deadline or deadline)
+    while b'"RESUME"' not in buf:
+        now = time.monotonic()
+        if now >= end or (cancelled is not None and cancelled.is_set()):
+            return False
+        sock.settimeout(min(0.2, end - now))
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        buf = buf[-4096:] + chunk
+    return True
+
+
 def _writer(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
@@ -494,13 +516,22 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
         chan_r, chan_w = os.pipe()
         in_r, in_w = os.pipe()
         fds += [con_r, con_w, chan_r, chan_w, in_r, in_w]
-        state = os.open(snap.state, os.O_RDONLY)
+        # RAM and state from one build: a concurrent build_snapshot replaces the directory by a
+        # rename, so both are opened through one descriptor of it and checked against the key.
+        dirfd = os.open(snap.directory, os.O_RDONLY | os.O_DIRECTORY)
+        fds.append(dirfd)
+        with open(os.open("snapshot.json", os.O_RDONLY, dir_fd=dirfd)) as f:
+            if json.load(f) != snap.key:
+                return "the snapshot was rebuilt while in use"
+        state = os.open("state", os.O_RDONLY, dir_fd=dirfd)
         fds.append(state)
-        # Everything QEMU needs is in its pipes before it starts, so that the copy runs its job
-        # to the end by itself (a SIGSTOPped or dying drainer cannot leave it half-restored):
-        # the QMP commands (``cont`` during the incoming migration starts the VM once it is
-        # loaded) and the job. Before the serial port's state is loaded it may swallow a byte of
-        # its input: the job is preceded by newlines the agent skips.
+        ram = os.open("ram", os.O_RDWR, dir_fd=dirfd)  # QEMU maps it private: never written
+        fds.append(ram)
+        # The QMP commands are in QEMU's monitor before it starts, so that the copy resumes by
+        # itself (``cont`` during the incoming migration starts the VM once it is loaded) even if
+        # this drainer is stopped right now; the agent in it waits 10 s for its job, then
+        # stops the VM (see _guest_init.AGENT_WAIT). The job is written once the VM runs: bytes
+        # that reach the serial port before the vCPU does can leave its interrupt unseen.
         mine, theirs = socket.socketpair()
         caps = [{"capability": "x-ignore-shared", "state": True}]
         for cmd in ({"execute": "qmp_capabilities"},
@@ -508,34 +539,35 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
                     {"execute": "migrate-incoming", "arguments": {"uri": f"fd:{state}"}},
                     {"execute": "cont"}):
             mine.sendall(json.dumps(cmd).encode() + b"\n")
-        header["time_ns"] = time.time_ns()  # the guest's clock (a restore takes ~0.1 s)
-        data = b"\n" * 64 + json.dumps(header, separators=(",", ":")).encode() + b"\n" + blobs
-        try:
-            size = fcntl.fcntl(in_w, F_SETPIPE_SZ, max(len(data), 65536))
-        except OSError:
-            size = 65536
-        if len(data) > size:
-            return (f"the job's handlers and files ({len(data)} bytes) are more than a pipe "
-                    f"takes here ({size})")
-        _writer(in_w, data)
-        fds.remove(in_w)
         argv = microvm._QemuEngine(binary, image).argv(
             accel=str(snap.key["accel"]), memory_mib=int(snap.key["memory_mib"]),
             cpus=int(snap.key["cpus"]), initrd_fd="", console_fd=con_w,
-            channel_fd=None, network=None, ram_file=snap.ram, ram_shared=False,
+            channel_fd=None, network=None, ram_file=Path(f"/proc/self/fd/{ram}"), ram_shared=False,
             qmp_fd=theirs.fileno(), restoring=True)
         argv += ["-incoming", "defer"]
         parent = os.getpid()
         proc = subprocess.Popen(
             argv, stdin=in_r, stdout=chan_w, stderr=subprocess.PIPE,
-            pass_fds=(con_w, state, theirs.fileno()),
+            pass_fds=(con_w, state, ram, theirs.fileno()),
             preexec_fn=lambda: microvm._pdeathsig_preexec(parent), start_new_session=True)
         if on_spawn is not None:
             on_spawn(proc)
-        for fd in (con_w, chan_w, in_r, state):
+        for fd in (con_w, chan_w, in_r, state, ram):
             os.close(fd)
             fds.remove(fd)
         theirs.close()
+        resumed = _wait_resume(mine, started + microvm.BOOT_TIMEOUT, hard_deadline, cancelled)
+        if resumed:
+            header["time_ns"] = time.time_ns()  # the guest's clock, set as it reads this
+            data = b"\n" * 64 + json.dumps(header, separators=(",", ":")).encode() + b"\n" + blobs
+            try:
+                fcntl.fcntl(in_w, F_SETPIPE_SZ, max(len(data), 65536))
+            except OSError:
+                pass
+            fds.remove(in_w)
+            threading.Thread(target=_writer, args=(in_w, data), daemon=True).start()
+        else:
+            proc.kill()
         out = microvm._collect(proc, jobs, con_r, chan_r, nonce, str(snap.key["accel"]), started,
                                hard_deadline, cancelled)
         out.restored = out.boot is not None
