@@ -528,10 +528,12 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
         ram = os.open("ram", os.O_RDWR, dir_fd=dirfd)  # QEMU maps it private: never written
         fds.append(ram)
         # The QMP commands are in QEMU's monitor before it starts, so that the copy resumes by
-        # itself (``cont`` during the incoming migration starts the VM once it is loaded) even if
-        # this drainer is stopped right now; the agent in it waits 10 s for its job, then
-        # stops the VM (see _guest_init.AGENT_WAIT). The job is written once the VM runs: bytes
-        # that reach the serial port before the vCPU does can leave its interrupt unseen.
+        # itself (``cont`` during the incoming migration starts the VM once it is loaded). The
+        # job is written once the VM runs: bytes that reach the serial port before the vCPU does
+        # can leave its interrupt unseen. Known gap: a drainer stopped between this spawn and
+        # that write leaves the copy idle, waiting for its job, until the drainer continues (the
+        # agent's AGENT_WAIT was meant to bound this, but a timer armed before the snapshot does
+        # not fire in the copy under TCG).
         mine, theirs = socket.socketpair()
         caps = [{"capability": "x-ignore-shared", "state": True}]
         for cmd in ({"execute": "qmp_capabilities"},
