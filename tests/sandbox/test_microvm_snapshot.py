@@ -42,6 +42,11 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _restores_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEETLESS_MICROVM_SNAPSHOT", "on")  # restores are opt-in for now
+
+
 @pytest.fixture(scope="module")
 def snapshot() -> Path:
     return microvm_snapshot.build_snapshot(load_image(), MEMORY // MiB, 1)

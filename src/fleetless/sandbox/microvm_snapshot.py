@@ -174,8 +174,8 @@ _said_lock = threading.Lock()
 def usable(image: ImageInfo, binary: str, memory_mib: int, cpus: int, accel: str,
            network: bool) -> Snapshot | None:
     """The snapshot to restore for a job, or None (cold boot; the reason logged once)."""
-    if os.environ.get("FLEETLESS_MICROVM_SNAPSHOT") == "off":
-        return None  # an operator's explicit choice: nothing to say
+    if os.environ.get("FLEETLESS_MICROVM_SNAPSHOT") != "on":
+        return None  # opt-in for now (docs/architecture.md): a cold boot, nothing to say
     found: Snapshot | str
     if network:
         found = "network jobs need a network device the snapshot does not have"
