@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,36 @@ def test_what_cannot_be_removed_in_time_is_moved_aside_once(tmp_path: Path, monk
         "for an operator to delete"]
     assert _workspace.sweep() == 0  # never swept (nor reported) again
     assert len(caplog.records) == 1
+
+
+def test_two_sweeps_racing_over_the_same_dead_drainers_workspaces_both_succeed_and_leave_nothing(
+        tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
+    # A killed drainer's watchdog and the next drain's sweep remove the same workspaces at once
+    # (the chaos suite once found an empty ``quarantine`` left behind by that race).
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(tmp_path / "work"))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    for i in range(20):
+        ws = _workspace.root() / f"ws-{gone.pid}-{i:03d}"
+        for a in range(6):
+            for b in range(6):
+                (ws / f"a{a}" / f"b{b}" / "c").mkdir(parents=True)
+                (ws / f"a{a}" / f"b{b}" / "c" / "f").write_text("x")
+    barrier = threading.Barrier(4)
+    outcomes: list[int] = []
+
+    def sweep() -> None:
+        barrier.wait()
+        outcomes.append(_workspace.sweep())
+
+    threads = [threading.Thread(target=sweep) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert list(_workspace.root().iterdir()) == []
+    assert sum(outcomes) >= 20
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
 @pytest.mark.parametrize("tier", ["process", "bwrap"])

@@ -60,6 +60,8 @@ def remove(path: Path, seconds: float = REMOVE_SECONDS) -> bool:
         _remove_tree(path, time.monotonic() + seconds)
         return True
     except (OSError, _OutOfTime) as exc:
+        if not os.path.lexists(path):  # another sweep (a dead drainer's watchdog) removed it
+            return True
         _quarantine(path, exc)
         return False
 
@@ -76,15 +78,23 @@ def _remove_tree(path: Path, deadline: float) -> None:
             st = os.stat(path.name, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
             return
+        # Two removers may work on one tree at once (a dead drainer's watchdog and the next
+        # drain's sweep): whatever vanishes under one was removed by the other.
         if stat.S_ISDIR(st.st_mode):
-            top = _open_dir(parent, path.name)
+            try:
+                top = _open_dir(parent, path.name)
+            except FileNotFoundError:
+                return
             try:
                 _empty(top, deadline)
             finally:
                 os.close(top)
-            os.rmdir(path.name, dir_fd=parent)
+            try:
+                os.rmdir(path.name, dir_fd=parent)
+            except FileNotFoundError:
+                pass
         else:
-            os.unlink(path.name, dir_fd=parent)
+            _unlink(path.name, parent)
     finally:
         os.close(parent)
 
@@ -141,6 +151,8 @@ def _empty(top: int, deadline: float) -> None:
                             break
                         except (FileExistsError, IsADirectoryError, NotADirectoryError):
                             continue
+                        except FileNotFoundError:
+                            break  # hoisted or removed by a concurrent remover
                         except OSError as exc:
                             if exc.errno != errno.ENOTEMPTY:
                                 raise
