@@ -213,3 +213,20 @@ def test_enforced_caps_wording() -> None:
         assert any(c.startswith("memory (cgroup v") for c in caps)
     for c in caps:
         assert c.split(" ")[0] in ("memory", "pids", "cpu", "tree")
+
+
+def test_a_v2_job_gets_one_group_serving_every_controller_and_the_kill(tmp_path: Path) -> None:
+    """Pure cgroup v2 cannot be mounted on these v1 hosts, so this runs the v2 half of the
+    module against a directory standing in for the drainer's cgroup2 directory: the files it
+    writes are the interface files the kernel would parse."""
+    caps = cgroups.CgroupCaps(cgroups.Layout("v2", {}, tmp_path), memory=True, pids=True, cpu=True,
+                              kill="cgroup.kill")
+    cg = cgroups.JobCgroup(64 * MiB, 16, 0.5, caps=caps)
+    assert cg.dirs == [tmp_path / cg.name] and cg.kill_via == "cgroup.kill"
+    group = cg.dirs[0]
+    assert {f.name: f.read_text() for f in group.iterdir()} == {
+        "memory.swap.max": "0", "memory.oom.group": "1", "memory.max": str(64 * MiB),
+        "pids.max": "16", "cpu.max": "50000 100000"}
+    cg.set_limits(None, None, None)
+    assert (group / "memory.max").read_text() == "max" and (group / "cpu.max").read_text() == "max 100000"
+    assert (group / "pids.max").read_text() == "max"
