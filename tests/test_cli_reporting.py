@@ -81,6 +81,25 @@ def test_reporting_commands_answer_json_with_the_apis_field_names(dsn: str, queu
     assert json.loads(fleetless("prune", "--json", dsn=dsn).stdout) == {"pruned": 1}
 
 
+def test_run_now_delete_and_schedule_changes_answer_json_too(dsn: str, queue: Queue, fleetless: Any,
+                                                              sql: Any) -> None:
+    """Every command that reports takes --json (issue 10), also those that change one job or schedule."""
+    job_id = queue.enqueue("report", {}, delay=3600)
+    r = fleetless("run-now", str(job_id), "--json", dsn=dsn)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"run_now": job_id}, r.stderr
+    queue.cancel(job_id)
+    r = fleetless("delete", str(job_id), "--json", dsn=dsn)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"deleted": job_id}, r.stderr
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = %s", job_id) == [(0,)]
+    r = fleetless("schedule", "add", "nightly", "report", "{}", "--cron", "0 3 * * *", "--json", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    added = json.loads(r.stdout)
+    assert added["name"] == "nightly" and added["created"] is True and added["next"].endswith("T03:00:00+00:00")
+    r = fleetless("schedule", "remove", "nightly", "--json", dsn=dsn)
+    assert r.returncode == 0 and json.loads(r.stdout) == {"removed": "nightly"}, r.stderr
+    assert sql("SELECT count(*) FROM fleetless.schedules") == [(0,)]
+
+
 def test_the_live_view_shows_counts_and_each_running_jobs_kind() -> None:
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=100, color_system=None)

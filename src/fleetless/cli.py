@@ -445,20 +445,28 @@ def cancel(ctx: click.Context, job_id: int, as_json: bool) -> None:
 
 @cli.command("run-now")
 @click.argument("job_id", type=int)
+@json_option
 @click.pass_context
-def run_now(ctx: click.Context, job_id: int) -> None:
+def run_now(ctx: click.Context, job_id: int, as_json: bool) -> None:
     """Make a pending job due now (skip its delay or retry backoff)."""
     _queue(ctx).run_now(job_id)
-    click.echo(f"job {job_id} is due now")
+    if as_json:
+        _echo_json({"run_now": job_id})
+    else:
+        click.echo(f"job {job_id} is due now")
 
 
 @cli.command()
 @click.argument("job_id", type=int)
+@json_option
 @click.pass_context
-def delete(ctx: click.Context, job_id: int) -> None:
+def delete(ctx: click.Context, job_id: int, as_json: bool) -> None:
     """Delete a finished job (done, dead or cancelled) and its attempt history."""
     _queue(ctx).delete(job_id)
-    click.echo(f"deleted job {job_id}")
+    if as_json:
+        _echo_json({"deleted": job_id})
+    else:
+        click.echo(f"deleted job {job_id}")
 
 
 @cli.command()
@@ -535,9 +543,11 @@ def schedule() -> None:
               help="[default: the kind's max_attempts in the drain's fleetless.toml, else 3]")
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option("--timeout", callback=_duration, help="The jobs' own timeout.")
+@json_option
 @click.pass_context
 def schedule_add(ctx: click.Context, name: str, kind: str, payload_json: str, cron: str, timezone: str,
-                 queue_name: str, max_attempts: int | None, priority: int, timeout: float | None) -> None:
+                 queue_name: str, max_attempts: int | None, priority: int, timeout: float | None,
+                 as_json: bool) -> None:
     """Add (or change) schedule NAME: each occurrence of --cron enqueues KIND with PAYLOAD_JSON."""
     from .periodic import Schedule
 
@@ -547,8 +557,11 @@ def schedule_add(ctx: click.Context, name: str, kind: str, payload_json: str, cr
     q = _queue(ctx)
     created = q.add_schedule(sched)
     _, now = q.schedules()
-    click.echo(f"schedule {name} {'added' if created else 'changed'}; next: "
-               f"{sched.next_after(now).isoformat()}")
+    next_due = sched.next_after(now).isoformat()
+    if as_json:
+        _echo_json({"name": name, "created": created, "next": next_due})
+    else:
+        click.echo(f"schedule {name} {'added' if created else 'changed'}; next: {next_due}")
 
 
 @schedule.command("list")
@@ -565,11 +578,15 @@ def schedule_list(ctx: click.Context, as_json: bool) -> None:
 
 @schedule.command("remove")
 @click.argument("name")
+@json_option
 @click.pass_context
-def schedule_remove(ctx: click.Context, name: str) -> None:
+def schedule_remove(ctx: click.Context, name: str, as_json: bool) -> None:
     """Remove schedule NAME (jobs it already enqueued stay)."""
     _queue(ctx).remove_schedule(name)
-    click.echo(f"schedule {name} removed")
+    if as_json:
+        _echo_json({"removed": name})
+    else:
+        click.echo(f"schedule {name} removed")
 
 
 @cli.command()
