@@ -54,6 +54,30 @@ def test_json_logs_are_one_object_per_event(dsn: str, queue: Queue, fleetless: A
     assert set(summary) >= {"released", "fenced_out", "reaped", "seconds"}
 
 
+def test_v_and_log_format_after_the_command_work_as_before_it(dsn: str, queue: Queue, fleetless: Any,
+                                                              handlers: Any, sql: Any) -> None:
+    """`fleetless drain -v --handlers DIR`, as a new user types it, logs each job (it was 'No such
+    option: -v': the flag was the group's only)."""
+    h = handlers(**HANDLERS)
+    ok = queue.enqueue("ok", {})
+    r = fleetless("drain", "-v", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("fleetless: job ")]
+    assert line.startswith(f"fleetless: job {ok} (ok) attempt 1: done in "), r.stderr
+    bad = queue.enqueue("bad", {}, max_attempts=1)
+    r = fleetless("drain", "--handlers", str(h), "--log-format", "json", "--verbose", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    (e,) = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert (e["event"], e["id"], e["outcome"], e["error_head"]) == ("job_finished", bad, "dead", HEAD)
+    job_id = queue.enqueue("report", {})
+    queue.claim(1)
+    sql("UPDATE fleetless.jobs SET lease_expires_at = now() - interval '1 second'")
+    r = fleetless("reap", "--log-format", "json", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    (event,) = [json.loads(line) for line in r.stderr.splitlines()]
+    assert event["message"] == f"reaped job {job_id}: claim expired, now pending"
+
+
 def test_jobs_shows_the_first_line_of_each_error(dsn: str, queue: Queue, fleetless: Any, handlers: Any,
                                                  sql: Any) -> None:
     h = handlers(**HANDLERS)

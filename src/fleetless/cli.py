@@ -80,6 +80,24 @@ def _uid_range(_: click.Context | None, param: click.Parameter | None, value: st
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 
 
+def _relog(ctx: click.Context, param: click.Parameter, value: Any) -> None:
+    """``-v`` or ``--log-format`` given after the command (``fleetless drain -v``) as before it."""
+    from .terminal import configure_logging
+
+    if value is None or value is False:
+        return
+    ctx.obj["verbose" if param.name == "verbose" else "log_format"] = value
+    configure_logging(verbose=ctx.obj["verbose"], log_format=ctx.obj["log_format"])
+
+
+def logging_options(f: F) -> F:
+    """The group's -v and --log-format, also accepted after the commands that log."""
+    f = click.option("--log-format", type=click.Choice(["text", "json"]), default=None, expose_value=False,
+                     callback=_relog, help="As before the command: log lines, or one JSON object per event.")(f)
+    return click.option("-v", "--verbose", is_flag=True, expose_value=False, callback=_relog,
+                        help="As before the command: log each finished job.")(f)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--database-url", envvar="DATABASE_URL", metavar="DSN",
               help="PostgreSQL URL or conninfo [env DATABASE_URL].")
@@ -284,6 +302,7 @@ def _reporter(ctx: click.Context, tier: str) -> Reporter:
 
 @cli.command()
 @drain_options
+@logging_options
 @json_option
 @click.pass_context
 def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
@@ -310,6 +329,7 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
 @click.option("--older-than", callback=_duration,
               help="Also return claims locked longer ago than this (e.g. 30m), lease or not.")
 @json_option
+@logging_options
 @click.pass_context
 def reap(ctx: click.Context, older_than: float | None, as_json: bool) -> None:
     """Return expired claims to pending (or dead when no attempt is left)."""
@@ -602,6 +622,7 @@ def metrics(ctx: click.Context) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8484, show_default=True)
 @click.option("--root-path", default="", help="URL prefix when served under a reverse proxy's sub-path.")
+@logging_options
 @click.pass_context
 def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
     """The web dashboard and /metrics. Actions need FLEETLESS_DASHBOARD_TOKEN; read-only without."""
