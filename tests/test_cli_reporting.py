@@ -206,7 +206,11 @@ def test_the_reaper_logs_json_objects_too(dsn: str, queue: Queue, fleetless: Any
 
 
 def test_doctor_answers_json(fleetless: Any) -> None:
-    from fleetless.sandbox import available_backends
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from fleetless.sandbox import Template, available_backends, get_backend
 
     r = fleetless("doctor", "--json", timeout=600)  # probes every tier, the microVM under TCG too
     assert r.returncode == 0, r.stderr
@@ -215,3 +219,15 @@ def test_doctor_answers_json(fleetless: Any) -> None:
     assert [t["name"] for t in report["tiers"]] == list(available_backends())
     assert all(isinstance(t["ok"], bool) and isinstance(t["detail"], str) for t in report["tiers"])
     assert any(t["ok"] for t in report["tiers"] if t["name"] == "process")
+    # It names the interpreter each tier's drain runs .py handlers with, the drain's own choice: a
+    # root drainer whose venv is under /root still runs it where the tier binds it back (doctor
+    # said /usr/bin/python3 and warned that the jobs cannot reach the venv while drains used it).
+    with tempfile.TemporaryDirectory() as tmp:
+        expected = {name: get_backend(name).handler_python(Template(handlers_dir=Path(tmp)))
+                    for name in ("process", "bwrap") if name in available_backends()}
+    tiers = {t["name"]: t for t in report["tiers"]}
+    assert report["python"] == expected["process"], (report["python"], expected)
+    for name, python in expected.items():
+        assert not tiers[name]["ok"] or tiers[name]["python"] == python, (tiers[name], python)
+    if report["python"] == sys.executable:
+        assert "cannot reach it" not in r.stderr, r.stderr

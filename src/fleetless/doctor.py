@@ -50,19 +50,31 @@ def _probe(name: str, handlers: Path) -> tuple[bool, str]:
     return True, detail
 
 
+def _handler_python(name: str, handlers: Path) -> str | None:
+    """The interpreter a drain on tier ``name`` runs ``.py`` handlers with (None: cannot say)."""
+    try:
+        return get_backend(name).handler_python(Template(handlers_dir=handlers))
+    except Exception:  # a tier that cannot run here has no answer; its probe says why
+        return None
+
+
 def check() -> dict[str, Any]:
-    """``{"python", "python_startup_ms", "tiers": [{"name", "ok", "detail"}, ...]}``."""
-    python = default_python()
-    startup = _bare_python_ms(python)
+    """``{"python", "python_startup_ms", "tiers": [{"name", "ok", "detail", "python"}, ...]}``:
+    ``python`` is what the process tier runs ``.py`` handlers with, each tier's its own (the
+    drain's choice, not a guess: a root drainer's venv under /root is still the handlers' own
+    where the tier binds it)."""
     tiers = []
     with tempfile.TemporaryDirectory(prefix="fleetless-doctor-") as tmp:
         handlers = Path(tmp)
         handlers.chmod(0o755)
         (handlers / "ping.py").write_text("print('pong')\n")
         (handlers / "ping.py").chmod(0o644)
+        python = _handler_python("process", handlers) or default_python()
+        startup = _bare_python_ms(python)
         for name in available_backends():
             ok, detail = _probe(name, handlers)
-            tiers.append({"name": name, "ok": ok, "detail": detail})
+            tiers.append({"name": name, "ok": ok, "detail": detail,
+                          "python": _handler_python(name, handlers) if ok else None})
     return {"python": python, "python_startup_ms": round(startup, 1), "tiers": tiers}
 
 
@@ -70,4 +82,5 @@ def run() -> None:
     report = check()
     click.echo(f"bare {report['python']} start-up: {report['python_startup_ms']:.0f} ms (median of {RUNS})")
     for tier in report["tiers"]:
-        click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}")
+        python = f"; .py handlers run under {tier['python']}" if tier["python"] else ""
+        click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}{python}")
