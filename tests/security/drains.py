@@ -8,6 +8,7 @@ an unprivileged drainer can reach it) and removed afterwards; nothing else on th
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,14 @@ SRC = str(Path(fleetless.__file__).resolve().parent.parent)
 
 NOBODY = 65534
 AS_ROOT_AND_NOT = [pytest.param(None, id="root-drainer"), pytest.param(NOBODY, id="nonroot-drainer")]
+
+
+def primary_gid(user: int) -> int:
+    """The user's group in /etc/passwd (its own number for one without an entry, as 65534 is)."""
+    try:
+        return pwd.getpwuid(user).pw_gid
+    except KeyError:
+        return user
 
 
 def need_tier(tier: str) -> None:
@@ -71,7 +80,7 @@ def work_dir(base: Path, user: int | None) -> Path:
     work = base / "work"
     work.mkdir(mode=0o711, exist_ok=True)
     if user is not None:
-        os.chown(work, user, user)
+        os.chown(work, user, primary_gid(user))
     return work
 
 
@@ -91,7 +100,7 @@ def drain(dsn: str, handlers: Path, work: Path, *args: str, tier: str = "process
     if path:
         env["PYTHONPATH"] = ":".join(path)
     argv = [python, "-m", "fleetless.cli", "drain", "--handlers", str(handlers), "--sandbox", tier, *args]
-    creds: dict[str, object] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
+    creds: dict[str, object] = {} if user is None else {"user": user, "group": primary_gid(user), "extra_groups": []}
     if start:
         return subprocess.Popen(argv, env=env, text=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, process_group=0, cwd=str(work.parent),

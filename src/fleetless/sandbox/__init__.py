@@ -240,9 +240,12 @@ def get_backend(name: str) -> type[Sandbox]:
 def jobs_cannot_reach(path: str) -> str | None:
     """Under a root drainer, whose jobs run as unprivileged uids: the first directory on the way to
     ``path`` (or to what it links to) that other users cannot search; None when they can, and
-    always for a non-root drainer, whose jobs are its own uid."""
+    for a non-root drainer whose jobs are its own uid (one without a subordinate range, _subuid)."""
     if os.geteuid() != 0:
-        return None
+        from . import _subuid
+
+        if _subuid.delegation() is None:
+            return None
     from .process import untraversable
 
     for p in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):

@@ -168,13 +168,14 @@ class Lease:
         return f"<Lease uid={self.uid}{'' if self._fd is not None else ' released'}>"
 
 
-def lease(uids: UidRange | None = None) -> Lease:
-    """Lease the lowest free uid of ``uids`` (default :func:`configured_range`).
+def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
+    """Lease the lowest free uid of ``uids`` (default :func:`configured_range`), with its lock file
+    in ``folder`` (default :func:`lock_dir`; a non-root drainer's subordinate uids: :mod:`._subuid`).
 
     Raises :class:`SandboxUnavailable` when the range is not usable here (not root, not mapped in
     this user namespace, contains the drainer's uid) or every uid of it is leased."""
     ids = uids if uids is not None else configured_range()
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 and folder is None:
         raise SandboxUnavailable("only a root drainer can run jobs as other uids")
     if os.getuid() in ids or os.getgid() in ids:
         raise SandboxUnavailable(f"job uid range {ids} contains the drainer's own uid or gid")
@@ -183,7 +184,7 @@ def lease(uids: UidRange | None = None) -> Lease:
             f"job uid range {ids} is not mapped in this user namespace (set {ENV} or --job-uids "
             "to uids that exist here)"
         )
-    folder = lock_dir()
+    folder = folder if folder is not None else lock_dir()
     for uid in range(ids.first, ids.last + 1):
         fd = os.open(folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:

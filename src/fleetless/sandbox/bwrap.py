@@ -49,6 +49,7 @@ from . import (
     _capture,
     _hostuid,
     _seccomp,
+    _subuid,
     _workspace,
     cgroups,
     default_python,
@@ -125,11 +126,10 @@ def _probe() -> tuple[str | None, str]:
         options = [*_isolation_args(network=False), *_system_args(network=False)]
         options += ["--ro-bind", str(seccomp.parent), "/etc", "--size", str(MiB), "--tmpfs", "/tmp"]
         try:
-            lease = _hostuid.lease() if _hostuid.needed() else None
+            lease, uid = _job_uid()
             try:
-                uid = None if lease is None else lease.uid
                 stdin = _launch(binary, uid, options, str(seccomp), ["/usr/bin/env", "true"], {})
-                r = subprocess.run(_SHIM, input=stdin, capture_output=True, env={}, timeout=30)
+                r = subprocess.run(_shim(""), input=stdin, capture_output=True, env={}, timeout=30, cwd="/")
             finally:
                 if lease is not None:
                     lease.release()
@@ -142,10 +142,31 @@ def _probe() -> tuple[str | None, str]:
         if r.returncode != 0:
             err = r.stderr.decode(errors="replace").strip() or f"exit status {r.returncode}"
             who = "" if not _hostuid.needed() else f" as an unprivileged job uid ({_hostuid.configured_range()})"
+            if _subuid.delegation() is not None:
+                who = f" as a subordinate uid of the drainer's user ({_subuid.delegation()})"
             _probe_result = (None, f"{binary} cannot create namespaces here{who}: {err}")
         else:
             _probe_result = (binary, "")
         return _probe_result
+
+
+def _leased() -> bool:
+    """Whether jobs run as a leased uid: a root drainer's (:mod:`._hostuid`), or a non-root
+    drainer's with a subordinate range (:mod:`._subuid`)."""
+    return _hostuid.needed() or _subuid.delegation() is not None
+
+
+def _job_uid() -> tuple[_hostuid.Lease | None, int | None]:
+    """A lease for one job (None when jobs are the drainer's uid) and the uid the launcher drops
+    to: the leased host uid under a root drainer, its ns-uid in the holder otherwise."""
+    if _hostuid.needed():
+        lease = _hostuid.lease()
+        return lease, lease.uid
+    d = _subuid.delegation()
+    if d is None:
+        return None, None
+    lease = _subuid.lease(d)
+    return lease, _subuid.ns_id(d, lease)
 
 
 # -- bwrap arguments ---------------------------------------------------------------------------
@@ -289,7 +310,7 @@ def _require_job_paths(python: str) -> None:
     parents need not be: see :func:`_view`). SandboxUnavailable naming the first that is not
     (checked once per pair)."""
     key = (str(_workspace.root()), python)
-    if key in _checked_paths:
+    if not _leased() or key in _checked_paths:
         return
     _require_reachable(key[0], "the work directory (FLEETLESS_WORKDIR)", readable=False)
     for path in interpreter_paths(python):  # a file the job cannot execute: that kind is not claimed
@@ -386,10 +407,11 @@ _warned = False
 def own_uid_notice() -> str | None:
     """The one line that says a non-root drainer's jobs are its own uid on the host (None when the
     drainer is root: each job then leases a uid of its own, :mod:`._hostuid`)."""
-    if _hostuid.needed():
+    if _leased():
         return None
-    return (f"jobs run as the drainer's own uid {os.getuid()} on the host, all of them (a root drainer "
-            "gives each job an unprivileged uid of its own; see docs/isolation.md)")
+    return (f"jobs run as the drainer's own uid {os.getuid()} on the host, all of them (a root drainer, "
+            f"or one whose user has a subordinate uid range, gives each job a uid of its own: "
+            f"{_subuid.missing()}; see docs/isolation.md)")
 
 
 def _warn_once() -> None:
@@ -446,9 +468,12 @@ _SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
 
 
 def _shim(view: str) -> list[str]:
-    """The launcher's argv: with a ``view`` (:func:`_view`), in a mount namespace of its own."""
+    """The launcher's argv: with a ``view`` (:func:`_view`), in a mount namespace of its own; for a
+    non-root drainer with a subordinate range, as ns-root of its holder (:mod:`._subuid`), where
+    ``setpriv`` drops it to the job's ns-uid."""
     if not view:
-        return _SHIM
+        helper = _subuid.holder() if not _hostuid.needed() else None
+        return _SHIM if helper is None else [*helper.enter(), *_SHIM]
     return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", view + _SHIM_SCRIPT,
             "fleetless-bwrap"]
 #: The launcher hands bwrap its options on this fd (the rest of its stdin, ``--args``) and the
@@ -528,6 +553,7 @@ class _Launcher:
             stderr=subprocess.PIPE,
             env={},  # bwrap's own environment is readable in the sandbox (/proc/1/environ)
             start_new_session=True,
+            cwd="/",
         )
         try:
             if cgroup is not None:
@@ -677,16 +703,19 @@ class BwrapSandbox(Sandbox):
         self._outer: Path | None = None
         self._workspace: Path | None = None
         self._lease: _hostuid.Lease | None = None
+        self._uid: int | None = None  # what the launcher drops to (see _job_uid)
+        self._holder: _subuid.Holder | None = None
         self._view = ""
         try:
             interp = interpreter_paths(self.python)
             etc = etc_dir(limits.network)
             handlers = template.handlers_dir.resolve()
-            if _hostuid.needed():
+            if _leased():
                 _require_job_paths(self.python)
-                handlers = handlers_snapshot(handlers)  # the original may be root's alone
-                self._lease = _hostuid.lease()
-            self._view = _view([*interp, binary]) if self._lease is not None else ""
+                handlers = handlers_snapshot(handlers)  # the original may be the drainer's alone
+                self._lease, self._uid = _job_uid()
+                self._holder = None if _hostuid.needed() else _subuid.holder()
+            self._view = _view([*interp, binary]) if _hostuid.needed() else ""
             self._launcher = _pool.take(cgroups.available(), self._view)
             self._cgroup = self._launcher.cgroup
             if self._cgroup is not None:
@@ -697,7 +726,11 @@ class BwrapSandbox(Sandbox):
             self._outer = _workspace.create()
             self._workspace = self._outer / "workspace"
             self._workspace.mkdir(mode=0o700)
-            if self._lease is not None:
+            if self._holder is not None and self._uid is not None:  # ns-ids, set by the holder
+                self._holder.chown(self._outer, -1, self._uid)
+                os.chmod(self._outer, 0o710)
+                self._holder.chown(self._workspace, self._uid, self._uid)
+            elif self._lease is not None:
                 os.chown(self._outer, -1, self._lease.gid)  # bwrap, as the job's uid, passes it
                 os.chmod(self._outer, 0o710)
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
@@ -712,7 +745,7 @@ class BwrapSandbox(Sandbox):
         # /tmp first: an interpreter bound from under /tmp (a venv there) must land on top of it
         options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
         for path in interp:  # a root drainer's by real path: the launcher's view binds that back
-            options += ["--ro-bind", path if self._lease is None else os.path.realpath(path), path]
+            options += ["--ro-bind", path if not _hostuid.needed() else os.path.realpath(path), path]
         options += ["--ro-bind", str(handlers), HANDLERS]
         options += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
         self._binary = binary
@@ -720,7 +753,7 @@ class BwrapSandbox(Sandbox):
 
     @classmethod
     def check(cls) -> None:
-        if _hostuid.needed():  # before the probe, whose bwrap would only say "Permission denied"
+        if _leased():  # before the probe, whose bwrap would only say "Permission denied"
             _require_reachable(str(_workspace.root()), "the work directory (FLEETLESS_WORKDIR)", readable=False)
         binary, reason = _probe()
         if binary is None:
@@ -729,8 +762,9 @@ class BwrapSandbox(Sandbox):
     @classmethod
     def check_template(cls, template: Template) -> None:
         """Under a root drainer: the paths bwrap binds as the job's uid are reachable by it."""
-        if _hostuid.needed():
+        if _leased():
             _require_job_paths(cls.handler_python(template))
+        if _hostuid.needed():
             _hostuid.configured_range()
 
     @classmethod
@@ -748,8 +782,8 @@ class BwrapSandbox(Sandbox):
         readable by other users either."""
         if template.python:
             return template.python
-        own = default_python(binds_blocked=True)
-        if _hostuid.needed():
+        own = default_python(binds_blocked=_hostuid.needed())
+        if _leased():
             try:
                 _require_job_paths(own)
             except (SandboxUnavailable, OSError):
@@ -783,6 +817,8 @@ class BwrapSandbox(Sandbox):
                 uids = f"; jobs run as host uids {_hostuid.configured_range()}, one each"
             except SandboxUnavailable as exc:
                 uids = f"; {exc}"
+        elif _subuid.delegation() is not None:
+            uids = f"; jobs run as host uids {_subuid.delegation()} (the drainer user's subordinate range), one each"
         return "enforces: " + "; ".join(enforced_caps()) + "; seccomp deny-list" + uids
 
     @classmethod
@@ -810,6 +846,10 @@ class BwrapSandbox(Sandbox):
     def write(self, path: str, data: bytes | str) -> None:
         if self._workspace is None:
             raise RuntimeError("sandbox already destroyed")
+        if self._holder is not None and self._uid is not None:  # the job's uid owns the workspace
+            self._holder.write(self._workspace / path, data.encode() if isinstance(data, str) else data,
+                               self._workspace, self._uid)
+            return
         target = (self._workspace / path).resolve()
         if not target.is_relative_to(self._workspace):
             raise ValueError(f"path {path!r} is outside the workspace")
@@ -841,8 +881,7 @@ class BwrapSandbox(Sandbox):
         if budget <= 0:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
         rlimits = self._rlimits(timeout_seconds)
-        uid = None if self._lease is None else self._lease.uid
-        stdin = _launch(self._binary, uid, self._options, self._seccomp, argv, rlimits)
+        stdin = _launch(self._binary, self._uid, self._options, self._seccomp, argv, rlimits)
         with self._lock:
             if self._destroyed:
                 return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")

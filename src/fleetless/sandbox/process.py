@@ -40,6 +40,7 @@ from . import (
     Template,
     _capture,
     _hostuid,
+    _subuid,
     _workspace,
     cgroups,
     default_python,
@@ -134,6 +135,8 @@ class ProcessSandbox(Sandbox):
         # supervisor: then the job must not go on, or it would outlive its sandbox unseen.
         self._lock = threading.Lock()
         self._lease: _hostuid.Lease | None = None
+        self._creds = "-"  # the supervisor's UID:GID argument: what the job runs as
+        self._holder: _subuid.Holder | None = None  # a non-root drainer's, with a subordinate range
         self.handlers_path = str(handlers_snapshot(template.handlers_dir))  # may fail: nothing made yet
         self._killed = False
         self._workspace = _workspace.create()
@@ -146,6 +149,16 @@ class ProcessSandbox(Sandbox):
                 self._lease = _hostuid.lease()
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
                 os.chown(self._tmpdir, self._lease.uid, self._lease.gid)
+                self._creds = f"{self._lease.uid}:{self._lease.gid}"
+            elif (d := _subuid.delegation()) is not None:
+                # a non-root drainer's: a subordinate uid, its supervisor ns-root in the holder
+                self._holder = _subuid.holder()
+                self._lease = _subuid.lease(d)
+                ns = _subuid.ns_id(d, self._lease)
+                assert self._holder is not None
+                self._holder.chown(Path(self._tmpdir), ns, ns)
+                self._holder.chown(self._workspace, ns, ns)
+                self._creds = f"{ns}:{ns}"
             caps = tree_cgroup_caps()
             if caps is not None:  # the supervisor and the job's init count against pids.max too
                 pids = None if template.limits.pids is None else template.limits.pids + 2
@@ -195,8 +208,9 @@ class ProcessSandbox(Sandbox):
         """The handlers' interpreter is the host's: one that is not there would fail every ``.py``
         job and spend its attempts. Under a root drainer, jobs run as leased uids: the uid range
         must be usable here, and the work directory reachable by other users."""
-        if _hostuid.needed():
-            _hostuid.lease().release()
+        d = None if _hostuid.needed() else _subuid.delegation()
+        if _hostuid.needed() or d is not None:
+            (_hostuid.lease() if d is None else _subuid.lease(d)).release()
             try:
                 work = _workspace.root()
             except OSError as exc:
@@ -245,6 +259,11 @@ class ProcessSandbox(Sandbox):
     def write(self, path: str, data: bytes | str) -> None:
         if self._killed:
             raise RuntimeError("sandbox already destroyed")
+        if self._holder is not None:  # the job's uid owns the workspace
+            ns = int(self._creds.split(":")[0])
+            self._holder.write(self._workspace / path, data.encode() if isinstance(data, str) else data,
+                               self._workspace, ns)
+            return
         target = (self._workspace / path).resolve()
         if not target.is_relative_to(self._workspace):
             raise ValueError(f"path {path!r} is outside the workspace")
@@ -270,16 +289,19 @@ class ProcessSandbox(Sandbox):
         try:
             # Its own session: signals aimed at the drainer's process group (Ctrl-C, kill -- -PGID,
             # systemd's KillMode=control-group aside) do not reach the job's supervisor.
+            # A non-root drainer's subordinate uid: the supervisor starts as ns-root of the holder
+            # (nsenter also enters the workspace, which the drainer itself may no longer search).
+            enter = [] if self._holder is None else [*self._holder.enter()[:-1], f"--wdns={self.workspace_path}", "--"]
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
-                 f"{self._lease.uid}:{self._lease.gid}" if self._lease is not None else "-",
+                [*enter, sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
+                 self._creds,
                  "wait" if cgroup is not None else "-", f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}",
                  self._contain(), "--", *argv],
                 stdin=subprocess.PIPE if cgroup is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 pass_fds=(status_w,),
-                cwd=self.workspace_path,
+                cwd=self.workspace_path if self._holder is None else "/",
                 env={"HOME": self.workspace_path, "TMPDIR": self._tmpdir, **self._template.env},
                 start_new_session=True,
             )

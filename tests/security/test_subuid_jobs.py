@@ -1,0 +1,316 @@
+"""A non-root drainer whose user has a subordinate uid range (``/etc/subuid``, ``/etc/subgid``) and
+``newuidmap`` runs every bwrap and process job as a leased uid of that range, never as itself
+(issue 7: "no job is ever host root, nor the drainer's own uid, whoever runs the drainer").
+
+The drainer user is ``$FLEETLESS_TEST_SUBUID_USER`` (default ``fleetless-ci``, which ``.ci/run``
+creates with the range 1600000000:65536). Each job first leaves a marker in its workspace and
+waits for a ``go`` file there: while it waits the test reads the marker's owner and the job's
+processes in ``/proc`` on the host, then writes ``go`` (as root) and the job goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue
+
+from .drains import drain, handlers_dir, leftovers, need_tier, open_to_jobs, shared, work_dir
+
+__all__ = ["shared"]  # the fixture, imported for the tests below
+
+TIERS = ["bwrap", "process"]
+USER = os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci")
+
+#: Every job's first lines: a marker in its workspace, then wait (bounded) for the test's ``go``.
+PROLOGUE = """
+    import json, os, sys, time
+    payload = json.load(open(sys.argv[1]))
+    open("marker", "w").write(str(os.getpid()))
+    give_up = time.monotonic() + payload.get("wait", 120)
+    while not os.path.exists("go") and time.monotonic() < give_up:
+        time.sleep(0.02)
+"""
+
+
+def subuid_user() -> tuple[int, range]:
+    """The drainer user's uid and its subordinate uids; skip (fail where CI requires the tiers)."""
+    why = ""
+    try:
+        uid = pwd.getpwnam(USER).pw_uid
+    except KeyError:
+        uid, why = -1, f"no user {USER}"
+    ranges = {}
+    for path in ("/etc/subuid", "/etc/subgid"):
+        try:
+            rows = [line.strip().split(":") for line in open(path)]
+        except OSError:
+            rows = []
+        mine = [r for r in rows if len(r) == 3 and r[0] in (USER, str(uid))]
+        ranges[path] = [range(int(r[1]), int(r[1]) + int(r[2])) for r in mine]
+    if not why and not (ranges["/etc/subuid"] and ranges["/etc/subgid"]):
+        why = f"{USER} has no line in /etc/subuid and /etc/subgid"
+    if not why and not (shutil.which("newuidmap") and shutil.which("newgidmap")):
+        why = "newuidmap/newgidmap missing (apt-get install uidmap)"
+    if not why and os.getuid() != 0:
+        why = "needs root to start a drainer as another user"
+    if why:
+        if os.environ.get("FLEETLESS_REQUIRE_TIERS"):
+            pytest.fail(f"a non-root drainer with a subordinate range is required here: {why}")
+        pytest.skip(why)
+    return uid, ranges["/etc/subuid"][0]
+
+
+def hdir(base: Path, **bodies: str) -> Path:
+    return handlers_dir(base, **{f"{k}.py": textwrap.dedent(PROLOGUE) + textwrap.dedent(v) for k, v in bodies.items()})
+
+
+def markers(work: Path, tier: str) -> list[Path]:
+    sub = "*/workspace/marker" if tier == "bwrap" else "*/marker"
+    return sorted(p for p in work.glob(f"ws-{sub}"))
+
+
+def uids_of_processes(uids: set[int]) -> set[int]:
+    """Host pids running as any of ``uids`` (real uid), from /proc."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/status") as f:
+                    line = next(li for li in f if li.startswith("Uid:"))
+            except (OSError, StopIteration):
+                continue
+            if int(line.split()[1]) in uids:
+                found.add(int(name))
+    return found
+
+
+def debug() -> str:
+    import psycopg
+
+    try:
+        with psycopg.connect(DEBUG_DSN[0]) as c:
+            return str(c.execute("SELECT status, last_error FROM fleetless.jobs").fetchall())
+    except Exception as exc:
+        return str(exc)
+
+
+DEBUG_DSN = [""]
+
+
+def wait_for(what: str, check: Any, seconds: float = 120, proc: subprocess.Popen[str] | None = None) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the drain ended before {what}: {proc.communicate()} {debug()}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def observe(work: Path, tier: str, n: int, proc: subprocess.Popen[str]) -> list[int]:
+    return [m.stat().st_uid for m in observe_markers(work, tier, n, proc)]
+
+
+def observe_markers(work: Path, tier: str, n: int, proc: subprocess.Popen[str]) -> list[Path]:
+    """Wait until ``n`` jobs wait in their workspaces; their host uids (the markers' owners, each
+    checked against a process of the job running as it); then let them go."""
+    found = wait_for(f"{n} waiting jobs", lambda: (m := markers(work, tier)) and len(m) >= n and m,
+                     proc=proc)
+    uids = [m.stat().st_uid for m in found]
+    running = uids_of_processes(set(uids))
+    for m in found:
+        assert int(m.read_text()) > 0
+    assert running, f"no process runs as {uids}"
+    for m in found:
+        (m.parent / "go").write_text("")
+    return found
+
+
+def results(sql: Any) -> list[tuple[Any, ...]]:
+    return sql("SELECT status, result FROM fleetless.jobs ORDER BY id")
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_nonroot_drainers_concurrent_jobs_run_as_distinct_subordinate_uids_never_its_own(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str) -> None:
+    need_tier(tier)
+    DEBUG_DSN[0] = dsn
+    uid, subuids = subuid_user()
+    h = hdir(shared, who="print('ran')\n")
+    work = work_dir(shared, uid)
+    queue.enqueue_many([{"kind": "who", "payload": {}}] * 2)
+    proc = drain(dsn, h, work, "--concurrency", "2", tier=tier, user=uid, start=True)
+    assert isinstance(proc, subprocess.Popen)
+    try:
+        uids = observe(work, tier, 2, proc)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert len(set(uids)) == 2, uids
+    assert all(u in subuids and u != uid for u in uids), (uids, subuids)
+    assert [s for s, _ in results(sql)] == ["done", "done"]
+    assert "drainer's own uid" not in err
+    assert leftovers(work) == []
+
+
+def test_a_subordinate_uid_process_job_cannot_read_the_drainers_files_environ_or_a_sibling_workspace(
+        dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    need_tier("process")
+    uid, _ = subuid_user()
+    home = shared / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    pgpass = home / ".pgpass"
+    pgpass.write_text("127.0.0.1:5432:*:app:secret\n")
+    os.chown(pgpass, uid, pwd.getpwuid(uid).pw_gid)
+    pgpass.chmod(0o600)
+    board = open_to_jobs(shared / "board")
+    h = hdir(shared, probe="""
+        out = {}
+        def tried(name, path):
+            try:
+                open(path, "rb").read()
+                out[name] = "read"
+            except OSError as exc:
+                out[name] = type(exc).__name__
+        open("mine.txt", "w").write("sibling secret")
+        board = payload["board"]
+        open(os.path.join(board, f"ws-{os.getpid()}-{time.time()}"), "w").write(os.getcwd())
+        give_up = time.monotonic() + 120
+        while not (len([n for n in os.listdir(board) if n.startswith("ws-")]) >= 2
+                   and os.path.exists(os.path.join(board, "drainer"))) and time.monotonic() < give_up:
+            time.sleep(0.02)
+        for name in os.listdir(board):
+            theirs = open(os.path.join(board, name)).read()
+            if name.startswith("ws-") and theirs != os.getcwd():
+                tried("sibling", os.path.join(theirs, "mine.txt"))
+        tried("pgpass", payload["pgpass"])
+        drainer = open(os.path.join(board, "drainer")).read()
+        tried("environ", f"/proc/{drainer}/environ")
+        print(json.dumps(out))
+    """)
+    work = work_dir(shared, uid)
+    payload = {"board": str(board), "pgpass": str(pgpass), "wait": 0}
+    queue.enqueue_many([{"kind": "probe", "payload": payload}] * 2)
+    proc = drain(dsn, h, work, "--concurrency", "2", tier="process", user=uid, start=True)
+    assert isinstance(proc, subprocess.Popen)
+    try:
+        (board / "drainer").write_text(str(proc.pid))  # the jobs wait for it (and for each other)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    rows = results(sql)
+    assert [s for s, _ in rows] == ["done", "done"], (rows, err)
+    for _, result in rows:
+        seen = json.loads(result.strip().splitlines()[-1])
+        # (the drainer's /proc entry: not in the job's pid namespace, or not readable)
+        assert seen["environ"] in ("PermissionError", "FileNotFoundError"), seen
+        assert seen == {"sibling": "PermissionError", "pgpass": "PermissionError", "environ": seen["environ"]}, seen
+    assert pgpass.read_text() == "127.0.0.1:5432:*:app:secret\n"
+    assert leftovers(work) == []
+
+
+HOSTILE = """
+    top = os.getcwd()
+    bait = payload["bait"]
+    os.symlink(bait, "evil-dir")
+    os.symlink(bait + "/inside.txt", "evil-file")
+    os.makedirs("locked/deeper")
+    open("locked/deeper/ro.txt", "w").write("x")
+    os.chmod("locked/deeper/ro.txt", 0o444)
+    os.symlink(bait, "locked/deeper/evil-dir")
+    os.chmod("locked/deeper", 0)
+    os.chmod("locked", 0)
+    os.makedirs("deep")
+    os.chdir("deep")
+    for _ in range(1500):
+        os.mkdir("d")
+        os.chdir("d")
+    open("bottom.txt", "w").write("x")
+    os.chmod(".", 0o555)
+    print("left a hostile tree")
+    open(os.path.join(top, "made"), "w").write("")
+    if payload.get("hang"):
+        time.sleep(600)
+"""
+
+
+def bait_dir(base: Path) -> tuple[Path, tuple[int, int, int]]:
+    bait = base / "bait"
+    bait.mkdir(mode=0o755)
+    bait.chmod(0o755)
+    (bait / "inside.txt").write_text("keep me")
+    st = bait.stat()
+    return bait, (st.st_mode, st.st_uid, st.st_gid)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_what_a_subordinate_uid_job_leaves_is_removed_after_it_and_its_symlink_target_untouched(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str) -> None:
+    need_tier(tier)
+    uid, subuids = subuid_user()
+    bait, before = bait_dir(shared)
+    h = hdir(shared, hostile=HOSTILE)
+    work = work_dir(shared, uid)
+    queue.enqueue("hostile", {"bait": str(bait)})
+    proc = drain(dsn, h, work, tier=tier, user=uid, start=True)
+    assert isinstance(proc, subprocess.Popen)
+    try:
+        uids = observe(work, tier, 1, proc)
+        _, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert uids[0] in subuids
+    assert results(sql) == [("done", "left a hostile tree\n")], err
+    assert leftovers(work) == [] and not (work / "quarantine").exists(), (leftovers(work), err)
+    st = bait.stat()
+    assert (st.st_mode, st.st_uid, st.st_gid) == before
+    assert (bait / "inside.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_after_a_sigkilled_drainer_no_process_of_its_job_uid_survives_and_the_next_drain_leaves_nothing(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str) -> None:
+    need_tier(tier)
+    uid, subuids = subuid_user()
+    bait, before = bait_dir(shared)
+    h = hdir(shared, hostile=HOSTILE)
+    work = work_dir(shared, uid)
+    queue.enqueue("hostile", {"bait": str(bait), "hang": True})
+    proc = drain(dsn, h, work, tier=tier, user=uid, start=True)
+    assert isinstance(proc, subprocess.Popen)
+    try:
+        marker, = observe_markers(work, tier, 1, proc)
+        uids = [marker.stat().st_uid]
+        assert uids[0] in subuids
+        wait_for("the hostile tree", (marker.parent / "made").exists)
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    wait_for(f"no process of uid {uids[0]}", lambda: not uids_of_processes(set(uids)))
+    r = drain(dsn, h, work, tier=tier, user=uid)  # its sweep; the job is still leased (running)
+    assert not isinstance(r, subprocess.Popen)
+    assert r.returncode == 0, r.stderr
+    wait_for("an empty work directory", lambda: leftovers(work) == [])
+    assert not (work / "quarantine").exists() or list((work / "quarantine").iterdir()) == []
+    # (the next drain's probe may lease the same uid for a moment: wait, bounded, for it too)
+    wait_for(f"no process of uid {uids[0]} after the next drain", lambda: not uids_of_processes(set(uids)))
+    st = bait.stat()
+    assert (st.st_mode, st.st_uid, st.st_gid) == before
+    assert (bait / "inside.txt").read_text() == "keep me"
