@@ -24,13 +24,16 @@ from pathlib import Path
 import pytest
 
 from fleetless.queue import RESULT_CUT_MARKER
-from fleetless.sandbox import cgroups
+from fleetless.sandbox import _subuid, cgroups
 
 from .conftest import LIMITS, MICROVM_TTL, Context, Outcome, require_tier
 from .pills import HANDLERS
 
 Poison = Callable[..., Outcome]
 ROOT = os.geteuid() == 0
+#: Jobs run as leased uids, not the drainer's: a root drainer's, or a non-root drainer's whose user
+#: has a subordinate uid range (tests/security/test_subuid_jobs.py)
+LEASED = ROOT or _subuid.delegation() is not None
 
 
 #: The tiers that build a minimal root and namespaces per job (the fork server: bwrap's view).
@@ -234,7 +237,7 @@ def test_write_to_usr_and_the_handler_directory(tier: str, poison: Poison) -> No
     reason = "Read-only file system" if tier in NAMESPACED else "Permission denied"
     # a root drainer's bwrap job is an unprivileged uid and its handlers a 0444 snapshot: the mode
     # refuses the append before the read-only mount does
-    own_reason = "Permission denied" if tier in NAMESPACED and ROOT else reason
+    own_reason = "Permission denied" if tier in NAMESPACED and LEASED else reason
     assert row.status == "dead", row
     assert lines == [f"{ctx.usr_file}: denied ({reason})", f"{planted}: denied ({reason})",
                      f"{own}: denied ({own_reason})"], row
@@ -297,7 +300,7 @@ def test_read_proc_1_environ_and_the_drainers_environment(tier: str, poison: Poi
     empty environment. microvm: the guest's /proc holds no host process; pid 1 (the runner) is
     root's.
 
-    process: **not contained with a non-root drainer** — the job runs as the drainer's user, so it
+    process: **not contained with a non-root drainer without a subordinate uid range** — the job runs as the drainer's user, so it
     reads the drainer's /proc/<pid>/environ and finds the secret. A root drainer's job runs as an
     unprivileged uid of its own and finds nothing. See docs/isolation.md."""
     o = poison("read_environment")
@@ -306,7 +309,7 @@ def test_read_proc_1_environ_and_the_drainers_environment(tier: str, poison: Poi
     ctx = _ctx(o)
     lines = (row.result or "").splitlines()
     assert lines[0] == "own environment: none of DATABASE_URL, PGPASSWORD, FLEETLESS_POISON_SECRET", row
-    if tier == "process" and not ROOT:
+    if tier == "process" and not LEASED:
         assert row.status == "done", row
         assert any(line.startswith(f"found FLEETLESS_POISON_SECRET={ctx.secret} in /proc/") for line in lines), row
         return
@@ -329,7 +332,7 @@ def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
     bwrap: the sibling's workspace is not even visible (each job sees only its own at /workspace;
     the host's work directory is not mounted). microvm: each job is in its own VM.
 
-    process: **not contained with a non-root drainer** — every workspace belongs to the drainer's
+    process: **not contained with a non-root drainer without a subordinate uid range** — every workspace belongs to the drainer's
     user, so a job lists the work directory next to its own and reads its sibling's files. A root
     drainer's jobs run as distinct uids, each owning only its own workspace (0700) in a work
     directory others may pass through but not list (0711): the sibling sees nothing."""
@@ -339,7 +342,7 @@ def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
     ctx = _ctx(o)
     assert writer.started_at < reader.finished_at and reader.started_at < writer.finished_at  # at once
     assert writer.status == "done", writer
-    if tier == "process" and not ROOT:
+    if tier == "process" and not LEASED:
         assert reader.status == "done" and f": {ctx.secret}" in (reader.result or ""), reader
         assert (reader.result or "").startswith(f"read {ctx.workdir}/ws-"), reader
         assert (writer.result or "").endswith("the sibling read it\n"), writer

@@ -116,7 +116,21 @@ def _probe() -> tuple[Delegation | None, str]:
     d = Delegation(ufirst, gfirst, min(ucount, gcount))
     if os.getuid() in range(ufirst, ufirst + d.count) or os.getgid() in range(gfirst, gfirst + d.count):
         return None, f"the subordinate range {d} contains the drainer's own uid or gid: use another"
+    try:  # the kernel or newuidmap may still refuse (a container): then nothing changes
+        r = subprocess.run([*_unshare(d), "true"], capture_output=True, timeout=30, stdin=subprocess.DEVNULL,
+                           env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}, cwd="/")
+        err = "" if r.returncode == 0 else (r.stderr.decode(errors="replace").strip() or f"exit {r.returncode}")
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = str(exc)
+    if err:
+        return None, f"make user namespaces with the subordinate range {d} work here (unshare: {err})"
     return d, ""
+
+
+def _unshare(d: Delegation) -> list[str]:
+    """argv prefix of a program run as ns-root of a new user namespace mapping ``d``."""
+    return ["unshare", "--map-user=0", "--map-group=0", f"--map-users={d.uid_first},1,{d.count}",
+            f"--map-groups={d.gid_first},1,{d.count}", "--"]
 
 
 def delegation() -> Delegation | None:
@@ -167,8 +181,7 @@ class Holder:
     def __init__(self, d: Delegation) -> None:
         self.delegation = d
         self._lock = threading.Lock()
-        argv = ["unshare", "--map-user=0", "--map-group=0", f"--map-users={d.uid_first},1,{d.count}",
-                f"--map-groups={d.gid_first},1,{d.count}", "--", sys.executable, "-I", "-S", "-c", _HOLDER_MAIN,
+        argv = [*_unshare(d), sys.executable, "-I", "-S", "-c", _HOLDER_MAIN,
                 json.dumps([p for p in sys.path if p])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={},
                                      start_new_session=True, cwd="/")
@@ -201,8 +214,8 @@ class Holder:
             raise SandboxUnavailable(f"job uid holder (unshare with {self.delegation}) exited: "
                                      f"{_died(self.proc)}")
         reply = json.loads(line)
-        if "error" in reply:
-            raise OSError(reply["error"])
+        if "error" in reply:  # a ValueError (a path outside the workspace) stays one
+            raise (ValueError if reply.get("kind") == "ValueError" else OSError)(reply["error"])
         return reply.get("ok")
 
     def remove(self, path: Path) -> bool:
@@ -287,7 +300,7 @@ def serve() -> None:
             else:
                 reply = {"error": f"unknown request {op!r}"}
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            reply = {"error": str(exc)}
+            reply = {"error": str(exc), "kind": type(exc).__name__}
         sys.stdout.write(json.dumps(reply) + "\n")
         sys.stdout.flush()
 
