@@ -300,7 +300,8 @@ def test_read_proc_1_environ_and_the_drainers_environment(tier: str, poison: Poi
     empty environment. microvm: the guest's /proc holds no host process; pid 1 (the runner) is
     root's.
 
-    process: **not contained with a non-root drainer without a subordinate uid range** — the job runs as the drainer's user, so it
+    process: **not contained with a non-root drainer without a subordinate uid range** — the job
+    runs as the drainer's user, so it
     reads the drainer's /proc/<pid>/environ and finds the secret. A root drainer's job runs as an
     unprivileged uid of its own and finds nothing. See docs/isolation.md."""
     o = poison("read_environment")
@@ -332,7 +333,8 @@ def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
     bwrap: the sibling's workspace is not even visible (each job sees only its own at /workspace;
     the host's work directory is not mounted). microvm: each job is in its own VM.
 
-    process: **not contained with a non-root drainer without a subordinate uid range** — every workspace belongs to the drainer's
+    process: **not contained with a non-root drainer without a subordinate uid range** — every
+    workspace belongs to the drainer's
     user, so a job lists the work directory next to its own and reads its sibling's files. A root
     drainer's jobs run as distinct uids, each owning only its own workspace (0700) in a work
     directory others may pass through but not list (0711): the sibling sees nothing."""
