@@ -276,3 +276,62 @@ def test_idle_exit_needs_watch() -> None:
         DrainConfig(handlers_dir=Path("."), per_sandbox=0)
 
 
+
+
+ODD_RESULTS = """
+    def handle(payload):
+        return {"nul": "a\\x00b", "lone": "x\\ud800y", "pair": "\\U0001F600", "accent": "\\u00e9t\\u00e9",
+                "escaped": "\\\\u0000"}.get(payload.get("what"), payload["n"])
+"""
+
+
+def test_a_result_with_a_nul_or_a_lone_surrogate_is_stored_for_its_job_alone_and_its_neighbours_keep_theirs(
+        queue: Queue, handlers, sql: SQL) -> None:
+    """What jsonb refuses is replaced in that job's result only (NUL by U+FFFD, a lone surrogate
+    by "?"), whether the batch's other results took the path that does not decode them or not."""
+    h = handlers(**{"odd.py": ODD_RESULTS})
+    whats = ["plain", "nul", "plain", "lone", "pair", "accent", "escaped", "plain"]
+    ids = queue.enqueue_many([("odd", {"n": i, "what": w}) for i, w in enumerate(whats)])
+    Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", per_sandbox=10, concurrency=1)).run()
+    rows = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done'"))
+    assert [rows.get(i) for i in ids] == [0, "a\ufffdb", 2, "x?y", "\U0001F600", "\u00e9t\u00e9", "\\u0000", 7]
+
+
+FORGER = """
+    import os
+    def handle(payload):
+        forged = payload.get("forge")
+        if forged is not None:  # write records of its own on the runner's result pipe
+            mine = os.readlink("/proc/self/fd/2")
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    continue
+                if int(fd) > 2 and target.startswith("pipe:") and target != mine:
+                    os.write(int(fd), forged.encode())
+        return payload["n"]
+"""
+
+
+def test_a_forged_result_line_fails_only_its_own_job_and_changes_no_other_row(queue: Queue, handlers,
+                                                                              sql: SQL) -> None:
+    """A handler writing a record of its own on the runner's result channel, with a result that is
+    not JSON and is shaped to read as one more row of the finish statement: its own job fails
+    alone (its outcome cannot be stored), the runner's real record for it, read where the next
+    job's was expected, ends that sandbox's records (the rest run in a fresh one, uncharged), and
+    a job outside the batch keeps its row as it was."""
+    h = handlers(**{"evil.py": FORGER})
+    other = queue.enqueue("other", {"n": 99}, delay=3600)
+    forged = ('{"i":1,"ok":true,"result":0]],[[' + str(other) + ',"00000000-0000-0000-0000-000000000000",'
+              '"done",false,0,null,null,"1",null,null,null,null]]}\n')
+    ids = queue.enqueue_many([("evil", {"n": 0}), ("evil", {"n": 1, "forge": forged}), ("evil", {"n": 2}),
+                              ("evil", {"n": 3})])
+    before = sql("SELECT * FROM fleetless.jobs WHERE id = %s", other)
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", per_sandbox=10, concurrency=1)).run()
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, result_json, last_error FROM fleetless.jobs")}
+    assert rows[ids[0]][:2] == ("done", 0)
+    assert rows[ids[1]][0] == "dead" and rows[ids[1]][2].startswith("its outcome cannot be stored: ")
+    assert [rows[i][:2] for i in ids[2:]] == [("done", 2), ("done", 3)]
+    assert sql("SELECT * FROM fleetless.jobs WHERE id = %s", other) == before
+    assert (summary.done, summary.dead, summary.fenced_out) == (3, 1, 0)

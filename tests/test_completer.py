@@ -27,13 +27,18 @@ def test_one_flush_writes_mixed_outcomes_in_one_statement(queue: Queue, sql: Cal
     queue.enqueue("k", {"n": 5}, max_attempts=1)
     jobs = claim_all(queue, 6)
     statements: list[str] = []
-    real = queue._run
+    real, real_tuples = queue._run, queue._tuples
 
     def counting(name: str, params: Any, conn: Any = None) -> Any:
         statements.append(name)
         return real(name, params, conn)
 
+    def counting_tuples(name: str, params: Any) -> Any:
+        statements.append(name)
+        return real_tuples(name, params)
+
     monkeypatch.setattr(queue, "_run", counting)
+    monkeypatch.setattr(queue, "_tuples", counting_tuples)
     c = Completer(queue, flush_size=100)
     c.add(jobs[0], Outcome("done", result="text out"))
     c.add(jobs[1], Outcome("done", result_json='{"a": [1, 2]}'))

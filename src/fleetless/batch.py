@@ -53,6 +53,12 @@ HARD_GRACE = 2.0
 #: Room for one job's record on the runner's stdout, beyond the job's own stdout.
 RECORD_OVERHEAD = 8 * 1024
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
+#: A \u escape a result may not keep as it is: NUL, or any surrogate (a lone one is refused by
+#: jsonb; a line with a pair takes the full decode as well). Conservative: a match, even one that
+#: is really an escaped backslash followed by "u0000", only sends the line to the full decode.
+_REFUSED_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
+#: Longest result line taken without decoding (the runner caps a result at 64 KiB of JSON).
+_FAST_RESULT_CHARS = 64 * 1024 + 64
 RELEASED_STOPPING = "released: the drainer stopped before the job finished"
 CANCELLED = "cancelled: an operator cancelled the job while it ran"
 
@@ -374,14 +380,19 @@ class Runner:
         base = self.template_of(kind)
         limits = base.limits
 
-        def describe(sbx: Sandbox) -> dict[str, Any]:
-            return {
+        # Every job's line of the batch, written once for this run (a fresh sandbox for the jobs
+        # left reuses them): each payload as the table gave it (jsonb's own output, valid JSON),
+        # so the host neither decodes nor re-encodes a payload.
+        lines = [f'{{"id":{j.id},"attempt":{j.attempts},"timeout":{self.timeout_of(j)!r},"payload":{j.payload_json}}}'
+                 for j in jobs]
+
+        def describe(sbx: Sandbox) -> bytes:
+            head = json.dumps({
                 "handler": f"{sbx.handlers_path}/{handler.filename}", "module": handler.module,
                 "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
-                "budget": self.ttl_of(kind), "grace": HARD_GRACE,
-                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS,
-                "jobs": [{"payload": j.payload, "timeout": self.timeout_of(j), "env": _own_env(j)} for j in jobs],
-            }
+                "budget": self.ttl_of(kind), "grace": HARD_GRACE, "kind": kind,
+                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS})
+            return f'{head[:-1]},"jobs":[{",".join(lines)}]}}'.encode()
 
         spare = self._take_spare(jobs)
         if spare is not None:
@@ -392,7 +403,7 @@ class Runner:
             try:
                 host = sbx.host_workspace
                 assert host is not None
-                if _feed(host / FIFO_NAME, json.dumps(describe(sbx)).encode() + b"\n", result):
+                if _feed(host / FIFO_NAME, describe(sbx) + b"\n", result):
                     r = result.result()
                     return self._parse(jobs, r.stdout), r
             except Exception as exc:
@@ -410,7 +421,7 @@ class Runner:
         try:
             desc = describe(sbx)
             sbx.write(RUNNER_NAME, RUNNER.read_bytes())
-            sbx.write("batch.json", json.dumps(desc))
+            sbx.write("batch.json", desc)
             ws = sbx.workspace_path
             r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], self.ttl_of(kind))
         except Exception as exc:
@@ -426,16 +437,32 @@ class Runner:
         return Outcome("release", error=RELEASED_STOPPING, run=describe_run(self.backend.name, r, "drainer stopped"))
 
     def _parse(self, jobs: Sequence[Job], stdout: str) -> list[tuple[Job, Outcome]]:
-        """The records, in order, up to the first that is missing or not well formed."""
+        """The records, in order, up to the first that is missing or not well formed.
+
+        A handle() result line, ``{"i":N,"ok":true,"result":TEXT}``, is taken without decoding:
+        TEXT goes to the completer as it is, when it is ASCII (the runner's json.dumps escapes
+        the rest) with no escape jsonb refuses (``\u0000``, a surrogate: those lines take the full
+        decode, which replaces them). The sandbox is not trusted for it: a line is read only at
+        the place of the job expected next (``i``), TEXT is passed as one value, never spliced into
+        a statement, and the server's jsonb cast is its check (TEXT that is not JSON fails that
+        job alone, in the completer's one-by-one write)."""
         out: list[tuple[Job, Outcome]] = []
+        n = len(jobs)
+        done_run = _done_run(self.backend.name)
         for line in stdout.splitlines():
-            if len(out) == len(jobs):
+            i = len(out)
+            if i == n:
                 break
+            head = f'{{"i":{i},"ok":true,"result":'
+            if (line.startswith(head) and line.endswith("}") and line.isascii()
+                    and len(line) <= _FAST_RESULT_CHARS and _REFUSED_ESCAPE.search(line) is None):
+                out.append((jobs[i], Outcome("done", result_json=line[len(head):-1], run=done_run)))
+                continue
             try:
                 rec = json.loads(line)
-                if rec["i"] != len(out):
+                if rec["i"] != i:
                     break
-                out.append((jobs[len(out)], _outcome(self.backend.name, rec)))
+                out.append((jobs[i], _outcome(self.backend.name, rec)))
             except (ValueError, KeyError, TypeError):
                 break
         return out
@@ -491,12 +518,22 @@ def _script_outcome(tier: str, r: ExecResult) -> Outcome:
     return Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut, run=run)
 
 
+_DONE_RUNS: dict[str, Run] = {}
+
+
+def _done_run(tier: str) -> Run:
+    """The attempt-history view of a handle() that returned: one shared (frozen) Run per tier."""
+    run = _DONE_RUNS.get(tier)
+    if run is None:
+        run = _DONE_RUNS[tier] = Run(tier=tier, exit_code=0)
+    return run
+
+
 def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
     if "ok" in rec:  # handle(): it returned (exit code 0 in the history) or raised (no exit code)
         if rec["ok"]:
             text = _RESULT_JSON.encode(rec["result"])
-            return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)),
-                           run=Run(tier=tier, exit_code=0))
+            return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)), run=_done_run(tier))
         error = _text(rec["error"])
         timed_out = error.startswith("killed: ")
         return Outcome("fail", error=error,

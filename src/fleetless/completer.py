@@ -1,6 +1,6 @@
 """The completer: writes the outcomes of claimed jobs, inline or batched, always fenced per row.
 
-Every outcome goes through :meth:`Queue.finish_many`: one ``UPDATE … FROM unnest(…)`` per flush,
+Every outcome goes through :meth:`Queue.finish_many`: one ``UPDATE … FROM jsonb_array_elements(…)`` per flush,
 each row matched on ``(id, claim_token, status = 'running')``, so a drainer whose claim was reaped
 and taken over can never overwrite the new owner's outcome (it learns it from the rows missing in
 the answer: ``fenced_out``).

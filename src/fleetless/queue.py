@@ -69,6 +69,13 @@ OnDuplicate = Literal["existing", "replace", "raise"]
 _ON_DUPLICATE = ("existing", "replace", "raise")
 
 
+_NO_RUN = Run()
+_STATUS = {s.value: s for s in Status}
+#: The finish rows' encoder, built once (json.dumps with options builds one per call). ASCII: a
+#: lone surrogate reaches the server as an escape it refuses (a refused value, that row alone).
+_ROWS_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+
+
 def clean_text(text: str | None, limit: int, *, keep: str = "head") -> str | None:
     """Text PostgreSQL will store: no NUL bytes, at most ``limit`` characters (head or tail)."""
     if text is None:
@@ -186,6 +193,13 @@ class Queue:
         with (db.errors_translated(self.schema), self._connection(conn) as c,
               c.cursor(row_factory=dict_row) as cur):
             cur.execute(self._q[name], params, prepare=prepare)
+            return cur.fetchall() if cur.description else []
+
+    def _tuples(self, name: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """As :meth:`_run`, with rows as tuples: the batch path's statements return thousands of
+        rows, and a dict per row was a visible share of a drain of small jobs."""
+        with db.errors_translated(self.schema), self._connection() as c, c.cursor() as cur:
+            cur.execute(self._q[name], params)
             return cur.fetchall() if cur.description else []
 
     def query(
@@ -433,8 +447,9 @@ class Queue:
                 got += jobs
                 if len(got) >= n:
                     return got
-        rows = self._run("claim_kind" if one_kind else "claim", {**params, "n": n - len(got)})
-        return got + _jobs(rows)
+        if one_kind:  # in run order already; a tuple per row, in Job's field order
+            return [Job(*row) for row in self._tuples("claim_kind", params)]
+        return got + _jobs(self._run("claim", {**params, "n": n - len(got)}))
 
     def _claim_limited(self, kind: str, ks: KindSettings, params: dict[str, Any]) -> list[Job]:
         """One limited kind's claim: its lock, then its jobs within its limits, one transaction."""
@@ -525,25 +540,21 @@ class Queue:
         retry whose first reply was lost recognises its own earlier writes (their status is in it)."""
         if not outcomes:
             return {}
-        cols: dict[str, Any] = {k: [] for k in (
-            "ids", "tokens", "actions", "permanent", "delays", "errors", "results", "results_json",
-            "tiers", "exit_codes", "signals", "kill_reasons")}
+        tokens: dict[uuid.UUID, str] = {}  # a claim's jobs share its token: one str() per claim
+        rows = []
         for job, o in outcomes:
-            run = o.run or Run()
-            cols["ids"].append(job.id)
-            cols["tokens"].append(job.claim_token)
-            cols["actions"].append(o.action)
-            cols["permanent"].append(o.permanent)
-            cols["delays"].append(float(o.delay))
-            cols["errors"].append(clean_text(o.error, MAX_ERROR_CHARS, keep="tail"))
-            cols["results"].append(result_text(o.result, cut=o.result_cut))
-            cols["results_json"].append(o.result_json)
-            cols["tiers"].append(run.tier)
-            cols["exit_codes"].append(run.exit_code)
-            cols["signals"].append(run.signal)
-            cols["kill_reasons"].append(clean_text(run.kill_reason, 500))
-        cols["host"], cols["pid"], cols["max_releases"] = socket.gethostname(), os.getpid(), MAX_RELEASES
-        written = {r["id"]: Status(r["status"]) for r in self._run("finish_many", cols)}
+            run = o.run or _NO_RUN
+            token = tokens.get(job.claim_token)
+            if token is None:
+                token = tokens[job.claim_token] = str(job.claim_token)
+            rows.append((job.id, token, o.action, o.permanent, float(o.delay),
+                         None if o.error is None else clean_text(o.error, MAX_ERROR_CHARS, keep="tail"),
+                         None if o.result is None else result_text(o.result, cut=o.result_cut),
+                         o.result_json, run.tier, run.exit_code, run.signal,
+                         None if run.kill_reason is None else clean_text(run.kill_reason, 500)))
+        params = {"rows": _ROWS_JSON.encode(rows), "host": socket.gethostname(), "pid": os.getpid(),
+                  "max_releases": MAX_RELEASES}
+        written = {job_id: _STATUS[status] for job_id, status in self._tuples("finish_many", params)}
         missing = [job for job, _ in outcomes if job.id not in written]
         if missing:  # fenced out, or written by this call's own earlier try whose reply was lost
             written.update((r["id"], Status(r["status"])) for r in self._run(

@@ -17,7 +17,7 @@ CLAIM = b"attempts = j.attempts + 1"  # in the claim statement only
 COMPLETE = b"SET status = 'done'"
 FAIL = b"max_attempts AND NOT"
 RELEASE = b"times in a row; charged"
-FINISH_MANY = b"u(id, token, action"  # in the completer's batched finish only
+FINISH_MANY = b"AS action, (e->>3)::bool AS permanent"  # in the completer's batched finish only
 
 
 def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: Queue, handlers, sql) -> None:

@@ -7,11 +7,11 @@ come (see ``read_batch``). It uses the standard
 library only (it must not import ``fleetless``: the sandbox's python may not have it)::
 
     {"handler": "/handlers/kind.py", "module": true, "argv": ["/usr/bin/python3", "/handlers/kind.py"],
-     "budget": 880.0, "grace": 2.0, "stdout_bytes": 65536, "stderr_bytes": 2000,
-     "jobs": [{"payload": {...}, "timeout": 10.0, "env": {"FLEETLESS_JOB_ID": "7", ...}}, ...]}
+     "budget": 880.0, "grace": 2.0, "stdout_bytes": 65536, "stderr_bytes": 2000, "kind": "kind",
+     "jobs": [{"id": 7, "attempt": 1, "timeout": 10.0, "payload": {...}}, ...]}
 
-The process's own environment is what every job of the batch shares; a job's ``env`` adds what
-is its own (id, attempt).
+The process's own environment is what every job of the batch shares; each job adds what is its
+own: FLEETLESS_JOB_ID, FLEETLESS_ATTEMPT and FLEETLESS_KIND (the batch's kind).
 
 ``module``: the handler defines ``handle(payload)``. It is imported once and called once per
 job in this process, so a tiny job costs a function call; ``handle``'s return value is the job's
@@ -23,7 +23,7 @@ in ``payload.json``, as in per-job mode.
 
 Results go to stdout, one JSON line per job, in order, written as soon as the job ends::
 
-    {"i": 0, "ok": true, "result": ..., "duration": 0.001}              (module)
+    {"i": 0, "ok": true, "result": ...}                                 (module; the result last)
     {"i": 1, "ok": false, "error": "ValueError: ...", "duration": ...}  (module)
     {"i": 2, "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
 
@@ -115,6 +115,8 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     except BaseException as exc:  # the import fails for every job alike: each job's failure
         import_error = "cannot import the handler: " + describe_exception(exc)
     me = os.getpid()
+    environ = os.environ
+    environ["FLEETLESS_KIND"] = desc["kind"]
     signal.signal(signal.SIGALRM, _on_alarm)
     armed_at = -10.0
     for i, job in enumerate(jobs):
@@ -130,7 +132,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             # no earlier than timeout + grace after any job's start, and at most 1 s later.
             faulthandler.dump_traceback_later(longest + grace + 1.0, exit=True)
             armed_at = now
-        os.environ.update(job.get("env", {}))
+        environ["FLEETLESS_JOB_ID"], environ["FLEETLESS_ATTEMPT"] = str(job["id"]), str(job["attempt"])
         t0 = time.monotonic()
         try:
             signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -144,7 +146,8 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
                 raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
                                  f"at {RESULT_BYTES} bytes")
-            out.write(f'{{"i":{i},"ok":true,"result":{text},"duration":{time.monotonic() - t0:.6f}}}\n')
+            # the result last, as json.dumps wrote it: the host takes it without decoding the line
+            out.write(f'{{"i":{i},"ok":true,"result":{text}}}\n')
             continue
         except JobTimeout:
             if os.getpid() != me:
@@ -156,6 +159,11 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             error = describe_exception(exc)
         out.send({"i": i, "ok": False, "error": error, "duration": time.monotonic() - t0})
     faulthandler.cancel_dump_traceback_later()
+
+
+def _own_env(desc: dict[str, Any], job: dict[str, Any]) -> dict[str, str]:
+    return {"FLEETLESS_JOB_ID": str(job["id"]), "FLEETLESS_ATTEMPT": str(job["attempt"]),
+            "FLEETLESS_KIND": desc["kind"]}
 
 
 def _head(path: str, limit: int) -> str:
@@ -190,7 +198,7 @@ def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
         with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
             try:
                 proc = subprocess.Popen([*argv0, payload_path], stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                        env={**os.environ, **job.get("env", {})}, start_new_session=True,
+                                        env={**os.environ, **_own_env(desc, job)}, start_new_session=True,
                                         cwd=cwd)
             except OSError as exc:
                 out.send({"i": i, "exit": 127 if isinstance(exc, FileNotFoundError) else 126, "stdout": "",

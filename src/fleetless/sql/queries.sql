@@ -377,7 +377,11 @@ RETURNING id;
 
 -- name: finish_many
 -- The completer's one statement per flush: many outcomes (done, failed, released) in one UPDATE
--- over unnest()ed arrays, so a batch of small jobs costs one round trip instead of one per job.
+-- over the rows of one JSON array, so a batch of small jobs costs one round trip instead of one per
+-- job. One JSON parameter, not twelve arrays: the client encodes it with the json module's C
+-- encoder, where psycopg dumps each array element in Python (the batch drain's largest client
+-- cost per job). Each row: [id, token, action, permanent, delay, error, result, result_json (as
+-- text), tier, exit_code, signal, kill_reason].
 -- Each row is still fenced on (id, claim_token, status = 'running'): a drainer whose claim was
 -- reaped and taken over matches nothing and learns it from the rows not returned. Every outcome,
 -- a release too, keeps the claim's token, so that a retry after a lost reply recognises its own
@@ -421,11 +425,10 @@ FROM (SELECT u.*,
              CASE WHEN u.action = 'release' AND b.releases + 1 >= %(max_releases)s
                   THEN 'released ' || (b.releases + 1) || ' times in a row; charged as an attempt: ' || u.error
                   ELSE u.error END AS err
-      FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(actions)s::text[], %(permanent)s::bool[],
-                  %(delays)s::float8[], %(errors)s::text[], %(results)s::text[], %(results_json)s::text[],
-                  %(tiers)s::text[], %(exit_codes)s::int[], %(signals)s::text[], %(kill_reasons)s::text[])
-           AS u(id, token, action, permanent, delay, error, result, result_json, tier, exit_code, signal,
-                kill_reason)
+      FROM (SELECT (e->>0)::bigint AS id, (e->>1)::uuid AS token, e->>2 AS action, (e->>3)::bool AS permanent,
+                   (e->>4)::float8 AS delay, e->>5 AS error, e->>6 AS result, e->>7 AS result_json,
+                   e->>8 AS tier, (e->>9)::int AS exit_code, e->>10 AS signal, e->>11 AS kill_reason
+            FROM jsonb_array_elements(%(rows)s::jsonb) AS e) AS u
            JOIN {schema}.jobs AS b ON b.id = u.id) AS o
      JOIN {schema}.jobs AS was ON was.id = o.id
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
@@ -462,6 +465,7 @@ RETURNING j.id;
 -- reaches each kind's oldest job in turn instead of starving the rare ones. The head row is
 -- locked by the CTE and therefore not skipped by the claim that follows. A kind's batch_size
 -- (fleetless.toml, in kinds) replaces the drain's n for its batches.
+-- The rows come back in run order (priority, then id), sorted here rather than by the client.
 WITH head AS (
   SELECT kind FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
@@ -470,7 +474,7 @@ WITH head AS (
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT 1
-)
+), claimed AS (
 UPDATE {schema}.jobs AS j
 SET status = 'running',
     attempts = j.attempts + 1,
@@ -497,7 +501,9 @@ WHERE j.id IN (
 )
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds;
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds
+)
+SELECT * FROM claimed ORDER BY priority DESC, id;
 
 -- name: limited_kinds_due
 -- Which of the kinds with a global limit have a due job in the drain's queues: the limited claim

@@ -1,0 +1,88 @@
+"""Same-run A/B of the batch drain: fleetless from two source trees, interleaved, against the raw
+ceiling and PgQueuer, whole processes.
+
+    .venv/bin/python bench/ab_drain.py --jobs 15000 --reps 3 --tree before=/work/main/src --tree after=src
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import scratch_db
+from suite.drain import PEERS, PEERS_PY, _fill_fleetless, _fill_raw, _url
+
+from fleetless import Queue
+
+
+CPU: dict[str, list[float]] = {}
+
+
+def timed(argv: list[str], env: dict[str, str], label: str = "") -> float:
+    """Wall seconds of the whole process; its CPU (with its waited-for children: sandboxes,
+    runners) goes to CPU[label]."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 0, f"{argv[:3]} exited {proc.returncode}"
+    CPU.setdefault(label, []).append(ru.ru_utime + ru.ru_stime)
+    return wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=15000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--per-sandbox", default="2000")
+    ap.add_argument("--tree", action="append", default=[], help="label=path/to/src")
+    ap.add_argument("--no-peers", action="store_true")
+    a = ap.parse_args()
+    n = a.jobs
+    trees = [t.split("=", 1) for t in a.tree] or [["tree", "src"]]
+    rates: dict[str, list[float]] = {}
+    with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
+        Path(folder, "noop.py").write_text("def handle(payload):\n    return None\n")
+        os.chmod(folder, 0o755)
+        Queue(dsn).init()
+        for _ in range(a.reps):
+            if not a.no_peers:
+                _fill_raw(dsn, n)
+                w = timed([sys.executable, str(PEERS / "raw_drain.py"), dsn, "100"], {}, "raw")
+                rates.setdefault("raw", []).append(n / w)
+                subprocess.run([PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "fill", _url(dsn), str(n)], check=True,
+                               stdout=subprocess.DEVNULL)
+                w = timed([PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "drain", _url(dsn), "200"], {}, "pgqueuer")
+                rates.setdefault("pgqueuer", []).append(n / w)
+            for label, src in trees:
+                _fill_fleetless(dsn, n)
+                w = timed([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", folder, "--sandbox",
+                           "process", "--per-sandbox", a.per_sandbox, "--concurrency", "2", "--lease-grace", "60"],
+                          {"PYTHONPATH": os.path.abspath(src), "DATABASE_URL": dsn}, label)
+                import psycopg
+                with psycopg.connect(dsn) as c:
+                    done = c.execute("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'").fetchone()
+                assert done == (n,), f"{label}: {done} of {n} done"
+                rates.setdefault(label, []).append(n / w)
+    for label, vals in rates.items():
+        m = statistics.median(vals)
+        extra = ""
+        if "raw" in rates:
+            extra += f"  /raw {m / statistics.median(rates['raw']):.2f}"
+        if "pgqueuer" in rates:
+            extra += f"  /pgq {m / statistics.median(rates['pgqueuer']):.2f}"
+        cpu = statistics.median(CPU[label]) * 1e6 / n
+        print(f"{label:10s} {m:9,.0f} jobs/s  [{', '.join(f'{v:,.0f}' for v in vals)}]{extra}"
+              f"  client CPU {cpu:.1f} us/job [{', '.join(f'{c * 1e6 / n:.1f}' for c in CPU[label])}]")
+
+
+if __name__ == "__main__":
+    main()
