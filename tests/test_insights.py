@@ -180,6 +180,34 @@ def test_metrics_count_every_ended_attempt_by_kind_even_after_pruning(queue: Que
     assert ids
 
 
+def test_deleting_a_job_soon_after_it_ended_never_lowers_the_attempt_counters(queue: Queue, sql: Any) -> None:
+    """`fleetless delete` of a job whose attempts no scrape has folded yet (they ended within the
+    fold margin) keeps them in the counters: before, they left with the job and the counter
+    dropped, which Prometheus reads as a reset."""
+    sql("TRUNCATE fleetless.attempt_totals")  # the fixture's TRUNCATE … RESTART IDENTITY reuses attempt ids
+    sql("UPDATE fleetless.attempt_totals_mark SET last_id = 0")
+    first, second = (queue.enqueue("del", {}, queue="deleting") for _ in range(2))
+    for job in queue.claim(2, queues=["deleting"]):
+        sql("UPDATE fleetless.jobs SET started_at = now() - interval '5 seconds' WHERE id = %s", job.id)
+        queue.complete(job)
+    before = Insights(queue).metrics()
+    assert _of_del(before) == [("del", "done", 2)]
+    queue.delete(first)
+    after = Insights(queue).metrics()
+    assert _of_del(after) == [("del", "done", 2)]
+    assert after.durations[("del", "done")] == before.durations[("del", "done")]
+    # Once the rest is old enough to fold, the deleted job's attempt is not counted a second time.
+    sql("UPDATE fleetless.job_attempts SET finished_at = now() - interval '1 hour'")
+    assert _of_del(Insights(queue).metrics()) == [("del", "done", 2)]
+    queue.delete(second)  # already folded: nothing added
+    assert _of_del(Insights(queue).metrics()) == [("del", "done", 2)]
+    assert sql("SELECT sum(n) FROM fleetless.attempt_totals WHERE kind = 'del'") == [(2,)]
+
+
+def _of_del(m: Any) -> list[tuple[str, str, int]]:
+    return [f for f in m.finished if f[0] == "del"]
+
+
 class Recorder(NullReporter):
     def __init__(self) -> None:
         self.events: list[JobFinished] = []

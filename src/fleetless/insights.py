@@ -199,7 +199,8 @@ class MetricsSnapshot:
 #: ``fold_attempt_totals`` in queries.sql for why this margin makes the fold exact.
 FOLD_MARGIN_SECONDS = 600
 FOLD_BATCH = 200_000
-_FOLD_LOCK = 0x666C6D6574
+#: The advisory lock a fold tries and a delete that adds to the totals itself waits for.
+FOLD_LOCK = 0x666C6D6574
 
 
 class Insights:
@@ -345,20 +346,20 @@ class Insights:
         after = self.queue.query("attempt_totals_mark")[0]["last_id"]
         for row in self.queue.query("attempt_fold_upto", {"after": after, "margin": FOLD_MARGIN_SECONDS,
                                                           "batch": FOLD_BATCH}, prepare=False):
-            self.queue.query("fold_attempt_totals", {"lock": _FOLD_LOCK, "after": after, "upto": row["upto"],
-                                                     **_bucket_params(bounds)}, prepare=False)
+            self.queue.query("fold_attempt_totals", {"lock": FOLD_LOCK, "after": after, "upto": row["upto"],
+                                                     **bucket_params(bounds)}, prepare=False)
 
     def _attempt_totals(self, bounds: list[float]) -> list[dict[str, Any]]:
         """The totals plus the unfolded tail, read again if a concurrent fold moved the mark."""
         while True:
             after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
-            rows = self.queue.query("attempt_totals", {"after": after, **_bucket_params(bounds)}, prepare=False)
+            rows = self.queue.query("attempt_totals", {"after": after, **bucket_params(bounds)}, prepare=False)
             if not rows or rows[0]["mark"] == after:
                 return rows
 
 
-def _bucket_params(bounds: list[float]) -> dict[str, list[float]]:
+def bucket_params(bounds: list[float]) -> dict[str, list[float]]:
     return {"bounds": bounds, "negated": [-b for b in reversed(bounds)]}
 
 
-__all__ += ["HEAD_CHARS", "PAGE_SIZE", "JobNotFound"]
+__all__ += ["FOLD_LOCK", "HEAD_CHARS", "PAGE_SIZE", "JobNotFound", "bucket_params"]

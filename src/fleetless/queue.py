@@ -629,8 +629,17 @@ class Queue:
         return {(r["id"], r["claim_token"]) for r in rows}
 
     def delete(self, job_id: int) -> None:
-        """Delete a finished (done, dead or cancelled) job and its attempt history."""
-        if not self._run("delete", {"id": _job_id(job_id)}):
+        """Delete a finished (done, dead or cancelled) job and its attempt history (the attempt
+        counters of ``/metrics`` keep counting its attempts)."""
+        from .insights import DURATION_BUCKETS, FOLD_LOCK, bucket_params
+
+        params = {"id": _job_id(job_id), **bucket_params([float(b) for b in DURATION_BUCKETS])}
+        with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
+              c.cursor(row_factory=dict_row) as cur):
+            cur.execute(self._q["fold_lock"], {"lock": FOLD_LOCK})
+            cur.execute(self._q["delete"], params, prepare=False)
+            deleted = cur.fetchall()
+        if not deleted:
             status = self._status_of(job_id)["status"]
             raise ValueError(f"job {job_id} is {status}; only done, dead or cancelled jobs can be deleted"
                              " (cancel it first)")

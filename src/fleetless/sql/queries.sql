@@ -311,10 +311,40 @@ WHERE j.status = 'running' AND j.cancel_requested_at IS NOT NULL;
 
 -- name: delete
 -- Operator delete of a finished job, with its attempt history (ON DELETE CASCADE). Pending and
--- running jobs are cancelled first, so that no drainer is ever left holding a deleted row.
-DELETE FROM {schema}.jobs
-WHERE id = %(id)s AND status IN ('done', 'dead', 'cancelled')
-RETURNING id;
+-- running jobs are cancelled first, so that no drainer is ever left holding a deleted row. Its
+-- attempts no scrape has folded into attempt_totals yet (above the mark: they ended within the
+-- fold margin) are added to the totals by the same statement, under its kind, so /metrics'
+-- counters never drop when a job is deleted soon after it ended (they read the attempts live
+-- until then). The CTEs share one snapshot: the attempts are read before the cascade removes
+-- them. Run after fold_lock in the same transaction, so no fold is counting them meanwhile.
+WITH gone AS (
+  DELETE FROM {schema}.jobs
+  WHERE id = %(id)s AND status IN ('done', 'dead', 'cancelled')
+  RETURNING id, kind
+), folded AS (
+  SELECT g.kind, a.outcome,
+         CASE WHEN a.duration_seconds IS NULL THEN -1
+              ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
+                            - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
+         count(*) AS n, COALESCE(sum(a.duration_seconds), 0) AS seconds
+  FROM {schema}.job_attempts a
+  JOIN gone g ON g.id = a.job_id
+  WHERE a.id > (SELECT last_id FROM {schema}.attempt_totals_mark)
+  GROUP BY 1, 2, 3
+), added AS (
+  INSERT INTO {schema}.attempt_totals AS t (kind, outcome, bound, n, seconds)
+  SELECT kind, outcome, bound, n, seconds FROM folded
+  ON CONFLICT (kind, outcome, bound)
+  DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
+)
+SELECT id FROM gone;
+
+-- name: fold_lock
+-- Taken (until the transaction ends) by a write that adds attempts to attempt_totals itself
+-- (delete): a fold holding it is waited for, so the write then reads the mark it moved; a fold
+-- starting meanwhile fails its try of the same lock and folds nothing, so no attempt is counted
+-- twice.
+SELECT pg_advisory_xact_lock(%(lock)s);
 
 -- name: attempts
 -- One job's attempt history, oldest first.
