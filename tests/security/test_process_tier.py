@@ -249,7 +249,7 @@ def test_a_jobs_drainer_and_supervisor_are_out_of_its_reach(
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("tier", ["process", "bwrap", pytest.param("microvm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver", pytest.param("microvm", marks=pytest.mark.slow)])
 def test_a_signal_to_the_drains_process_group_winds_down_the_drain_without_charging_a_job(
         tier: str, sig: signal.Signals, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
     """Ctrl-C at a terminal (SIGINT to the foreground process group) or ``kill -TERM -- -PGID``:
@@ -257,13 +257,16 @@ def test_a_signal_to_the_drains_process_group_winds_down_the_drain_without_charg
     killed, charged or released."""
     need_tier(tier)
     kind = f"sleepy{uuid.uuid4().hex[:12]}"
-    h = handlers_dir(shared, **{f"{kind}.py": "import time\ntime.sleep(4)\nprint('finished')\n"})
+    body = "import time\ntime.sleep(4)\nprint('finished')\n"
+    if tier == "forkserver":  # a forked job's command line is its server's: exec to show the kind
+        body = (f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {body!r}, {kind!r}])\n")
+    h = handlers_dir(shared, **{f"{kind}.py": body})
     work = work_dir(shared, None)
     queue.enqueue_many([{"kind": kind, "payload": {}, "max_attempts": 1}] * 4)
     d = drain(dsn, h, work, "--concurrency", "2", "--shutdown-grace", "120", tier=tier, start=True)
     assert isinstance(d, subprocess.Popen)
     try:
-        wait_for(lambda: len(set(pids_with("qemu-system" if tier == "microvm" else f"{kind}.py"))
+        wait_for(lambda: len(set(pids_with("qemu-system" if tier == "microvm" else kind))
                              & descendants(d.pid)) >= 2, timeout=120, what="two jobs running")
         os.killpg(d.pid, sig)  # the whole process group, as a terminal or `kill -- -PGID` does
         out, err = d.communicate(timeout=180)
