@@ -105,6 +105,12 @@ def test_every_command_works_through_the_pooler(pooled: str, fleetless, handlers
     assert "pruned 1" in fleetless("prune", "--older-than", "7d", dsn=pooled).stdout
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status ORDER BY status") == [
         ("done", 7), ("pending", 1)]
+    # run-now, and delete (a transaction: the fold's lock, then the delete that keeps its counts)
+    assert json.loads(fleetless("run-now", str(bad), "--json", dsn=pooled).stdout) == {"run_now": bad}
+    assert json.loads(fleetless("delete", str(kept), "--json", dsn=pooled).stdout) == {"deleted": kept}
+    assert "fleetless_attempts_finished_total" in fleetless("metrics", dsn=pooled).stdout
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status ORDER BY status") == [
+        ("done", 6), ("pending", 1)]
 
 
 def test_concurrent_inits_serialise_on_a_transaction_scoped_advisory_lock(pooled: str, sql) -> None:
