@@ -100,6 +100,20 @@ def test_an_uninitialised_schema_is_named(dsn: str, queue: Queue, fleetless) -> 
                    "schema never_made is not initialised: run 'fleetless init'")
 
 
+def test_a_drain_exits_1_for_a_bad_value_and_3_when_it_cannot_start(dsn: str, queue: Queue, fleetless,
+                                                                     handlers) -> None:
+    """The exit codes deploy/kubernetes-cronjob.yaml's podFailurePolicy reads (docs/deploy.md): a
+    bad flag value is 1 (the Job fails at once); an uninitialised schema or a missing handlers
+    directory, found at run time, is 3 (the pod is replaced)."""
+    h = handlers(**{"a.py": "print(1)"})
+    bad = fleetless("drain", "--handlers", str(h), "--timeout", "0", dsn=dsn)
+    assert bad.returncode == 1, bad.stderr
+    never = fleetless("--schema", "never_made", "drain", "--handlers", str(h), dsn=dsn)
+    assert never.returncode == 3 and "schema never_made is not initialised" in never.stderr, never.stderr
+    missing = fleetless("drain", "--handlers", str(h / "nope"), dsn=dsn)
+    assert missing.returncode == 3 and "does not exist" in missing.stderr, missing.stderr
+
+
 def test_retry_cancel_reap_prune(dsn: str, queue: Queue, fleetless, sql) -> None:
     a = queue.enqueue("a", {}, max_attempts=1)
     b = queue.enqueue("b", {})
