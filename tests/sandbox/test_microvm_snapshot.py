@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
-from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, microvm_snapshot
+from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, microvm, microvm_snapshot
+from fleetless.sandbox._guest_init import AGENT_WAIT
 from fleetless.sandbox.microvm import MicroVMSandbox
 from fleetless.sandbox.microvm_image import load_image
 
@@ -43,8 +45,8 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def _restores_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FLEETLESS_MICROVM_SNAPSHOT", "on")  # restores are opt-in for now
+def _restores_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLEETLESS_MICROVM_SNAPSHOT", raising=False)  # the default: restores
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +236,73 @@ def test_a_drain_restores_a_snapshot_per_job(snapshot: Path, queue: Queue, handl
     assert rows[failed][0] == "dead" and rows[failed][2] == "exit code 3: bad input\nbad input"
     assert rows[hung][0] == "dead" and str(rows[hung][2]).startswith("killed: timeout after 2 s")
     assert _fallback_lines(caplog) == []  # every job was a restore
+
+
+def test_a_copy_resumes_by_itself_however_late_its_state_finishes_loading(
+        snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state reaches QEMU seconds after it read its monitor's commands (as under load, when
+    the load takes longer than the commands). Before snapshots were saved from a running VM, the
+    pre-written ``cont`` then came during the load and was ignored: the copy stayed paused and
+    the job failed with "vm did not boot within 60 s"."""
+    state = (snapshot / "state").read_bytes()
+
+    def slow_state(dirfd: int) -> int:
+        r, w = os.pipe()
+
+        def feed() -> None:
+            time.sleep(2)  # the delay under test, not a wait for a condition
+            try:
+                with open(w, "wb") as f:
+                    f.write(state)
+            except OSError:
+                pass  # QEMU is gone: the test's assertions say why
+
+        threading.Thread(target=feed, daemon=True).start()
+        return r
+
+    monkeypatch.setattr(microvm_snapshot, "_open_state", slow_state)
+    h = _handlers(tmp_path, **{"ok.py": "print('ok')"})
+    sbx, res = _run(h, "ok")
+    assert sbx.last_boot is not None and sbx.last_boot.restored, sbx.last_boot
+    assert (res.exit_code, res.stdout) == (0, "ok\n"), res
+
+
+def test_a_restored_copy_whose_job_never_comes_stops_by_itself(
+        snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drainer stopped between spawning a copy and writing its job cannot leave the copy
+    behind: the agent's wait, armed before the snapshot, ends it AGENT_WAIT seconds after the
+    restore (QEMU exits; nothing of the job ran)."""
+    release = threading.Event()
+
+    def never_write(fd: int, data: bytes) -> None:
+        release.wait(300)
+        os.close(fd)
+
+    monkeypatch.setattr(microvm_snapshot, "_writer", never_write)
+    image = load_image()
+    snap = microvm_snapshot.find(image, microvm._qemu_binary() or "", MEMORY // MiB, 1,
+                                 microvm.accel(image))
+    assert isinstance(snap, microvm_snapshot.Snapshot), snap
+    h = _handlers(tmp_path, **{"ok.py": "print('ok')"})
+    job = microvm.GuestJob([microvm.GUEST_PYTHON, "/handlers/ok.py"], {}, 5.0)
+    try:
+        out = microvm_snapshot.restore(snap, image, [job], h, tmp_bytes=64 * MiB,
+                                       hard_deadline=time.monotonic() + AGENT_WAIT + 50)
+    finally:
+        release.set()
+    assert isinstance(out, microvm.BootOutcome)
+    # QEMU exited by itself (the host's deadline would say "ttl"), because the guest reset.
+    assert (out.failure, out.results) == ("restore failed", [None]), out
+    assert "sysrq: Resetting" in out.console, out
+
+
+def test_restores_turned_off_cold_boot_without_a_word(
+        snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("FLEETLESS_MICROVM_SNAPSHOT", "off")
+    caplog.set_level(logging.WARNING, logger="fleetless.sandbox.microvm")
+    h = _handlers(tmp_path, **{"ok.py": "print('ok')"})
+    sbx, res = _run(h, "ok")
+    assert sbx.last_boot is not None and not sbx.last_boot.restored
+    assert (res.exit_code, res.stdout) == (0, "ok\n"), res
+    assert _fallback_lines(caplog) == []

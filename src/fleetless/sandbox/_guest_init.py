@@ -262,9 +262,9 @@ def setup(tmp_bytes: int, network: bool) -> None:
 #: Python handlers run in a fork of the agent (its imports already done) instead of a fresh
 #: interpreter: set in agent mode only.
 FORK_PYTHON = False
-#: Seconds a restored agent waits for each part of its job before it stops the VM. Measured: a
-#: copy restored under TCG does not fire the timer of the wait armed before the snapshot, so the
-#: first wait is not bounded in practice (see microvm_snapshot.restore).
+#: Seconds a restored agent waits for each part of its job before it stops the VM (the first
+#: wait is armed before the snapshot and fires in every copy: a drainer stopped before it wrote
+#: the job leaves no VM behind).
 AGENT_WAIT = 10.0
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
 RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07)

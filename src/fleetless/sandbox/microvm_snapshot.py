@@ -21,6 +21,7 @@ A snapshot is keyed on the QEMU version, the image's files (kernel and initramfs
 runner's source, the accelerator and the VM's shape (RAM, vCPUs). When it cannot be used (none
 built for this shape, another key, a missing file, a network job, too many bytes for the
 channel) the job cold-boots, and the reason is logged once per process and reason.
+``FLEETLESS_MICROVM_SNAPSHOT=off`` turns restores off (every job cold-boots, nothing logged).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ log = logging.getLogger("fleetless.sandbox.microvm")
 __all__ = ["DEFAULT_MEMORY_MIB", "MAX_CHANNEL_BYTES", "Snapshot", "build_snapshot", "find",
            "restore", "say_once", "snapshot_dir", "usable"]
 
-#: Bumped whenever what a snapshot holds changes.
-SNAPSHOT_FORMAT = 1
+#: Bumped whenever what a snapshot holds changes (2: saved from a running VM, so that a copy
+#: resumes by itself once its state is loaded; format 1 was saved paused and needed a ``cont``).
+SNAPSHOT_FORMAT = 2
 #: The shape ``build-image`` snapshots: the default ``Limits`` (512 MiB, 1 vCPU).
 DEFAULT_MEMORY_MIB = 512
 #: Handlers + workspace bytes the restored agent takes over its serial channel; more cold-boots.
@@ -174,8 +176,8 @@ _said_lock = threading.Lock()
 def usable(image: ImageInfo, binary: str, memory_mib: int, cpus: int, accel: str,
            network: bool) -> Snapshot | None:
     """The snapshot to restore for a job, or None (cold boot; the reason logged once)."""
-    if os.environ.get("FLEETLESS_MICROVM_SNAPSHOT") != "on":
-        return None  # opt-in for now (docs/architecture.md): a cold boot, nothing to say
+    if os.environ.get("FLEETLESS_MICROVM_SNAPSHOT") == "off":
+        return None  # the operator's opt-out: a cold boot, nothing to say
     found: Snapshot | str
     if network:
         found = "network jobs need a network device the snapshot does not have"
@@ -343,7 +345,11 @@ def _boot_and_save(image: ImageInfo, binary: str, accel: str, memory_mib: int, c
                 else:
                     console += data
                     del console[:-4096]
-        qmp.cmd("stop")
+        # Migrated while it runs (the agent idles in its read): the state then records the VM as
+        # running, and QEMU starts each restored copy by itself when the state is loaded. A
+        # state saved after ``stop`` records "paused": a copy then resumes only on a ``cont``
+        # that arrives *after* the load (one that arrives during it is ignored), a race that
+        # left restores paused for ever under load.
         qmp.cmd("migrate-set-capabilities",
                 capabilities=[{"capability": "x-ignore-shared", "state": True}])
         qmp.cmd("migrate", uri=f"exec:cat > {work / 'state'}")
@@ -480,6 +486,11 @@ def _wait_resume(sock: socket.socket, deadline: float, hard_deadline: float | No
     return True
 
 
+def _open_state(dirfd: int) -> int:
+    """The descriptor QEMU loads the device state from (a test replaces it with a slow pipe)."""
+    return os.open("state", os.O_RDONLY, dir_fd=dirfd)
+
+
 def _writer(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
@@ -523,23 +534,21 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
         with open(os.open("snapshot.json", os.O_RDONLY, dir_fd=dirfd)) as f:
             if json.load(f) != snap.key:
                 return "the snapshot was rebuilt while in use"
-        state = os.open("state", os.O_RDONLY, dir_fd=dirfd)
+        state = _open_state(dirfd)
         fds.append(state)
         ram = os.open("ram", os.O_RDWR, dir_fd=dirfd)  # QEMU maps it private: never written
         fds.append(ram)
-        # The QMP commands are in QEMU's monitor before it starts, so that the copy resumes by
-        # itself (``cont`` during the incoming migration starts the VM once it is loaded). The
-        # job is written once the VM runs: bytes that reach the serial port before the vCPU does
-        # can leave its interrupt unseen. Known gap: a drainer stopped between this spawn and
-        # that write leaves the copy idle, waiting for its job, until the drainer continues (the
-        # agent's AGENT_WAIT was meant to bound this, but a timer armed before the snapshot does
-        # not fire in the copy under TCG).
+        # The QMP commands are in QEMU's monitor before it starts, and no ``cont`` among them:
+        # the state was saved from a running VM, so QEMU starts the copy by itself as soon as
+        # the state is loaded, whatever this process does meanwhile. (A ``cont`` is no help: one
+        # that QEMU reads while the state is still loading is ignored; that race hung restores.)
+        # The job is written once the VM runs: bytes that reach the serial port before the vCPU
+        # does can leave its interrupt unseen.
         mine, theirs = socket.socketpair()
         caps = [{"capability": "x-ignore-shared", "state": True}]
         for cmd in ({"execute": "qmp_capabilities"},
                     {"execute": "migrate-set-capabilities", "arguments": {"capabilities": caps}},
-                    {"execute": "migrate-incoming", "arguments": {"uri": f"fd:{state}"}},
-                    {"execute": "cont"}):
+                    {"execute": "migrate-incoming", "arguments": {"uri": f"fd:{state}"}}):
             mine.sendall(json.dumps(cmd).encode() + b"\n")
         argv = microvm._QemuEngine(binary, image).argv(
             accel=str(snap.key["accel"]), memory_mib=int(snap.key["memory_mib"]),
