@@ -78,6 +78,27 @@ def test_v_and_log_format_after_the_command_work_as_before_it(dsn: str, queue: Q
     assert event["message"] == f"reaped job {job_id}: claim expired, now pending"
 
 
+def test_under_json_logs_errors_and_warnings_are_json_objects_too(dsn: str, queue: Queue, fleetless: Any,
+                                                                   handlers: Any) -> None:
+    """--log-format json keeps stderr all JSON: a drain's one-line error and enqueue's warning
+    were plain text among the JSON records."""
+    h = handlers(**HANDLERS)
+    r = fleetless("--log-format", "json", "drain", "--handlers", str(h / "nope"), dsn=dsn)
+    assert r.returncode == 3, r.stderr
+    events = [json.loads(line) for line in r.stderr.splitlines()]
+    assert events[-1]["level"] == "error" and events[-1]["event"] == "error" and events[-1]["exit_code"] == 3
+    assert events[-1]["message"].startswith("handlers directory ") and "does not exist" in events[-1]["message"]
+    r = fleetless("--log-format", "json", "enqueue", "nothing-here", "{}", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    (warning,) = [json.loads(line) for line in r.stderr.splitlines()]
+    assert warning["level"] == "warning" and "no handler for kind 'nothing-here'" in warning["message"]
+    r = fleetless("--log-format", "json", "drain", "--handlers", str(h), "--timeout", "0", dsn=dsn)
+    (error,) = [json.loads(line) for line in r.stderr.splitlines()]
+    assert (r.returncode, error["exit_code"], error["level"]) == (1, 1, "error"), r.stderr
+    text = fleetless("drain", "--handlers", str(h / "nope"), dsn=dsn)  # text stays as it was
+    assert text.stderr.splitlines()[-1].startswith("fleetless: error: handlers directory "), text.stderr
+
+
 def test_jobs_shows_the_first_line_of_each_error(dsn: str, queue: Queue, fleetless: Any, handlers: Any,
                                                  sql: Any) -> None:
     h = handlers(**HANDLERS)

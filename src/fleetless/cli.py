@@ -35,6 +35,17 @@ def _fail(message: str) -> NoReturn:
     raise Fail(message)
 
 
+def _say(level: int, message: str, **fields: Any) -> None:
+    """``fleetless: error: …`` / ``fleetless: warning: …`` on stderr; under ``--log-format json``
+    a JSON log record instead (``level``, ``message`` and ``fields``), so stderr stays all JSON."""
+    from .terminal import JsonFormatter
+
+    if any(isinstance(h.formatter, JsonFormatter) for h in logging.getLogger().handlers):
+        logging.getLogger("fleetless.cli").log(level, "%s", message, extra={"fields": fields})
+    else:
+        click.echo(f"fleetless: {logging.getLevelName(level).lower()}: {message}", err=True)
+
+
 def _queue(ctx: click.Context, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Queue:
     obj = ctx.obj
     if not obj["dsn"]:
@@ -200,13 +211,13 @@ def _check_kind(handlers_dir: Path, kind: str) -> None:
     try:
         folder = handlers.check_dir(handlers_dir)
     except handlers.HandlersDirError as exc:
-        click.echo(f"fleetless: warning: {exc}", err=True)
+        _say(logging.WARNING, str(exc))
         return
     kinds.load(folder)
     validate_kind(kind)
     if handlers.resolve(folder, kind) is None:
-        click.echo(f"fleetless: warning: no handler for kind {kind!r} in {handlers_dir} "
-                   f"(neither {kind}.py nor an executable {kind}); a drain will mark the job dead", err=True)
+        _say(logging.WARNING, f"no handler for kind {kind!r} in {handlers_dir} "
+             f"(neither {kind}.py nor an executable {kind}); a drain will mark the job dead")
 
 
 def drain_options(f: F) -> F:
@@ -720,17 +731,18 @@ def main(argv: list[str] | None = None) -> None:
     except click.UsageError as exc:
         hint = f" (see 'fleetless {exc.ctx.command_path.partition(' ')[2]} --help')".replace("  ", " ") \
             if exc.ctx else ""
-        click.echo(f"fleetless: error: {exc.format_message()}{hint}", err=True)
+        _say(logging.ERROR, f"{exc.format_message()}{hint}", event="error", exit_code=2)
         sys.exit(2)
     except click.ClickException as exc:
-        click.echo(f"fleetless: error: {exc.format_message()}", err=True)
+        _say(logging.ERROR, exc.format_message(), event="error", exit_code=1)
         sys.exit(1)
     except (ValueError, JobNotFound, ConnectionError, DrainError, SandboxUnavailable, db.DatabaseError) as exc:
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, JobNotFound):
             message = str(exc.args[0])
-        click.echo(f"fleetless: error: {message}", err=True)
-        sys.exit(3 if isinstance(exc, DrainError) else 1)
+        code = 3 if isinstance(exc, DrainError) else 1
+        _say(logging.ERROR, message, event="error", exit_code=code)
+        sys.exit(code)
 
 
 if __name__ == "__main__":
