@@ -49,6 +49,9 @@ def test_json_logs_are_one_object_per_event(dsn: str, queue: Queue, fleetless: A
     assert (e["id"], e["kind"], e["attempt"], e["outcome"], e["tier"], e["error_head"], e["queue"]) == \
         (bad, "bad", 1, "retried", "process", HEAD, "default")
     assert e["duration"] > 0 and e["level"] == "info"
+    import datetime as dt  # the time is UTC and says so: a shipper elsewhere reads it unambiguously
+    logged = dt.datetime.fromisoformat(e["time"].replace("Z", "+00:00"))
+    assert e["time"].endswith("Z") and abs((dt.datetime.now(dt.UTC) - logged).total_seconds()) < 600
     summary = json.loads(r.stdout)
     assert (summary["claimed"], summary["retried"], summary["done"], summary["dead"]) == (1, 1, 0, 0)
     assert set(summary) >= {"released", "fenced_out", "reaped", "seconds"}

@@ -30,11 +30,16 @@ log = logging.getLogger("fleetless.jobs")
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, and the event's own fields."""
+    """One JSON object per record: time (UTC, ISO 8601 with ``Z``), level, logger, message, and
+    the event's own fields."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        # UTC, so that a log shipper on another host reads the time unambiguously
+        return time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
 
     def format(self, record: logging.LogRecord) -> str:
         data: dict[str, Any] = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
