@@ -94,6 +94,22 @@ class Output:
             data = data[n:]
 
 
+def _arm_watchdog(seconds: float) -> None:
+    """``faulthandler.dump_traceback_later``, which starts a thread: retried for up to 10 s while
+    the uid's process limit leaves no room for one (a fork bomb's last copies, each exiting as
+    its fork fails, still hold it just after its job). Raising here would take the runner down
+    and charge the next job, which did nothing wrong."""
+    give_up = time.monotonic() + 10.0
+    while True:
+        try:
+            faulthandler.dump_traceback_later(seconds, exit=True)
+            return
+        except RuntimeError:
+            if time.monotonic() >= give_up:
+                raise
+            time.sleep(0.02)
+
+
 def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     handler = desc["handler"]
     jobs = desc["jobs"]
@@ -130,7 +146,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
         if now - armed_at > 1.0:
             # The hard stop, re-armed at most once a second (each arm starts a thread): it fires
             # no earlier than timeout + grace after any job's start, and at most 1 s later.
-            faulthandler.dump_traceback_later(longest + grace + 1.0, exit=True)
+            _arm_watchdog(longest + grace + 1.0)
             armed_at = now
         environ["FLEETLESS_JOB_ID"], environ["FLEETLESS_ATTEMPT"] = str(job["id"]), str(job["attempt"])
         t0 = time.monotonic()
