@@ -204,6 +204,23 @@ def test_deleting_a_job_soon_after_it_ended_never_lowers_the_attempt_counters(qu
     assert sql("SELECT sum(n) FROM fleetless.attempt_totals WHERE kind = 'del'") == [(2,)]
 
 
+def test_pruning_inside_the_fold_margin_never_lowers_the_attempt_counters(queue: Queue, sql: Any) -> None:
+    """Retention or `prune --older-than` under ten minutes, before a scrape folded the jobs'
+    attempts: they are added to the totals as the jobs go (they used to go with them)."""
+    sql("TRUNCATE fleetless.attempt_totals")  # the fixture's TRUNCATE … RESTART IDENTITY reuses attempt ids
+    sql("UPDATE fleetless.attempt_totals_mark SET last_id = 0")
+    for _ in range(3):
+        queue.enqueue("del", {}, queue="deleting")
+    for job in queue.claim(3, queues=["deleting"]):
+        queue.complete(job)
+    assert _of_del(Insights(queue).metrics()) == [("del", "done", 3)]
+    assert queue.prune_batch({"done": 0}, limit=2) == 2
+    assert _of_del(Insights(queue).metrics()) == [("del", "done", 3)]
+    assert queue.prune_batch({"done": 0}) == 1
+    assert _of_del(Insights(queue).metrics()) == [("del", "done", 3)]
+    assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(0,)]
+
+
 def _of_del(m: Any) -> list[tuple[str, str, int]]:
     return [f for f in m.finished if f[0] == "del"]
 

@@ -631,18 +631,23 @@ class Queue:
     def delete(self, job_id: int) -> None:
         """Delete a finished (done, dead or cancelled) job and its attempt history (the attempt
         counters of ``/metrics`` keep counting its attempts)."""
-        from .insights import DURATION_BUCKETS, FOLD_LOCK, bucket_params
-
-        params = {"id": _job_id(job_id), **bucket_params([float(b) for b in DURATION_BUCKETS])}
-        with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
-              c.cursor(row_factory=dict_row) as cur):
-            cur.execute(self._q["fold_lock"], {"lock": FOLD_LOCK})
-            cur.execute(self._q["delete"], params, prepare=False)
-            deleted = cur.fetchall()
-        if not deleted:
+        if not self._delete_folding("delete", {"id": _job_id(job_id)}):
             status = self._status_of(job_id)["status"]
             raise ValueError(f"job {job_id} is {status}; only done, dead or cancelled jobs can be deleted"
                              " (cancel it first)")
+
+    def _delete_folding(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+        """Run ``delete`` or ``prune_batch``, which add the deleted jobs' not yet folded attempts
+        to /metrics' running totals, after the fold's lock in the same transaction (see
+        ``fold_lock``): deleting jobs never lowers the attempt counters."""
+        from .insights import DURATION_BUCKETS, FOLD_LOCK, bucket_params
+
+        params = {**params, **bucket_params([float(b) for b in DURATION_BUCKETS])}
+        with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
+              c.cursor(row_factory=dict_row) as cur):
+            cur.execute(self._q["fold_lock"], {"lock": FOLD_LOCK})
+            cur.execute(self._q[name], params, prepare=False)
+            return cur.fetchall()
 
     def run_now(self, job_id: int) -> None:
         """Make a pending job due now (it keeps its attempts)."""
@@ -745,7 +750,7 @@ class Queue:
             raise ValueError(f"cannot prune status {', '.join(sorted(unknown))}: only done, cancelled, dead")
         params: dict[str, Any] = {s: _as_float(ages.get(s), f"{s} age") for s in ("done", "cancelled", "dead")}
         params["limit"] = limit
-        return len(self._run("prune_batch", params))
+        return len(self._delete_folding("prune_batch", params))
 
     def prune(self, older_than: float | dt.timedelta, *, include_dead: bool = False) -> int:
         """Delete done and cancelled (and, if asked, dead) jobs finished longer ago than that."""

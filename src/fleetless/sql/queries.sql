@@ -341,7 +341,7 @@ SELECT id FROM gone;
 
 -- name: fold_lock
 -- Taken (until the transaction ends) by a write that adds attempts to attempt_totals itself
--- (delete): a fold holding it is waited for, so the write then reads the mark it moved; a fold
+-- (delete, prune_batch): a fold holding it is waited for, so the write then reads the mark it moved; a fold
 -- starting meanwhile fails its try of the same lock and folds nothing, so no attempt is counted
 -- twice.
 SELECT pg_advisory_xact_lock(%(lock)s);
@@ -390,7 +390,10 @@ FROM {schema}.jobs WHERE status = 'pending';
 -- given for their status (NULL: that status is kept), oldest first, at most %(limit)s rows (NULL:
 -- all) so that one statement stays short. SKIP LOCKED: two drains pruning at once split the rows
 -- instead of queueing behind each other. A job's attempt history goes with it (ON DELETE CASCADE).
--- The status list is spelled out so the partial index jobs_finished_idx serves it.
+-- The status list is spelled out so the partial index jobs_finished_idx serves it. As delete
+-- does (and after fold_lock, likewise), the deleted jobs' attempts no scrape has folded yet are
+-- added to attempt_totals first, so pruning inside the fold margin never lowers the counters.
+WITH gone AS (
 DELETE FROM {schema}.jobs
 WHERE id IN (
   SELECT id FROM {schema}.jobs
@@ -403,7 +406,24 @@ WHERE id IN (
   LIMIT %(limit)s
   FOR UPDATE SKIP LOCKED
 )
-RETURNING id;
+RETURNING id, kind
+), folded AS (
+  SELECT g.kind, a.outcome,
+         CASE WHEN a.duration_seconds IS NULL THEN -1
+              ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
+                            - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
+         count(*) AS n, COALESCE(sum(a.duration_seconds), 0) AS seconds
+  FROM {schema}.job_attempts a
+  JOIN gone g ON g.id = a.job_id
+  WHERE a.id > (SELECT last_id FROM {schema}.attempt_totals_mark)
+  GROUP BY 1, 2, 3
+), added AS (
+  INSERT INTO {schema}.attempt_totals AS t (kind, outcome, bound, n, seconds)
+  SELECT kind, outcome, bound, n, seconds FROM folded
+  ON CONFLICT (kind, outcome, bound)
+  DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
+)
+SELECT id FROM gone;
 
 -- name: finish_many
 -- The completer's one statement per flush: many outcomes (done, failed, released) in one UPDATE
