@@ -46,7 +46,7 @@ def descendants_with(root: int, marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("tier", ["process", "bwrap", "microvm"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver", "microvm"])
 def test_a_job_dies_at_its_timeout_inside_its_lease_while_its_drainer_is_sigstopped(
         tier: str, require_tier, dsn: str, queue: Queue, handlers, sql, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -56,7 +56,10 @@ def test_a_job_dies_at_its_timeout_inside_its_lease_while_its_drainer_is_sigstop
     # otherwise). A stop before the copy got its job is bounded by the agent's own wait
     # (test_a_restored_copy_whose_job_never_comes_stops_by_itself).
     kind = f"stop-{uuid.uuid4().hex[:8]}"
-    h = handlers(**{f"{kind}.py": "import time\ntime.sleep(3600)\n"})
+    body = "import time\ntime.sleep(3600)\n"
+    if tier == "forkserver":  # a forked job's command line is its server's: exec to show the kind
+        body = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', {body!r}, {kind!r}])\n"
+    h = handlers(**{f"{kind}.py": body})
     job = queue.enqueue(kind, {}, max_attempts=1)
     drain = subprocess.Popen(
         [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox", tier,
