@@ -23,14 +23,30 @@ from fleetless import Queue
 
 
 CPU: dict[str, list[float]] = {}
+SELF: dict[str, list[float]] = {}
+#: the CLI, then the drainer process's own CPU (without its sandboxes) on fd 3's pipe... on stderr
+SELF_CPU = """
+import resource, runpy, sys
+sys.argv[0] = "fleetless"
+try:
+    runpy.run_module("fleetless.cli", run_name="__main__")
+finally:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    sys.stderr.write(f"SELFCPU {r.ru_utime + r.ru_stime}\\n")
+"""
 
 
 def timed(argv: list[str], env: dict[str, str], label: str = "") -> float:
     """Wall seconds of the whole process; its CPU (with its waited-for children: sandboxes,
     runners) goes to CPU[label]."""
     t = time.perf_counter()
-    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    err = proc.stderr.read().decode()
     _, status, ru = os.wait4(proc.pid, 0)
+    for line in err.splitlines():
+        if line.startswith("SELFCPU "):
+            SELF.setdefault(label, []).append(float(line.split()[1]))
     wall = time.perf_counter() - t
     proc.returncode = os.waitstatus_to_exitcode(status)
     assert proc.returncode == 0, f"{argv[:3]} exited {proc.returncode}"
@@ -64,7 +80,7 @@ def main() -> None:
                 rates.setdefault("pgqueuer", []).append(n / w)
             for label, src in trees:
                 _fill_fleetless(dsn, n)
-                w = timed([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", folder, "--sandbox",
+                w = timed([sys.executable, "-c", SELF_CPU, "drain", "--handlers", folder, "--sandbox",
                            "process", "--per-sandbox", a.per_sandbox, "--concurrency", "2", "--lease-grace", "60"],
                           {"PYTHONPATH": os.path.abspath(src), "DATABASE_URL": dsn}, label)
                 import psycopg
@@ -81,7 +97,8 @@ def main() -> None:
             extra += f"  /pgq {m / statistics.median(rates['pgqueuer']):.2f}"
         cpu = statistics.median(CPU[label]) * 1e6 / n
         print(f"{label:10s} {m:9,.0f} jobs/s  [{', '.join(f'{v:,.0f}' for v in vals)}]{extra}"
-              f"  client CPU {cpu:.1f} us/job [{', '.join(f'{c * 1e6 / n:.1f}' for c in CPU[label])}]")
+              f"  CPU {cpu:.1f} us/job [{', '.join(f'{c * 1e6 / n:.1f}' for c in CPU[label])}]"
+              + (f"  drainer alone {statistics.median(SELF[label]) * 1e6 / n:.1f} us/job" if label in SELF else ""))
 
 
 if __name__ == "__main__":

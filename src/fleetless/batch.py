@@ -32,7 +32,7 @@ from typing import Any
 
 from . import handlers
 from .insights import summarize_failure
-from .job import Job, Outcome, Run
+from .job import Job, Outcome, Run, done_with_json
 from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS
 from .sandbox import ExecResult, Sandbox, Template
@@ -456,7 +456,7 @@ class Runner:
             head = f'{{"i":{i},"ok":true,"result":'
             if (line.startswith(head) and line.endswith("}") and line.isascii()
                     and len(line) <= _FAST_RESULT_CHARS and _REFUSED_ESCAPE.search(line) is None):
-                out.append((jobs[i], Outcome("done", result_json=line[len(head):-1], run=done_run)))
+                out.append((jobs[i], done_with_json(line[len(head):-1], done_run)))
                 continue
             try:
                 rec = json.loads(line)

@@ -551,6 +551,11 @@ class Drainer:
 
     def _written(self, job: Job, outcome: Outcome, status: Status | None) -> None:
         """The completer wrote (or was fenced out of) one outcome: tell the reporter."""
+        claim = job.id, job.claim_token
+        if type(self.reporter) is NullReporter:  # nobody listens: no event built (once per job)
+            self._claimed_at.pop(claim, None)
+            self._cancelled.discard(claim)
+            return
         what: FinishedAs
         if status is None:
             what = "fenced_out"

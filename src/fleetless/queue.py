@@ -448,7 +448,7 @@ class Queue:
                 if len(got) >= n:
                     return got
         if one_kind:  # in run order already; a tuple per row, in Job's field order
-            return [Job(*row) for row in self._tuples("claim_kind", params)]
+            return [Job.from_row(row) for row in self._tuples("claim_kind", params)]
         return got + _jobs(self._run("claim", {**params, "n": n - len(got)}))
 
     def _claim_limited(self, kind: str, ks: KindSettings, params: dict[str, Any]) -> list[Job]:
@@ -568,9 +568,8 @@ class Queue:
         jobs = list(jobs)
         if not jobs:
             return 0
-        rows = self._run("extend_leases", {
-            "ids": [j.id for j in jobs], "tokens": [j.claim_token for j in jobs],
-            "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace})
+        rows = self._tuples("extend_leases", {
+            **_held(jobs), "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace})
         return len(rows)
 
     def reap(self, older_than: float | dt.timedelta | None = None) -> dict[int, Status]:
@@ -625,8 +624,7 @@ class Queue:
         jobs = list(jobs)
         if not jobs:
             return set()
-        rows = self._run("cancel_requested", {"ids": [j.id for j in jobs], "tokens": [j.claim_token for j in jobs]})
-        return {(r["id"], r["claim_token"]) for r in rows}
+        return set(self._tuples("cancel_requested", _held(jobs)))
 
     def delete(self, job_id: int) -> None:
         """Delete a finished (done, dead or cancelled) job and its attempt history (the attempt
@@ -768,6 +766,14 @@ def _claim_settings(kinds: Mapping[str, KindSettings]) -> str | None:
         if own:
             out[kind] = own
     return json.dumps(out) if out else None
+
+
+def _held(jobs: Sequence[Job]) -> dict[str, Any]:
+    """Claims a drainer holds, as the statements that renew or poll them take them: the ids as one
+    array literal (psycopg dumps a list element by element, in Python; a drain holds thousands),
+    and the few distinct claim tokens (one per claim statement)."""
+    return {"ids": "{" + ",".join([str(j.id) for j in jobs]) + "}",
+            "tokens": list({j.claim_token for j in jobs})}
 
 
 def _jobs(rows: list[dict[str, Any]]) -> list[Job]:

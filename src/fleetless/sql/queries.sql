@@ -305,9 +305,12 @@ RETURNING status;
 -- The drainer's poll, about once a second while it holds jobs: which of them an operator cancelled.
 -- By primary key, so its cost does not grow with the table; matched on the claim (id and token), so
 -- a request never reaches another claim of the same job id (one this drain still tears down).
+-- The claims come as the held ids and the drain's distinct claim tokens: a running row whose token
+-- is one of this drain's is a claim this drain holds (a token is one claim statement's), and the
+-- caller matches each (id, token) returned against the claims it holds.
 SELECT j.id, j.claim_token FROM {schema}.jobs AS j
-JOIN unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token) ON j.id = c.id AND j.claim_token = c.token
-WHERE j.status = 'running' AND j.cancel_requested_at IS NOT NULL;
+WHERE j.id = ANY(%(ids)s::bigint[]) AND j.claim_token = ANY(%(tokens)s::uuid[])
+  AND j.status = 'running' AND j.cancel_requested_at IS NOT NULL;
 
 -- name: delete
 -- Operator delete of a finished job, with its attempt history (ON DELETE CASCADE). Pending and
@@ -505,8 +508,9 @@ SELECT id, status FROM finished;
 UPDATE {schema}.jobs AS j
 SET lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
-FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token)
-WHERE j.id = c.id AND j.claim_token = c.token AND j.status = 'running'
+-- The claims as in cancel_requested: held ids and the drain's distinct tokens (a running row with
+-- one of its tokens is a claim it holds), so the fence is still the claim token and the status.
+WHERE j.id = ANY(%(ids)s::bigint[]) AND j.claim_token = ANY(%(tokens)s::uuid[]) AND j.status = 'running'
 RETURNING j.id;
 
 -- name: claim_kind
