@@ -410,7 +410,7 @@ def own_uid_notice() -> str | None:
     if _leased():
         return None
     return (f"jobs run as the drainer's own uid {os.getuid()} on the host, all of them (a root drainer, "
-            f"or one whose user has a subordinate uid range, gives each job a uid of its own: "
+            f"or one whose user has a subordinate uid range, gives each job a uid of its own; here: "
             f"{_subuid.missing()}; see docs/isolation.md)")
 
 
@@ -964,7 +964,7 @@ class BwrapSandbox(Sandbox):
                 if self._cgroup is not None:
                     self._cgroup.remove()
                 if self._outer is not None:
-                    _workspace.remove(self._outer)
+                    _subuid.remove(self._outer, self._holder)
                     self._outer = self._workspace = None
             finally:
                 if self._lease is not None:  # last: nothing of the job runs as it any more

@@ -234,6 +234,20 @@ class ProcessSandbox(Sandbox):
                 + ("" if "/" in python else f" on PATH {path}"))
 
     @classmethod
+    def describe(cls) -> str:
+        """Which uid jobs run as (for ``fleetless doctor``)."""
+        if _hostuid.needed():
+            try:
+                return f"jobs run as host uids {_hostuid.configured_range()}, one each"
+            except SandboxUnavailable as exc:
+                return str(exc)
+        d = _subuid.delegation()
+        if d is not None:
+            return f"jobs run as host uids {d} (the drainer user's subordinate range), one each"
+        return (f"jobs run as the drainer's own uid {os.getuid()} on the host, all of them (reading what it may); "
+                f"a uid of their own needs a root drainer or a subordinate uid range; here: {_subuid.missing()}")
+
+    @classmethod
     def sweep(cls) -> int:
         """Per-job cgroups and workspaces of drainers that died."""
         try:
@@ -418,7 +432,7 @@ class ProcessSandbox(Sandbox):
         self._stop()
         if self._cgroup is not None:
             self._cgroup.remove()
-        _workspace.remove(self._workspace)
+        _subuid.remove(self._workspace, self._holder)
         if self._lease is not None:
             self._lease.release()  # every process of the job is dead by now
 
