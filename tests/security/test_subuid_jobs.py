@@ -190,15 +190,20 @@ def test_a_subordinate_uid_process_job_cannot_read_the_drainers_files_environ_or
                 out[name] = type(exc).__name__
         open("mine.txt", "w").write("sibling secret")
         board = payload["board"]
-        open(os.path.join(board, f"ws-{os.getpid()}-{time.time()}"), "w").write(os.getcwd())
+        mine = os.path.join(board, f".tmp-{os.getpid()}-{time.time()}")
+        open(mine, "w").write(os.getcwd())
+        os.rename(mine, mine.replace(".tmp-", "ws-"))  # whole, or not there at all
         give_up = time.monotonic() + 120
         while not (len([n for n in os.listdir(board) if n.startswith("ws-")]) >= 2
                    and os.path.exists(os.path.join(board, "drainer"))) and time.monotonic() < give_up:
             time.sleep(0.02)
         for name in os.listdir(board):
-            theirs = open(os.path.join(board, name)).read()
-            if name.startswith("ws-") and theirs != os.getcwd():
+            theirs = open(os.path.join(board, name)).read() if name.startswith("ws-") else ""
+            if theirs and theirs != os.getcwd():
                 tried("sibling", os.path.join(theirs, "mine.txt"))
+        open(os.path.join(board, f"read-{os.getpid()}-{time.time()}"), "w").close()
+        while len([n for n in os.listdir(board) if n.startswith("read-")]) < 2 and time.monotonic() < give_up:
+            time.sleep(0.02)  # the sibling's workspace stays until both have tried
         tried("pgpass", payload["pgpass"])
         drainer = open(os.path.join(board, "drainer")).read()
         tried("environ", f"/proc/{drainer}/environ")
