@@ -392,6 +392,12 @@ def drain(dsn: str, tier: str, ctx: Context, chosen: list[Pill], monkeypatch: py
 def microvm_batch(dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Outcome:
     """Every pill in one microvm drain (concurrency 2, TTL :data:`MICROVM_TTL`) beside ten good jobs."""
     require_tier("microvm")
+    # Restores are the tier's default: a snapshot of this suite's RAM size (build-image makes the
+    # 512 MiB one), so that the pills run where jobs run (a cold boot per job otherwise).
+    from fleetless.sandbox.microvm_image import load_image
+    from fleetless.sandbox.microvm_snapshot import build_snapshot
+
+    build_snapshot(load_image(), (LIMITS.memory_bytes or 0) // MiB, 1)
     ctx = Context.make(tmp_path_factory.mktemp("microvm-poison"))
     chosen = list(ctx.pills(sibling_wait=4).values())
     with pytest.MonkeyPatch.context() as mp:  # undone before the module's other tests run
