@@ -15,6 +15,8 @@ from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer, DrainError
 from fleetless.kinds import KindSettings, Rate, SettingsError, load
 from fleetless.retry import RetryPolicy
+from fleetless.sandbox import Template, choose_tier
+from fleetless.sandbox.process import ProcessSandbox
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
 
@@ -142,9 +144,28 @@ def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -
     assert (rows["b"]["timeout"], rows["b"]["set_in_file"]) == (600, [])
     assert (rows["ghost"]["handler"], rows["ghost"]["pids"]) == (False, 9)
     assert [rows["ghost"][k] for k in ("concurrency", "rate", "tier", "batch_size")] == [3, "10/60s", "process", 20]
-    assert [rows["a"][k] for k in ("concurrency", "rate", "tier", "batch_size")] == [None] * 4  # the drain's
+    assert [rows["a"][k] for k in ("concurrency", "rate", "batch_size")] == [None] * 3  # the drain's
+    assert rows["a"]["tier"] == choose_tier(os.environ["FLEETLESS_SANDBOX"])[0]  # the drain's, resolved as it does
     text = fleetless("kinds", "--handlers", str(h)).stdout.splitlines()
     assert text[0].split()[:3] == ["kind", "handler", "timeout"] and "MISSING" in text[3]
+
+
+def test_cli_kinds_shows_the_tier_and_interpreter_a_drain_would_use_for_each_kind(fleetless, handlers) -> None:
+    """Not blanks where fleetless.toml is silent: the drain's --sandbox (and a kind's own tier), a .py
+    handler's interpreter (the kind's, the drain's --python, else the tier's default), a script's #!."""
+    h = settings_file(handlers(**{"plain.py": "", "own.py": "", "sh": "#!/bin/sh -e\n", "odd": "echo hi\n"}),
+                      "[kinds.own]\ninterpreter = '/usr/bin/python3.11'\ntier = 'bwrap'\n")
+    os.chmod(h / "odd", 0o755)
+    r = fleetless("kinds", "--handlers", str(h), "--sandbox", "process", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {row["kind"]: row for row in json.loads(r.stdout)}
+    tier_default = ProcessSandbox.handler_python(Template(handlers_dir=h))
+    assert {k: (rows[k]["tier"], rows[k]["interpreter"]) for k in rows} == {
+        "plain": ("process", tier_default), "own": ("bwrap", "/usr/bin/python3.11"),
+        "sh": ("process", "/bin/sh -e"), "odd": ("process", "(no #! line)")}
+    r = fleetless("kinds", "--handlers", str(h), "--sandbox", "process", "--python", "/usr/bin/python3", "--json")
+    rows = {row["kind"]: row for row in json.loads(r.stdout)}
+    assert (rows["plain"]["interpreter"], rows["own"]["interpreter"]) == ("/usr/bin/python3", "/usr/bin/python3.11")
 
 
 def test_cli_enqueue_warns_about_a_kind_without_handler_and_leaves_max_attempts_to_the_kind(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -525,11 +526,15 @@ def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bo
 @cli.command("kinds")
 @click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path), envvar="FLEETLESS_HANDLERS",
               required=True, help="The handlers directory [env FLEETLESS_HANDLERS].")
+@click.option("--sandbox", type=click.Choice([AUTO, *available_backends()]), default=AUTO, show_default=True,
+              envvar="FLEETLESS_SANDBOX", help="The drain's tier, for kinds without their own [env FLEETLESS_SANDBOX].")
+@click.option("--python", "python", default=None, help="The drain's interpreter for .py handlers.")
 @json_option
-def kinds_command(handlers_dir: Path, as_json: bool) -> None:
+def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json: bool) -> None:
     """The kinds with a handler (and those only in fleetless.toml), with their effective settings
-    under the drain's default flags."""
+    under the drain's default flags (--sandbox and --python as a drain would get them)."""
     from . import handlers, kinds
+    from .sandbox import Template, choose_tier, get_backend
 
     try:
         folder = handlers.check_dir(handlers_dir)
@@ -539,11 +544,17 @@ def kinds_command(handlers_dir: Path, as_json: bool) -> None:
     have = set(kinds.found(folder))
     defaults = kinds.KindSettings(timeout=600, ttl=900, backoff_base=60, backoff_cap=7 * 86400, jitter=30,
                                   memory=512 * 1024**2, cpus=1.0, pids=128, network=False, max_attempts=3)
+    drain_tier = choose_tier(sandbox)[0]
     rows = []
     for kind in sorted(have | set(settings)):
         own = settings.get(kind, kinds.KindSettings())
-        effective = {"interpreter": None, "tier": None, "batch_size": None, "concurrency": None,
-                     "rate": None, **defaults.describe(), **own.describe()}
+        tier = own.tier or drain_tier
+        effective = {"batch_size": None, "concurrency": None, "rate": None, **defaults.describe(),
+                     **own.describe(), "tier": tier}
+        handler = handlers.resolve(folder, kind) if kind in have else None
+        effective["interpreter"] = None if handler is None else handlers.interpreter_of(
+            folder, handler, own.interpreter or python,
+            functools.partial(get_backend(tier).handler_python, Template(handlers_dir=folder)))
         rows.append({"kind": kind, "handler": kind in have, "set_in_file": sorted(own.describe()), **effective})
     if as_json:
         _echo_json(rows)

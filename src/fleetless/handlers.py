@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -111,6 +111,20 @@ def _shebang(path: Path) -> tuple[str, str] | None:
     line = head[2:].split(b"\n", 1)[0].decode(errors="replace").strip()
     interpreter, _, arg = line.partition(" ")
     return interpreter, arg.strip()
+
+
+def interpreter_of(handlers_dir: Path, handler: Handler, python: str | None,
+                   tier_python: Callable[[], str]) -> str:
+    """What runs ``handler``, for people to read: a ``.py`` handler's interpreter (``python``, the
+    kind's or the drain's, else the tier's default ``tier_python()``), an executable's ``#!`` line,
+    or ``(native program)``."""
+    if handler.python:
+        return python or tier_python()
+    shebang = _shebang(handlers_dir / handler.filename)
+    if shebang is None:
+        return "(no #! line)"
+    interpreter, arg = shebang
+    return f"{interpreter} {arg}".strip() if interpreter else "(native program)"
 
 
 def _find(backend: type[Sandbox], template: Template, program: str) -> str | None:
