@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -163,6 +164,19 @@ def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
     rows = dict((i, (s, r)) for i, s, r in sql("SELECT id, status, coalesce(result, last_error) FROM fleetless.jobs"))
     assert rows[script] == ("done", f"bash {subprocess.run(['bash', '-c', 'echo ${BASH_VERSINFO[0]}'], capture_output=True, text=True).stdout}"), rows  # noqa: E501
     assert rows[bill] == ("done", "42\n"), rows
+
+
+def test_build_image_answers_json(require_tier, fleetless) -> None:
+    """`--json` on build-image too (issue 10: every command that reports): the default image
+    (built, or found cached) and its snapshots, as paths, and no environment to drain with it."""
+    require_tier("microvm")
+    from fleetless.sandbox.microvm_image import default_cache_dir
+
+    r = fleetless("microvm", "build-image", "--json", timeout=600)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert Path(out["image"]) == default_cache_dir() and out["drain_env"] == {}
+    assert out["snapshots"] and all(Path(s).parent.parent == default_cache_dir() for s in out["snapshots"]), out
 
 
 def _app_venv(base: Path) -> Path:

@@ -714,19 +714,27 @@ def microvm() -> None:
 @click.option("--snapshot-cpus", type=int, default=1, show_default=True,
               help="vCPUs of the snapshots.")
 @click.option("--no-snapshot", is_flag=True, help="Build no snapshot (every job cold-boots).")
+@json_option
 def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...],
-                snapshot_memory: tuple[int, ...], snapshot_cpus: int, no_snapshot: bool) -> None:
+                snapshot_memory: tuple[int, ...], snapshot_cpus: int, no_snapshot: bool, as_json: bool) -> None:
     """Build and cache the guest kernel + initramfs, and a snapshot of the booted guest that
     each job restores. With --apt/--pip: an image of its own, beside the default one."""
     from .sandbox import microvm_image
 
     extras = microvm_image.Extras(apt=apt, pip=pip)
     path = microvm_image.build_image(force=force, extras=extras)
-    click.echo(f"microvm image ready: {path}")
+    if not as_json:
+        click.echo(f"microvm image ready: {path}")
+    snaps = []
     if not no_snapshot:
         for snap in microvm_image.build_snapshots(path, [(m, snapshot_cpus) for m in snapshot_memory]):
-            click.echo(f"microvm snapshot ready: {snap}")
-    if extras:
+            snaps.append(str(snap))
+            if not as_json:
+                click.echo(f"microvm snapshot ready: {snap}")
+    env = {"FLEETLESS_CACHE": str(path)} if extras else {}
+    if as_json:
+        _echo_json({"image": str(path), "snapshots": snaps, "drain_env": env})
+    elif extras:
         click.echo(f"drain with it: FLEETLESS_CACHE={path} fleetless drain --sandbox microvm ...")
 
 
