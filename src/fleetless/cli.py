@@ -304,12 +304,17 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
 
 
 def _reporter(ctx: click.Context, tier: str) -> Reporter:
-    """Live progress on a terminal; one log record per finished job with -v; nothing otherwise."""
-    from .terminal import LiveReporter, LogReporter
-
+    """Live progress on a terminal; one log record per finished job with -v; nothing otherwise.
+    ``terminal`` (and rich) is imported only when it reports: a cron tick does not pay for it."""
     if ctx.obj["log_format"] == "text" and sys.stderr.isatty():
+        from .terminal import LiveReporter
+
         return LiveReporter(tier=tier)
-    return LogReporter() if ctx.obj["verbose"] else NullReporter()
+    if ctx.obj["verbose"]:
+        from .terminal import LogReporter
+
+        return LogReporter()
+    return NullReporter()
 
 
 @cli.command()

@@ -31,7 +31,6 @@ anything is claimed.
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -197,6 +196,8 @@ def _read(handlers_dir: Path) -> tuple[Path, dict[str, Any]]:
         return path, {}
     except OSError as exc:
         raise SettingsError(f"{path}: cannot read: {exc.strerror}") from None
+    import tomllib  # only a drain whose handlers have a fleetless.toml pays for it (the cron tick)
+
     try:
         data = tomllib.loads(text.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:

@@ -13,16 +13,14 @@ import logging
 import sys
 import threading
 import time
-from typing import IO, Any
-
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
-from rich.table import Table
-from rich.text import Text
+from typing import IO, TYPE_CHECKING, Any
 
 from .events import JobFinished, NullReporter
 from .insights import age, printable
 from .job import Job
+
+if TYPE_CHECKING:  # rich is imported by the live view itself: a drain off a terminal never loads it
+    from rich.console import Console, RenderableType
 
 __all__ = ["JsonFormatter", "LiveReporter", "LogReporter", "PrintableFormatter", "configure_logging", "job_line"]
 
@@ -94,6 +92,9 @@ class LiveReporter:
     and elapsed time. Failed and dead jobs are also printed above it as they finish."""
 
     def __init__(self, console: Console | None = None, *, tier: str = "") -> None:
+        from rich.console import Console
+        from rich.live import Live
+
         self.console = console or Console(stderr=True)
         self.tier = tier
         self._lock = threading.Lock()
@@ -117,12 +118,18 @@ class LiveReporter:
             self._running.pop(event.id, None)
             self._counts[event.outcome] += 1
         if event.outcome != "done":
+            from rich.text import Text
+
             self._live.console.print(Text(job_line(event)), highlight=False)
 
     def close(self) -> None:
         self._live.stop()
 
     def __rich__(self) -> RenderableType:
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+
         with self._lock:
             counts = dict(self._counts)
             running = sorted(self._running.items(), key=lambda item: item[1][1])

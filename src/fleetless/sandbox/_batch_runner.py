@@ -41,11 +41,12 @@ import json
 import os
 import signal
 import stat
-import subprocess
 import sys
 import time
-import traceback
 from typing import Any
+
+# subprocess and traceback are imported where they are used (scripts, a failed job): a batch of
+# handle() jobs that all return does not pay for them at each sandbox's start.
 
 #: The error text kept for a failed job (as the queue's MAX_ERROR_CHARS).
 ERROR_CHARS = 2000
@@ -64,6 +65,8 @@ def _on_alarm(signum: int, frame: object) -> None:
 
 def describe_exception(exc: BaseException) -> str:
     """The exception's own line first, then the tail of the traceback, within ERROR_CHARS."""
+    import traceback
+
     head = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
     first = (head[-1] if head else type(exc).__name__)[:500]
     tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
@@ -131,10 +134,12 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     except BaseException as exc:  # the import fails for every job alike: each job's failure
         import_error = "cannot import the handler: " + describe_exception(exc)
     me = os.getpid()
+    encode = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode  # built once, not per job
     environ = os.environ
     environ["FLEETLESS_KIND"] = desc["kind"]
     signal.signal(signal.SIGALRM, _on_alarm)
     armed_at = -10.0
+    attempt_was: str | None = None
     for i, job in enumerate(jobs):
         timeout = float(job["timeout"])
         now = time.monotonic()
@@ -148,7 +153,10 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             # no earlier than timeout + grace after any job's start, and at most 1 s later.
             _arm_watchdog(longest + grace + 1.0)
             armed_at = now
-        environ["FLEETLESS_JOB_ID"], environ["FLEETLESS_ATTEMPT"] = str(job["id"]), str(job["attempt"])
+        environ["FLEETLESS_JOB_ID"] = str(job["id"])
+        attempt = str(job["attempt"])
+        if attempt != attempt_was:  # most jobs of a batch are at the same attempt: one putenv less
+            environ["FLEETLESS_ATTEMPT"] = attempt_was = attempt
         t0 = time.monotonic()
         try:
             signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -158,7 +166,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             if os.getpid() != me:  # a fork of this runner made by the job: never report twice
                 os._exit(0)
-            text = json.dumps(value, allow_nan=False, separators=(",", ":"))
+            text = encode(value)
             if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
                 raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
                                  f"at {RESULT_BYTES} bytes")
@@ -195,6 +203,8 @@ def _tail(path: str, limit: int) -> str:
 
 
 def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
+    import subprocess
+
     argv0 = list(desc["argv"])
     budget = float(desc.get("budget", 1e9))
     grace = float(desc.get("grace", 2.0))
