@@ -143,6 +143,30 @@ def test_two_sweeps_racing_over_the_same_dead_drainers_workspaces_both_succeed_a
     assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
 
 
+def test_a_directory_another_remover_hoists_into_the_top_after_it_looked_empty_is_removed_too(
+        tmp_path: Path, monkeypatch: Any, caplog: Any) -> None:
+    # Two removers on one tree: one finds the top empty while the other is still moving a
+    # subdirectory's own subdirectories up into it; the first one's rmdir then meets ENOTEMPTY
+    # (it quarantined the tree, seen as a leftover quarantine after a SIGKILLed non-root drainer).
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(tmp_path / "work"))
+    ws = _workspace.create()
+    (ws / "a" / "b").mkdir(parents=True)
+    real_empty = _workspace._empty
+    calls = []
+
+    def empty_then_a_concurrent_hoist(top: int, deadline: float) -> None:
+        real_empty(top, deadline)
+        calls.append(top)
+        if len(calls) == 1:
+            os.mkdir(".fleetless-rm-other-1", dir_fd=top)  # what the other remover hoisted
+
+    monkeypatch.setattr(_workspace, "_empty", empty_then_a_concurrent_hoist)
+    assert _workspace.remove(ws)
+    assert not ws.exists() and not _workspace.quarantine_dir().exists()
+    assert len(calls) == 2
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+
+
 @pytest.mark.parametrize("tier", ["process", "bwrap"])
 @pytest.mark.parametrize("user", AS_ROOT_AND_NOT)
 def test_a_jobs_symlinks_to_host_dirs_are_removed_not_followed(

@@ -98,13 +98,19 @@ def _remove_tree(path: Path, deadline: float) -> None:
             except FileNotFoundError:
                 return
             try:
-                _empty(top, deadline)
+                while True:
+                    _empty(top, deadline)
+                    try:
+                        os.rmdir(path.name, dir_fd=parent)
+                        break
+                    except FileNotFoundError:
+                        break
+                    except OSError as exc:
+                        # the other remover hoisted a subdirectory into the top meanwhile: again
+                        if exc.errno != errno.ENOTEMPTY or time.monotonic() > deadline:
+                            raise
             finally:
                 os.close(top)
-            try:
-                os.rmdir(path.name, dir_fd=parent)
-            except FileNotFoundError:
-                pass
         else:
             _unlink(path.name, parent)
     finally:
