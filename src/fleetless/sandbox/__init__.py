@@ -246,7 +246,7 @@ def jobs_cannot_reach(path: str) -> str | None:
 
         if _subuid.delegation() is None:
             return None
-    from .process import untraversable
+    from ._hardening import untraversable
 
     for p in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
         blocked = untraversable(Path(p))

@@ -55,7 +55,10 @@ from . import (
     default_python,
     jobs_cannot_reach,
 )
-from .process import describe_signal, handlers_snapshot, harden_drainer, rlimit_kill_reason, rlimits_for
+from ._handlers import handlers_snapshot
+from ._hardening import harden_drainer
+from ._limits import rlimit_kill_reason, rlimits_for
+from ._wording import describe_signal
 
 __all__ = ["BwrapSandbox", "bwrap_binary", "enforced_caps", "sweep"]
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import re
 import shutil
@@ -46,59 +45,16 @@ from . import (
     default_python,
     jobs_cannot_reach,
 )
+from ._handlers import handlers_snapshot
+from ._hardening import harden_drainer, untraversable
+from ._limits import rlimit_kill_reason, rlimits_for
+from ._wording import describe_signal
+
+# microvm.py still imports rlimit_kill_reason from here (that file is another change's to move).
+__all__ = ["CONTAIN_ENV", "ProcessSandbox", "rlimit_kill_reason"]
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
-
-
-def describe_signal(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def rlimits_for(template: Template, timeout_seconds: float) -> dict[str, int]:
-    limits = template.limits
-    out: dict[str, int] = {}
-    if limits.memory_bytes is not None:
-        out["RLIMIT_AS"] = limits.memory_bytes
-    cpu = limits.cpu_seconds if limits.cpu_seconds is not None else math.ceil(timeout_seconds) + 1
-    out["RLIMIT_CPU"] = cpu
-    if limits.file_size_bytes is not None:
-        out["RLIMIT_FSIZE"] = limits.file_size_bytes
-    if limits.open_files is not None:
-        out["RLIMIT_NOFILE"] = limits.open_files
-    out["RLIMIT_CORE"] = 0
-    return out
-
-
-def rlimit_kill_reason(exit_code: int, rlimits: dict[str, int]) -> str | None:
-    """Words for a death that an rlimit caused (the kernel signals the job itself)."""
-    if exit_code == -signal.SIGXCPU and "RLIMIT_CPU" in rlimits:
-        return f"killed: cpu time limit {rlimits['RLIMIT_CPU']} s exceeded"
-    if exit_code == -signal.SIGXFSZ and "RLIMIT_FSIZE" in rlimits:
-        return f"killed: file size limit {rlimits['RLIMIT_FSIZE'] // (1024 * 1024)} MiB exceeded"
-    return None
-
-
-def handlers_snapshot(folder: Path) -> Path:
-    """A read-only copy of the handlers directory (directories 0555, files 0444, or 0555 where the
-    original is executable) that jobs run from, made again when the original changes. Jobs
-    therefore cannot change the handlers other jobs run, short of a deliberate chmod (or being
-    root, which the process tier does not defend against: use bwrap or microvm for that)."""
-    folder = folder.resolve()
-    files = sorted(os.path.join(d, f) for d, _, names in os.walk(folder) for f in names)
-
-    def build(copy: Path) -> None:
-        shutil.copytree(folder, copy, dirs_exist_ok=True)
-        for dirpath, _, filenames in os.walk(copy, topdown=False):
-            for name in filenames:
-                target = os.path.join(dirpath, name)
-                os.chmod(target, 0o555 if os.stat(target).st_mode & 0o111 else 0o444)
-            os.chmod(dirpath, 0o555)
-
-    return _workspace.cached_copy("hs", folder, _workspace.signature(files), build)
 
 
 def tree_cgroup_caps() -> cgroups.CgroupCaps | None:
@@ -464,35 +420,6 @@ def _namespaces_work() -> bool:
 #: ``FLEETLESS_PROCESS_CONTAIN=0`` runs process-tier jobs without their own pid and mount namespaces
 #: (as before them; for comparison only: the tree then dies with its supervisor only by cgroup).
 CONTAIN_ENV = "FLEETLESS_PROCESS_CONTAIN"
-_hardened = False
-
-
-def harden_drainer() -> None:
-    """Make the drainer non-dumpable (once): its ``/proc/<pid>`` files (fd, environ, mem) then
-    belong to root, so a job running as the drainer's own uid (a non-root drainer's) cannot write
-    the operator's terminal through ``/proc/<drainer>/fd/2``, read its environment or memory, nor
-    ptrace it. Children that exec a program are dumpable again (the kernel resets it)."""
-    global _hardened
-    if not _hardened:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-        _hardened = True
-
-
-def untraversable(path: Path) -> Path | None:
-    """The first directory on the way to ``path`` (itself included) that others cannot search."""
-    current = Path("/")
-    for part in path.resolve().parts[1:]:
-        current = current / part
-        try:
-            if not os.stat(current).st_mode & 0o001:
-                return current
-        except OSError:
-            return current
-    return None
-
-
 def _died_of(returncode: int | None) -> str:
     if returncode is None or returncode >= 0:
         return f"exit code {returncode}"

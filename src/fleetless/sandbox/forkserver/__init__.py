@@ -102,7 +102,7 @@ class ForkServerSandbox(Sandbox):
         return python
 
     def __init__(self, template: Template, ttl_seconds: float) -> None:
-        from ..process import handlers_snapshot
+        from .._handlers import handlers_snapshot
 
         self._template = template
         self._ttl = ttl_seconds
@@ -223,7 +223,7 @@ class ForkServerSandbox(Sandbox):
             os.close(folder)
 
     def _rlimits(self, timeout_seconds: float) -> dict[str, list[int]]:
-        from ..process import rlimits_for
+        from .._limits import rlimits_for
 
         rl = rlimits_for(self._template, timeout_seconds)
         if self._cgroup is not None and self._cgroup.memory_bytes is not None:
@@ -256,7 +256,7 @@ class ForkServerSandbox(Sandbox):
 
     def _exec(self, init: client.Init, lease: _hostuid.Lease, argv: Sequence[str], timeout_seconds: float,
               started: float, budget: float, reason: str) -> ExecResult:
-        from ..process import rlimit_kill_reason
+        from .._limits import rlimit_kill_reason
 
         limits = self._template.limits
         rlimits = self._rlimits(timeout_seconds)
