@@ -314,7 +314,7 @@ def test_an_interpreter_the_jobs_uid_cannot_execute_is_not_claimed_and_spends_no
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the unprivileged job uids exist under a root drainer only")
-@pytest.mark.parametrize("tier", ["process", "bwrap"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
 def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_handlers_interpreter(
         tier: str, dsn: str, queue: Queue, sql, require_tier) -> None:
     """fleetless run by root from a virtual environment inside a directory only root may search
@@ -323,7 +323,9 @@ def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_handlers_in
     own; process: the job's own mount namespace does), and see nothing else of that directory.
     Before, .py handlers ran under /usr/bin/python3."""
     require_tier(tier)
-    private = Path(tempfile.mkdtemp(prefix="fleetless-rootonly-"))  # 0700, like /root
+    # 0700, like /root; not under /tmp, which every job has a private one of (the fork server's
+    # job mounts its /tmp over the server's root, hiding an interpreter bound below /tmp)
+    private = Path(tempfile.mkdtemp(prefix="fleetless-rootonly-", dir="/var/tmp"))
     outside = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
     try:
         assert private.stat().st_mode & 0o777 == 0o700
@@ -349,7 +351,7 @@ def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_handlers_in
         assert (status, error) == ("done", None), result
         executable, total, seen, uid = result.split()
         assert (executable, total, seen) == (str(python), "42", "['venv']"), result
-        assert int(uid) != 0 and (tier == "process" or int(uid) == 65534), result
+        assert int(uid) != 0 and (tier in ("process", "forkserver") or int(uid) == 65534), result
     finally:
         for folder in (private, outside):
             subprocess.run(["rm", "-rf", "--one-file-system", str(folder)], check=False)
