@@ -328,6 +328,14 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
     import dataclasses
 
     config = _drain_config(kw)
+    # This process is the drain: what was imported lives as long as it, and a batch claim makes
+    # thousands of objects at once (Jobs, their outcomes), each allocation burst setting off
+    # collections that walk everything alive. Frozen imports and a larger first threshold: same
+    # run, 15,000 no-op jobs, the drainer's CPU per job about 10% lower (BENCHMARKS.md, issue 8).
+    import gc
+
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     if kw["job_uids"]:  # read by the sandboxes (and their probes) of this process
         os.environ[hostuid.ENV] = kw["job_uids"]
     drainer = Drainer(_queue(ctx), config)
