@@ -29,8 +29,8 @@ from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import Limits, Template
 from fleetless.sandbox.microvm import MicroVMSandbox
-from fleetless.sandbox.microvm_image import load_image
-from fleetless.sandbox.microvm_snapshot import build_snapshot
+from fleetless.sandbox.microvm.image import load_image
+from fleetless.sandbox.microvm.snapshot import build_snapshot
 
 HANDLER = """import json, pathlib, sys
 d = json.loads(pathlib.Path(sys.argv[1]).read_text())

@@ -142,7 +142,7 @@ def test_build_image_adds_debian_packages_and_python_requirements_to_the_guest(
     one is untouched); drains with it run a #!/bin/bash handler and a .py handler importing the
     app's package."""
     require_tier("microvm")
-    from fleetless.sandbox.microvm_image import default_cache_dir, load_image
+    from fleetless.sandbox.microvm.image import default_cache_dir, load_image
 
     default_before = load_image().manifest["initramfs_sha256"]
     deb, wheel = _bash_deb(tmp_path), _wheel(tmp_path)

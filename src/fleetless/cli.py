@@ -732,7 +732,7 @@ def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...],
                 snapshot_memory: tuple[int, ...], snapshot_cpus: int, no_snapshot: bool, as_json: bool) -> None:
     """Build and cache the guest kernel + initramfs, and a snapshot of the booted guest that
     each job restores. With --apt/--pip: an image of its own, beside the default one."""
-    from .sandbox import microvm_image
+    from .sandbox.microvm import image as microvm_image
 
     extras = microvm_image.Extras(apt=apt, pip=pip)
     path = microvm_image.build_image(force=force, extras=extras)

@@ -394,8 +394,8 @@ def microvm_batch(dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Outcome
     require_tier("microvm")
     # Restores are the tier's default: a snapshot of this suite's RAM size (build-image makes the
     # 512 MiB one), so that the pills run where jobs run (a cold boot per job otherwise).
-    from fleetless.sandbox.microvm_image import load_image
-    from fleetless.sandbox.microvm_snapshot import build_snapshot
+    from fleetless.sandbox.microvm.image import load_image
+    from fleetless.sandbox.microvm.snapshot import build_snapshot
 
     build_snapshot(load_image(), (LIMITS.memory_bytes or 0) // MiB, 1)
     ctx = Context.make(tmp_path_factory.mktemp("microvm-poison"))

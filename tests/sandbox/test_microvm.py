@@ -179,3 +179,12 @@ def test_network_limit_gives_a_restricted_interface(tmp_path: Path) -> None:
     assert res.exit_code == 0, res
     assert res.stdout.split() == ["eth0", "lo"]
     assert sbx.last_boot is not None and sbx.last_boot.accel == accel()  # each exec reports its boot
+
+
+def test_the_old_module_names_are_the_subpackages_modules() -> None:
+    import fleetless.sandbox.microvm_image as old_image
+    import fleetless.sandbox.microvm_snapshot as old_snapshot
+    from fleetless.sandbox.microvm import image, snapshot
+
+    assert (old_image, old_snapshot) == (image, snapshot)
+    assert old_image is image and old_snapshot is snapshot  # one module: patching either patches both

@@ -20,10 +20,11 @@ import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
-from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, microvm, microvm_snapshot
-from fleetless.sandbox._guest_init import AGENT_WAIT
+from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, microvm
 from fleetless.sandbox.microvm import MicroVMSandbox
-from fleetless.sandbox.microvm_image import load_image
+from fleetless.sandbox.microvm import snapshot as microvm_snapshot
+from fleetless.sandbox.microvm.guest_init import AGENT_WAIT
+from fleetless.sandbox.microvm.image import load_image
 
 MiB = 1024 * 1024
 MEMORY = 128 * MiB

@@ -252,7 +252,7 @@ def setup(tmp_bytes: int, network: bool) -> None:
 
 # --------------------------------------------------------------------------- snapshot agent
 #
-# In a snapshot (see fleetless.sandbox.microvm_snapshot) the runner is started as an *agent*:
+# In a snapshot (see fleetless.sandbox.microvm.snapshot) the runner is started as an *agent*:
 # it sets the guest up, imports what handlers commonly import, says "ready" and blocks reading
 # the channel. The host snapshots the VM there; every job restores a copy of it and writes, over
 # the same serial port, one line of JSON (nonce, wall clock, fresh entropy, the jobs, the files)
@@ -443,7 +443,7 @@ def read_message(fd: int) -> tuple[dict[str, Any], bytes]:
     has arrived: read in large chunks, one syscall per FIFO's worth rather than per byte)."""
     buf = bytearray()
     while True:
-        buf = bytearray(buf.lstrip(b"\n"))  # the host's padding (see microvm_snapshot)
+        buf = bytearray(buf.lstrip(b"\n"))  # the host's padding (see microvm.snapshot)
         if b"\n" in buf:
             break
         if not select.select([fd], [], [], AGENT_WAIT)[0]:

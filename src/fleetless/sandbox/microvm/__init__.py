@@ -3,9 +3,9 @@
 ``create`` and ``write`` only stage (in memory); ``exec`` boots the VM with everything in it:
 
 * kernel and base initramfs (busybox + python) come from the image built by
-  :func:`fleetless.sandbox.microvm_image.build_image`;
+  :func:`fleetless.sandbox.microvm.image.build_image`;
 * a second, per-boot newc archive is appended to the base one (the kernel unpacks
-  concatenated archives): ``/init``, the runner (:mod:`fleetless.sandbox._guest_init`), the
+  concatenated archives): ``/init``, the runner (:mod:`fleetless.sandbox.microvm.guest_init`), the
   handlers at ``/handlers`` (root-owned, read-only), the workspace at ``/workspace`` (owned by
   the job's uid 65534) and the job list (argv, env, timeout, output caps, rlimits);
 * the result comes back over a second serial port that only the runner holds, as framed
@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fleetless.sandbox import ExecResult, MiB, Sandbox, SandboxUnavailable, Template
-from fleetless.sandbox.microvm_image import CpioWriter, ImageInfo, guest_has_program, load_image
+from fleetless.sandbox.microvm.image import CpioWriter, ImageInfo, guest_has_program, load_image
 from fleetless.sandbox.process import rlimit_kill_reason
 
 __all__ = ["MIN_MEMORY_MIB", "GuestJob", "MicroVMSandbox", "accel", "boot", "network_mode"]
@@ -65,7 +65,7 @@ REPORT_GRACE = 5.0
 MAGIC = b"FLEETLESS1"
 #: Bytes of the guest console kept for diagnostics.
 CONSOLE_KEEP = 8192
-_RUNNER = Path(__file__).with_name("_guest_init.py")
+_RUNNER = Path(__file__).with_name("guest_init.py")
 
 _INIT = b"""#!/bin/sh
 /bin/busybox mount -t proc proc /proc
@@ -631,8 +631,8 @@ class MicroVMSandbox(Sandbox):
     def _restore(self, job: GuestJob, mem: int, ttl_deadline: float,
                  on_spawn: Any) -> BootOutcome | None:
         """The job in a copy of the snapshot; None when it must cold-boot instead (the reason
-        logged once: see :mod:`fleetless.sandbox.microvm_snapshot`)."""
-        from fleetless.sandbox import microvm_snapshot
+        logged once: see :mod:`fleetless.sandbox.microvm.snapshot`)."""
+        from fleetless.sandbox.microvm import snapshot as microvm_snapshot
 
         binary = _qemu_binary()
         limits = self.template.limits
