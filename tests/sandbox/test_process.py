@@ -52,3 +52,22 @@ def test_a_write_after_kill_is_refused_and_makes_no_workspace_again(hdir: Path) 
     with pytest.raises(RuntimeError, match="sandbox already destroyed"):
         sbx.write("payload.json", "{}")
     assert not os.path.exists(sbx.workspace_path)
+
+
+def test_the_supervisor_removes_a_workspace_with_the_drainers_own_remover(tmp_path: Path) -> None:
+    """The supervisor, a small program started by path, loads ``sandbox/_workspace.py`` by path
+    when it dies with its drainer; it must find it wherever the tier's package puts it (else the
+    workspace is left to the next drain's sweep)."""
+    import importlib.util
+
+    from fleetless.sandbox import process
+
+    spec = importlib.util.spec_from_file_location("_fleetless_supervisor", process._SUPERVISOR)
+    assert spec is not None and spec.loader is not None
+    supervisor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(supervisor)
+    workspace = tmp_path / "ws"
+    (workspace / "deep").mkdir(parents=True)
+    (workspace / "deep" / "file").write_text("x")
+    supervisor._remove_workspace(str(workspace))
+    assert not workspace.exists()

@@ -9,7 +9,7 @@ dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Where the
 job runs in a pid namespace of its own whose init dies with the supervisor (so nothing of the job
 outlives it, cgroup or not), with a fresh /proc and a private /dev/shm (see ``_supervisor.py``);
 its TMPDIR is in its workspace; the drainer and supervisor are non-dumpable. Under a root drainer
-the job runs as a leased unprivileged uid (:mod:`._hostuid`), so it cannot reach its supervisor,
+the job runs as a leased unprivileged uid (:mod:`.._hostuid`), so it cannot reach its supervisor,
 the drainer or other jobs. What it does not: the filesystem (the host's /tmp included) and the
 network are the job uid's (the drainer's own uid under a non-root drainer). Use ``bwrap`` or
 ``microvm`` for untrusted code.
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from . import (
+from .. import (
     OWN_DEADLINE_SLACK,
     ExecResult,
     Sandbox,
@@ -45,10 +45,10 @@ from . import (
     default_python,
     jobs_cannot_reach,
 )
-from ._handlers import handlers_snapshot
-from ._hardening import harden_drainer, untraversable
-from ._limits import rlimit_kill_reason, rlimits_for
-from ._wording import describe_signal
+from .._handlers import handlers_snapshot
+from .._hardening import harden_drainer, untraversable
+from .._limits import rlimit_kill_reason, rlimits_for
+from .._wording import describe_signal
 
 # microvm.py still imports rlimit_kill_reason from here (that file is another change's to move).
 __all__ = ["CONTAIN_ENV", "ProcessSandbox", "rlimit_kill_reason"]
@@ -132,7 +132,7 @@ class ProcessSandbox(Sandbox):
             return template.python
         if _hostuid.needed() and os.environ.get(CONTAIN_ENV) != "0" and _namespaces_work():
             own = default_python(binds_blocked=True)
-            from .bwrap import _require_job_paths
+            from ..bwrap import _require_job_paths
 
             try:
                 _require_job_paths(own)
@@ -150,7 +150,7 @@ class ProcessSandbox(Sandbox):
         if jobs_cannot_reach(path) is None:
             return True
         if template.python is None and _hostuid.needed():
-            from .bwrap import _covered, interpreter_paths
+            from ..bwrap import _covered, interpreter_paths
 
             try:
                 bound = interpreter_paths(cls.handler_python(template))
@@ -344,13 +344,13 @@ class ProcessSandbox(Sandbox):
         keep = [str(_workspace.root().resolve())]
         python = os.path.realpath(self.python)
         if "/dev/shm/" in f"{python} {self.python}":
-            from .bwrap import interpreter_paths
+            from ..bwrap import interpreter_paths
 
             keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
         keep = [p for p in keep if p.startswith("/dev/shm/") and "\n" not in p]
         lines = [str(self._template.limits.tmp_bytes), *(f"K {p}" for p in keep)]
         if self._lease is not None:  # a root drainer's interpreter under /root: bound back for the job
-            from .bwrap import blocked_paths, interpreter_paths
+            from ..bwrap import blocked_paths, interpreter_paths
 
             view = [(p, top) for p, top in blocked_paths(interpreter_paths(self.python))
                     if not any(c in p + top for c in "\n\t")]

@@ -191,13 +191,13 @@ def _reap_all() -> None:
 
 
 def _remove_workspace(workspace: str) -> None:
-    """The drainer's own symlink-safe, recursion-free removal (loaded from beside this file only
-    when needed, so the supervisor's start-up stays small)."""
+    """The drainer's own symlink-safe, recursion-free removal (``sandbox/_workspace.py``, loaded from the
+    package above this one only when needed, so the supervisor's start-up stays small)."""
     import importlib.util
     import pathlib
 
-    spec = importlib.util.spec_from_file_location(
-        "_fleetless_workspace", os.path.join(os.path.dirname(os.path.abspath(__file__)), "_workspace.py"))
+    sandbox = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("_fleetless_workspace", os.path.join(sandbox, "_workspace.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
