@@ -165,13 +165,13 @@ def _launcher_groups() -> set[str]:
     """Groups of the bwrap tier's pre-warmed launchers and the fork server's ready inits
     (limit-less, no job in them yet)."""
     try:
-        from fleetless.sandbox import bwrap
+        from fleetless.sandbox.bwrap import _launcher
     except ImportError:
         return set()
     from fleetless.sandbox.forkserver import client
 
     return client.pool.ready_groups() | {
-        launcher.cgroup.name for launcher in list(bwrap._pool._ready) if launcher.cgroup is not None}
+        launcher.cgroup.name for launcher in list(_launcher._pool._ready) if launcher.cgroup is not None}
 
 
 @dataclass
@@ -218,7 +218,7 @@ def _scan(run_id: str, workdir: Path, spy: Spy | None, drainer_pid: int, ignore_
     mark = run_id.encode()
     me = os.getpid()
     for pid, cmdline, environ in _processes():
-        if pid == me or b"fleetless.sandbox._watchdog" in cmdline:
+        if pid == me or b"fleetless.sandbox.bwrap._watchdog" in cmdline:
             continue
         if mark in cmdline or mark in environ:
             command = cmdline.replace(bytes(1), b" ").decode(errors="replace")[:120]

@@ -282,7 +282,7 @@ def _interpreter_entries(top: str, tier: str = "bwrap") -> set[str]:
     handler interpreter (its prefixes, its virtual environment, an editable install's source);
     a root drainer's process-tier job: the same, where ``top`` is in the way to it."""
     from fleetless.sandbox import Template, get_backend
-    from fleetless.sandbox.bwrap import interpreter_paths
+    from fleetless.sandbox.bwrap._filesystem import interpreter_paths
 
     python = get_backend(tier).handler_python(Template(Path("/")))
     return {p[len(top) + 1:].split("/")[0] for p in interpreter_paths(python)

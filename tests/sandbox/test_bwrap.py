@@ -25,7 +25,8 @@ import pytest
 
 from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, cgroups
 from fleetless.sandbox import bwrap as bw
-from fleetless.sandbox.bwrap import BwrapSandbox, interpreter_paths
+from fleetless.sandbox.bwrap import BwrapSandbox
+from fleetless.sandbox.bwrap._filesystem import interpreter_paths
 
 from proctools import pids_with, wait_for
 

@@ -270,7 +270,7 @@ def test_a_non_root_drainers_job_is_confined_the_same_way() -> None:
 
 
 def test_the_filter_is_built_once_per_drainer_process() -> None:
-    from fleetless.sandbox import _seccomp
+    from fleetless.sandbox.bwrap import _seccomp
 
     assert _seccomp.bpf() is _seccomp.bpf() and len(_seccomp.bpf()) % 8 == 0
 

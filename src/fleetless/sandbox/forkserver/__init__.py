@@ -56,7 +56,9 @@ _SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
 def _root_spec(python: str, handlers: Path, network: bool) -> client.RootSpec:
-    from .. import bwrap  # the same /etc copy, interpreter paths and seccomp filter as bwrap
+    # the same /etc copy, interpreter paths and seccomp filter as bwrap
+    from ..bwrap._filesystem import etc_dir, interpreter_paths
+    from ..bwrap._seccomp import seccomp_file
 
     binds: list[tuple[str, str]] = []
     links: list[tuple[str, str]] = []
@@ -65,11 +67,11 @@ def _root_spec(python: str, handlers: Path, network: bool) -> client.RootSpec:
             links.append((os.readlink(path), path))
         elif os.path.isdir(path):
             binds.append((path, path))
-    binds.append((str(bwrap.etc_dir(network)), "/etc"))
-    binds += [(p, p) for p in bwrap.interpreter_paths(python)]
+    binds.append((str(etc_dir(network)), "/etc"))
+    binds += [(p, p) for p in interpreter_paths(python)]
     binds.append((str(handlers), HANDLERS))
     try:
-        seccomp: str | None = str(bwrap.seccomp_file())
+        seccomp: str | None = str(seccomp_file())
     except SandboxUnavailable:
         seccomp = None
     return client.RootSpec(tuple(binds), tuple(links), seccomp)

@@ -132,7 +132,7 @@ class ProcessSandbox(Sandbox):
             return template.python
         if _hostuid.needed() and os.environ.get(CONTAIN_ENV) != "0" and _namespaces_work():
             own = default_python(binds_blocked=True)
-            from ..bwrap import _require_job_paths
+            from ..bwrap._filesystem import _require_job_paths
 
             try:
                 _require_job_paths(own)
@@ -150,7 +150,7 @@ class ProcessSandbox(Sandbox):
         if jobs_cannot_reach(path) is None:
             return True
         if template.python is None and _hostuid.needed():
-            from ..bwrap import _covered, interpreter_paths
+            from ..bwrap._filesystem import _covered, interpreter_paths
 
             try:
                 bound = interpreter_paths(cls.handler_python(template))
@@ -344,13 +344,13 @@ class ProcessSandbox(Sandbox):
         keep = [str(_workspace.root().resolve())]
         python = os.path.realpath(self.python)
         if "/dev/shm/" in f"{python} {self.python}":
-            from ..bwrap import interpreter_paths
+            from ..bwrap._filesystem import interpreter_paths
 
             keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
         keep = [p for p in keep if p.startswith("/dev/shm/") and "\n" not in p]
         lines = [str(self._template.limits.tmp_bytes), *(f"K {p}" for p in keep)]
         if self._lease is not None:  # a root drainer's interpreter under /root: bound back for the job
-            from ..bwrap import blocked_paths, interpreter_paths
+            from ..bwrap._filesystem import blocked_paths, interpreter_paths
 
             view = [(p, top) for p, top in blocked_paths(interpreter_paths(self.python))
                     if not any(c in p + top for c in "\n\t")]

@@ -26,10 +26,11 @@ import errno
 import functools
 import os
 import tempfile
+from pathlib import Path
 
-from . import SandboxUnavailable
+from .. import SandboxUnavailable, _workspace
 
-__all__ = ["DENIED", "NAMESPACE_FLAGS", "bpf"]
+__all__ = ["DENIED", "NAMESPACE_FLAGS", "bpf", "seccomp_file"]
 
 #: Denied system calls, by reason. Names unknown on an ABI (``vm86`` on x86_64) are skipped there.
 DENIED: dict[str, tuple[str, ...]] = {
@@ -109,3 +110,15 @@ def write_to(path: str | os.PathLike[str]) -> None:
         os.write(fd, bpf())
     finally:
         os.close(fd)
+
+
+def seccomp_file() -> Path:
+    """The seccomp filter as a file the launcher (a job uid under a root drainer) opens for
+    ``bwrap --seccomp``: written once per drainer process, ``bpf-<pid>-*/filter`` in the workspace
+    root, readable by all (it is no secret, and not writable by anyone), swept like ``etc-*``."""
+
+    def build(folder: Path) -> None:
+        write_to(folder / "filter")
+        folder.chmod(0o711)
+
+    return _workspace.cached_copy("bpf", "seccomp", (), build) / "filter"

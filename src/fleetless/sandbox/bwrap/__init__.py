@@ -3,7 +3,7 @@
 What a job gets: new user, pid, mount, network, IPC, UTS and cgroup namespaces; uid/gid 65534
 with every capability dropped and no nested user namespaces (also when the drainer is root), which
 on the host is a uid leased for this job alone from the job range when the drainer is root (see
-:mod:`._hostuid`; bwrap is started as it) and the drainer's uid otherwise; a seccomp filter
+:mod:`.._hostuid`; bwrap is started as it) and the drainer's uid otherwise; a seccomp filter
 (:mod:`._seccomp`); bwrap's options passed through a pipe, so ``/proc/1/cmdline`` shows no host path;
 a filesystem of read-only binds of ``/usr`` (plus the ``/lib``, ``/bin``... symlinks), a few
 ``/etc`` files the loader and libc need, the handler directory (a root drainer: its read-only
@@ -23,13 +23,10 @@ removes the cgroups and workspaces such a drainer leaves behind.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
-import json
 import logging
 import os
-import resource
 import shutil
 import signal
 import subprocess
@@ -40,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
-from . import (
+from .. import (
     OWN_DEADLINE_SLACK,
     ExecResult,
     Sandbox,
@@ -48,51 +45,37 @@ from . import (
     Template,
     _capture,
     _hostuid,
-    _seccomp,
     _subuid,
     _workspace,
     cgroups,
     default_python,
     jobs_cannot_reach,
 )
-from ._handlers import handlers_snapshot
-from ._hardening import harden_drainer
-from ._limits import rlimit_kill_reason, rlimits_for
-from ._wording import describe_signal
+from .._handlers import handlers_snapshot
+from .._hardening import harden_drainer
+from .._limits import rlimit_kill_reason, rlimits_for
+from .._wording import describe_signal
+from ._filesystem import (
+    _SYSTEM_PATHS,
+    HANDLERS,
+    JOB_UID,
+    WORKSPACE,
+    MiB,
+    _covered,
+    _leased,
+    _require_job_paths,
+    _require_reachable,
+    _system_args,
+    _view,
+    etc_dir,
+    interpreter_paths,
+)
+from ._launcher import _launch, _Launcher, _pool, _shim
+from ._seccomp import seccomp_file
 
 __all__ = ["BwrapSandbox", "bwrap_binary", "enforced_caps", "sweep"]
 
 log = logging.getLogger(__name__)
-
-MiB = 1024 * 1024
-JOB_UID = 65534
-WORKSPACE = "/workspace"
-HANDLERS = "/handlers"
-
-#: Top-level system paths: bound read-only, or re-created as the same symlink (merged /usr).
-_SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-#: /etc pieces the dynamic loader, libc and TLS clients need. Not passwd/shadow/group (a
-#: one-line passwd and group are synthesised), not /etc/ssl/private.
-_ETC_FILES = (
-    "/etc/ld.so.cache",
-    "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d",
-    "/etc/alternatives",
-    "/etc/localtime",
-    "/etc/nsswitch.conf",
-    "/etc/host.conf",
-    "/etc/gai.conf",
-    "/etc/services",
-    "/etc/protocols",
-    "/etc/ssl/certs",
-    "/etc/ssl/openssl.cnf",
-    "/etc/ca-certificates",
-    "/etc/pki/tls/certs",
-    "/etc/mime.types",
-)
-_ETC_NETWORK_FILES = ("/etc/resolv.conf", "/etc/hosts")
-_PASSWD = f"nobody:x:{JOB_UID}:{JOB_UID}:nobody:{WORKSPACE}:/usr/sbin/nologin\n"
-_GROUP = f"nogroup:x:{JOB_UID}:\n"
 
 
 # -- the binary and the probe ------------------------------------------------------------------
@@ -153,12 +136,6 @@ def _probe() -> tuple[str | None, str]:
         return _probe_result
 
 
-def _leased() -> bool:
-    """Whether jobs run as a leased uid: a root drainer's (:mod:`._hostuid`), or a non-root
-    drainer's with a subordinate range (:mod:`._subuid`)."""
-    return _hostuid.needed() or _subuid.delegation() is not None
-
-
 def _job_uid() -> tuple[_hostuid.Lease | None, int | None]:
     """A lease for one job (None when jobs are the drainer's uid) and the uid the launcher drops
     to: the leased host uid under a root drainer, its ns-uid in the holder otherwise."""
@@ -191,207 +168,6 @@ def _isolation_args(network: bool) -> list[str]:
     return args
 
 
-_system_cache: dict[bool, list[str]] = {}
-
-
-def _system_args(network: bool) -> list[str]:
-    """Binds of the host system (computed once per process)."""
-    cached = _system_cache.get(network)
-    if cached is not None:
-        return cached
-    args: list[str] = []
-    for path in _SYSTEM_PATHS:
-        if os.path.islink(path):
-            args += ["--symlink", os.readlink(path), path]
-        elif os.path.isdir(path):
-            args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev"]
-    _system_cache[network] = args
-    return args
-
-
-def etc_dir(network: bool) -> Path:
-    """The sandbox's ``/etc``: a copy of the few host files it needs plus a one-user passwd and
-    group, made once per drainer process (and again when one of the host files changes) and bound
-    read-only as a whole: one mount instead of a dozen, which is measurable per job. Named
-    ``etc-<drainer pid>-*`` under the workspace root; sweeps remove dead drainers' ones."""
-    paths = [*_ETC_FILES, *(_ETC_NETWORK_FILES if network else ())]
-
-    def build(d: Path) -> None:
-        for p in paths:
-            if not os.path.exists(p):
-                continue
-            dest = d / os.path.relpath(p, "/etc")
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if os.path.isdir(p):
-                shutil.copytree(p, dest, symlinks=True)
-            else:
-                shutil.copyfile(p, dest)  # content, also of a symlink (resolv.conf)
-                os.chmod(dest, 0o644)
-        (d / "passwd").write_text(_PASSWD)
-        (d / "group").write_text(_GROUP)
-        os.chmod(d, 0o755)
-
-    return _workspace.cached_copy("etc", network, _workspace.signature(paths), build)
-
-
-def seccomp_file() -> Path:
-    """The seccomp filter as a file the launcher (a job uid under a root drainer) opens for
-    ``bwrap --seccomp``: written once per drainer process, ``bpf-<pid>-*/filter`` in the workspace
-    root, readable by all (it is no secret, and not writable by anyone), swept like ``etc-*``."""
-
-    def build(folder: Path) -> None:
-        _seccomp.write_to(folder / "filter")
-        folder.chmod(0o711)
-
-    return _workspace.cached_copy("bpf", "seccomp", (), build) / "filter"
-
-
-_BOUND_ALREADY = ("/usr/",)
-_prefix_cache: dict[str, list[str]] = {}
-
-
-def _covered(path: str, prefixes: Sequence[str]) -> bool:
-    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in prefixes)
-
-
-def interpreter_paths(python: str) -> list[str]:
-    """Paths to bind read-only (same path inside) that make ``python`` run in the sandbox: none for
-    an interpreter under /usr; its ``sys.prefix``/``sys.base_prefix`` for a venv or pyenv build
-    elsewhere, and the directories its ``sys.path`` reaches outside them (an editable install's
-    source tree, a ``.pth`` entry), so handlers import what the app imports (asked of the
-    interpreter once, with its site packages but no user site or environment; cached)."""
-    cached = _prefix_cache.get(python)
-    if cached is not None:
-        return cached
-    real = os.path.realpath(python)
-    paths: list[str] = []
-    if not (_covered(python, _BOUND_ALREADY) and _covered(real, _BOUND_ALREADY)):
-        try:
-            out = subprocess.run(
-                [python, "-E", "-s", "-c", "import sys, json; print(json.dumps(sorted({sys.prefix, "
-                 "sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix} | {p for p in sys.path if "
-                 "p.startswith('/')})))"],
-                capture_output=True, env={}, timeout=30, check=True, stdin=subprocess.DEVNULL, cwd="/",
-            ).stdout  # fmt: skip
-            found = [p for p in json.loads(out) if p and os.path.exists(p)]
-            prefixes = [p for p in found if not _covered(p, _BOUND_ALREADY)]
-            prefixes = [p for p in prefixes if not any(q != p and _covered(p, [q]) for q in prefixes)]
-        except (OSError, subprocess.SubprocessError, ValueError) as exc:
-            raise SandboxUnavailable(f"cannot use {python} as the handler interpreter: {exc}") from exc
-        prefixes = [p for p in prefixes if p != "/"]
-        paths += prefixes
-        for p in (python, real):
-            if not _covered(p, _BOUND_ALREADY) and not _covered(p, prefixes):
-                paths.append(p)
-    binds = sorted(set(paths))
-    _prefix_cache[python] = binds
-    return binds
-
-
-def _require_reachable(path: str, what: str, readable: bool = True) -> None:
-    """SandboxUnavailable unless users other than the owner can reach ``path``: search permission on
-    every directory up to it and on it, and (``readable``) read permission on it."""
-    p = Path(path)
-    for d in reversed(p.parents):
-        if not os.stat(d).st_mode & 0o001:
-            raise SandboxUnavailable(
-                f"{what} {path} cannot be reached by the unprivileged job uids: {d} is not searchable "
-                "by other users (chmod o+x it, or use a path outside it)"
-            )
-    mode = os.stat(p).st_mode
-    if (readable and not mode & 0o004) or (p.is_dir() and not mode & 0o001):
-        raise SandboxUnavailable(f"{what} {path} is not readable by other users (the unprivileged job uids)")
-
-
-_checked_paths: set[tuple[str, str]] = set()
-
-
-def _require_job_paths(python: str) -> None:
-    """Under a root drainer bwrap runs as the job's uid and binds its sources by path as that uid:
-    the work directory must be searchable by other users, the interpreter's paths readable (their
-    parents need not be: see :func:`_view`). SandboxUnavailable naming the first that is not
-    (checked once per pair)."""
-    key = (str(_workspace.root()), python)
-    if not _leased() or key in _checked_paths:
-        return
-    _require_reachable(key[0], "the work directory (FLEETLESS_WORKDIR)", readable=False)
-    for path in interpreter_paths(python):  # a file the job cannot execute: that kind is not claimed
-        real = os.path.realpath(path)  # what bwrap binds (it resolves every source)
-        if _blocked_at(real) is not None:
-            _require_reachable_itself(real, "the handler interpreter's")
-        else:
-            _require_reachable(real, "the handler interpreter's", readable=not os.path.isfile(real))
-    _checked_paths.add(key)
-
-
-def _require_reachable_itself(path: str, what: str) -> None:
-    """SandboxUnavailable unless other users may read ``path`` (and search it, a directory) itself."""
-    mode = os.stat(path).st_mode
-    if os.path.isdir(path) and (mode & 0o005) != 0o005:
-        raise SandboxUnavailable(f"{what} {path} is not readable by other users (the unprivileged job uids)")
-
-
-# -- a root drainer's interpreter where the job uids cannot go ---------------------------------
-def _blocked_at(path: str) -> str | None:
-    """The first directory above ``path`` (the real one) that other users cannot search, under a
-    root drainer (whose bwrap, as the job's uid, resolves its bind sources by path); else None."""
-    if not _hostuid.needed():
-        return None
-    current = "/"
-    for part in Path(os.path.realpath(path)).parts[1:-1]:
-        current = os.path.join(current, part)
-        if not os.stat(current).st_mode & 0o001:
-            return current
-    return None
-
-
-_view_cache: dict[tuple[str, ...], str] = {}
-
-
-def blocked_paths(paths: Sequence[str]) -> list[tuple[str, str]]:
-    """(real path, the directory in its way) for each of ``paths`` that the job uids of a root
-    drainer cannot reach for a directory above it (:func:`_blocked_at`); one inside another is
-    left out (it comes with it)."""
-    blocked = {os.path.realpath(p): _blocked_at(p) for p in paths}
-    rescue = sorted((real, top) for real, top in blocked.items() if top is not None)
-    return [(real, top) for real, top in rescue if not any(o != real and _covered(real, [o]) for o, _ in rescue)]
-
-
-def _view(paths: Sequence[str]) -> str:
-    """Shell commands that, run as root at a launcher's start in a mount namespace of its own, make
-    each of ``paths`` (a root drainer's interpreter under ``/root``, mode 0700) reachable there by
-    the job's uid: each path is opened first, then every directory in the way is covered by a
-    small tmpfs (mode 0755) holding only the path, bound back from the open descriptor (the magic
-    link reaches it without searching the directory in the way). bwrap, now the job's uid, then
-    binds it read-only as any other; nothing changes on the host, and the namespace goes with the
-    launcher. "" when every path is reachable as it is (the usual case: no namespace, no cost)."""
-    rescue = blocked_paths(paths)
-    key = tuple(real for real, _ in rescue)
-    cached = _view_cache.get(key)
-    if cached is not None:
-        return cached
-    tops = sorted({top for _, top in rescue})
-    if len(tops) > 5:  # the launcher's shell has fds 5-9 for them
-        raise SandboxUnavailable(f"the handler interpreter's paths are under {len(tops)} directories the "
-                                 f"job uids cannot search ({', '.join(tops)}); at most 5 are bound back")
-    fd = {top: 5 + i for i, top in enumerate(tops)}
-    lines = []
-    if rescue:  # the directory in the way is opened first; its content is reached through the fd
-        lines.append("exec " + " ".join(f"{fd[top]}<{_quote(top)}" for top in tops) + " || exit 125")
-        for top in tops:
-            lines.append(f"mount -t tmpfs -o mode=0755,size=1m,nosuid,nodev fleetless-view {_quote(top)} || exit 125")
-        for real, top in rescue:
-            source = f"/proc/self/fd/{fd[top]}/{os.path.relpath(real, top)}"
-            make = (f"mkdir -p {_quote(real)}" if os.path.isdir(real)
-                    else f"mkdir -p {_quote(os.path.dirname(real))} && : > {_quote(real)}")
-            lines.append(f"{make} && mount --no-canonicalize --rbind {_quote(source)} {_quote(real)} || exit 125")
-        lines.append("exec " + " ".join(f"{fd[top]}<&-" for top in tops))
-    view = "".join(line + "\n" for line in lines)
-    _view_cache[key] = view
-    return view
-
-
 # -- reporting what is enforced ----------------------------------------------------------------
 def enforced_caps() -> list[str]:
     """What caps the bwrap tier enforces on this host (for ``fleetless doctor``)."""
@@ -409,7 +185,7 @@ _warned = False
 
 def own_uid_notice() -> str | None:
     """The one line that says a non-root drainer's jobs are its own uid on the host (None when the
-    drainer is root: each job then leases a uid of its own, :mod:`._hostuid`)."""
+    drainer is root: each job then leases a uid of its own, :mod:`.._hostuid`)."""
     if _leased():
         return None
     return (f"jobs run as the drainer's own uid {os.getuid()} on the host, all of them (a root drainer, "
@@ -457,198 +233,6 @@ def _exit_code(returncode: int) -> int:
     return returncode
 
 
-#: The launcher: a shell that reads one line, a shell command that becomes bwrap (see
-#: :func:`_launch`), and runs it. It is spawned and put into the job's cgroups *before* the
-#: command is known: moving a process between cgroups waits for an RCU grace period (about 9 ms on
-#: these VMs, longer than bwrap itself), so a background thread keeps one launcher ready in fresh
-#: groups (see :class:`_Pool`) and a job only pays for the limits it writes. A Python
-#: ``preexec_fn`` is no alternative: it forces a full fork() of the drainer (3-7 ms here). If the
-#: drainer dies before sending the line, ``read`` hits EOF and nothing runs. The shell exports a
-#: ``PWD`` (the drainer's working directory) of its own accord: unset, so that bwrap, whose
-#: environment the job can read as /proc/1/environ, starts with an empty one.
-_SHIM_SCRIPT = 'nl=\'\n\'\nunset PWD\nread -r line || exit 125\neval "$line"\n'
-_SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
-
-
-def _shim(view: str) -> list[str]:
-    """The launcher's argv: with a ``view`` (:func:`_view`), in a mount namespace of its own; for a
-    non-root drainer with a subordinate range, as ns-root of its holder (:mod:`._subuid`), where
-    ``setpriv`` drops it to the job's ns-uid."""
-    if not view:
-        helper = _subuid.holder() if not _hostuid.needed() else None
-        return _SHIM if helper is None else [*helper.enter(), *_SHIM]
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", view + _SHIM_SCRIPT,
-            "fleetless-bwrap"]
-#: The launcher hands bwrap its options on this fd (the rest of its stdin, ``--args``) and the
-#: seccomp filter on the next (``--seccomp``).
-_FD_ARGS, _FD_SECCOMP = 3, 4
-
-
-def _quote(arg: str) -> str:
-    """``arg`` as one single-quoted shell word (newlines through the shim's ``$nl``)."""
-    if "\0" in arg:
-        raise ValueError(f"argument contains a NUL byte: {arg!r}")
-    return "'" + arg.replace("'", "'\\''").replace("\n", "'\"$nl\"'") + "'"
-
-
-#: ``ulimit`` flag and unit (bytes per unit) of each rlimit the tier sets.
-_ULIMIT = {"RLIMIT_CPU": ("t", 1), "RLIMIT_FSIZE": ("f", 512), "RLIMIT_NOFILE": ("n", 1), "RLIMIT_CORE": ("c", 512),
-           "RLIMIT_AS": ("v", 1024)}
-
-
-def _ulimits(rlimits: dict[str, int]) -> list[str]:
-    """Shell commands setting ``rlimits`` on the launcher, which bwrap and the job inherit (soft =
-    hard, but CPU: SIGXCPU at the soft limit, reported as such, SIGKILL a second later). Lowering
-    one's own limits needs no privilege, whatever uid the launcher is by then; raising one above the
-    drainer's own hard limit would fail, so a limit is never set above it."""
-    out = []
-    for name, value in rlimits.items():
-        flag, unit = _ULIMIT[name]
-        ceiling = resource.getrlimit(getattr(resource, name))[1]  # the launcher's: the drainer's
-        soft, hard = value, value + 1 if name == "RLIMIT_CPU" else value
-        if ceiling != resource.RLIM_INFINITY:
-            soft, hard = min(soft, ceiling), min(hard, ceiling)
-        soft, hard = -(-soft // unit), -(-hard // unit)
-        out += [f"ulimit -S -{flag} {soft}", f"ulimit -H -{flag} {hard}"]
-    return out
-
-
-def _launch(
-    binary: str, uid: int | None, options: Sequence[str], seccomp: str, argv: Sequence[str], rlimits: dict[str, int]
-) -> bytes:
-    """What the launcher reads on its stdin: one shell line that becomes bwrap, then bwrap's
-    ``options`` NUL-separated, which bwrap reads through ``--args`` until EOF.
-
-    Nothing of the host shows on bwrap's command line, which the job can read as ``/proc/1/cmdline``:
-    it is ``./bwrap --args 3 -- <argv>`` (the line ``cd``-s to bwrap's directory first and unsets
-    the ``PWD`` that sets), and sets ``rlimits`` (:func:`_ulimits`). With ``uid`` (a root drainer),
-    ``setpriv`` makes the launcher that uid, the gid of the same number and no supplementary groups
-    right before bwrap: bwrap then makes an ordinary unprivileged user namespace whose one uid, the
-    job's 65534, is that host uid. (Spawning the pooled launcher as the uid instead costs a full
-    ``fork()`` of the drainer, about three times the CPU of the extra ``exec``.) The seccomp filter
-    is opened before the drop. bwrap's job gets ``/dev/null`` as stdin."""
-    for option in options:
-        if "\0" in option:
-            raise ValueError(f"argument contains a NUL byte: {option!r}")
-    folder, name = os.path.split(binary)
-    drop = "" if uid is None else f"setpriv --reuid={uid} --regid={uid} --clear-groups -- "
-    words = [
-        " && ".join([f"cd {_quote(folder)}", "unset PWD OLDPWD", *_ulimits(rlimits),
-                     f"exec {drop}{_quote('./' + name)}"]),
-        f"--args {_FD_ARGS} --",
-        *(_quote(a) for a in argv),
-        f"{_FD_ARGS}<&0 0</dev/null {_FD_SECCOMP}<{_quote(seccomp)}",
-    ]
-    data = [*options, "--seccomp", str(_FD_SECCOMP)]
-    return (" ".join(words) + "\n").encode() + "".join(o + "\0" for o in data).encode()
-
-
-class _Launcher:
-    """A waiting launcher process and the (limit-less until taken) cgroups it is already in."""
-
-    def __init__(self, cgroup: cgroups.JobCgroup | None, view: str = "") -> None:
-        self.cgroup = cgroup
-        self.view = view
-        self.proc = subprocess.Popen(
-            _shim(view),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={},  # bwrap's own environment is readable in the sandbox (/proc/1/environ)
-            start_new_session=True,
-            cwd="/",
-        )
-        try:
-            if cgroup is not None:
-                cgroup.attach(self.proc.pid)
-        except OSError:
-            self.discard()
-            raise
-
-    def discard(self) -> None:
-        """Let the launcher exit unused (EOF on its stdin) and remove its cgroups."""
-        proc = self.proc
-        for f in (proc.stdin, proc.stdout, proc.stderr):
-            if f is not None:
-                with contextlib.suppress(OSError):
-                    f.close()
-        try:
-            proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if self.cgroup is not None:
-            self.cgroup.remove()
-
-    @classmethod
-    def fresh(cls, caps: cgroups.CgroupCaps, view: str = "") -> _Launcher:
-        """A launcher in new cgroups (where ``caps`` has any)."""
-        return cls(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None, view)
-
-
-class _Pool:
-    """Keeps ``size`` launchers ready, made by a daemon thread while jobs run."""
-
-    def __init__(self, size: int = 1) -> None:
-        self.size = size
-        self._cond = threading.Condition()
-        self._ready: list[_Launcher] = []
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._view = ""  # the view (:func:`_view`) of the launchers it makes: the last one taken
-
-    def take(self, caps: cgroups.CgroupCaps, view: str = "") -> _Launcher:
-        with self._cond:
-            if view != self._view:  # another interpreter's view: the ready ones are of no use
-                stale, self._ready, self._view = self._ready, [], view
-                for old in stale:
-                    old.discard()
-            launcher = self._ready.pop() if self._ready else None
-            if self._thread is None and not self._closed and self.size > 0:
-                self._thread = threading.Thread(target=self._fill, name="fleetless-bwrap-pool", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-        if launcher is not None and launcher.proc.poll() is None:
-            return launcher
-        if launcher is not None:
-            launcher.discard()
-        return _Launcher.fresh(caps, view)
-
-    def _fill(self) -> None:
-        while True:
-            with self._cond:
-                while not self._closed and len(self._ready) >= self.size:
-                    self._cond.wait()
-                if self._closed:
-                    return
-            try:
-                view = self._view
-                launcher = _Launcher.fresh(cgroups.available(), view)
-            except (OSError, SandboxUnavailable) as exc:
-                log.warning("bwrap launcher pool: %s", exc)
-                with self._cond:
-                    self._cond.wait(timeout=5)
-                continue
-            with self._cond:
-                if self._closed or view != self._view:
-                    launcher.discard()
-                    if self._closed:
-                        return
-                    continue
-                self._ready.append(launcher)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            ready, self._ready = self._ready, []
-            self._cond.notify_all()
-        for launcher in ready:
-            launcher.discard()
-
-
-_pool = _Pool(size=2)
-atexit.register(_pool.close)
-
 _watchdog_lock = threading.Lock()
 _watchdog: tuple[int, int, subprocess.Popen[bytes]] | None = None  # (owner pid, pipe write end, proc)
 
@@ -663,7 +247,7 @@ def _ensure_watchdog() -> None:
         read_end, write_end = os.pipe()  # both close-on-exec: no child inherits the write end
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fleetless.sandbox._watchdog", str(os.getpid())],
+                [sys.executable, "-m", "fleetless.sandbox.bwrap._watchdog", str(os.getpid())],
                 stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True,
             )
         finally:

@@ -8,7 +8,7 @@ it however the drainer ends, so EOF here means "the drainer is gone". Parent-dea
 enough on their own: the kernel clears them when a process changes credentials, which every bwrap
 sandbox does (uid 65534), so a sandbox's pid 1 can outlive its monitor. The cgroups cannot.
 
-    python -m fleetless.sandbox._watchdog DRAINER_PID
+    python -m fleetless.sandbox.bwrap._watchdog DRAINER_PID
 
 The drainer writes one line per exec on the pipe: ``DEADLINE\tDIR\tDIR...\n``, DEADLINE in
 CLOCK_MONOTONIC seconds (the same clock in every process), the DIRs the job's cgroups. Groups
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _workspace, bwrap, cgroups
+from .. import _workspace, bwrap, cgroups
 
 
 def _enforce(due: list[tuple[float, list[str]]]) -> None:
