@@ -183,6 +183,50 @@ def test_a_fork_bomb_inside_a_batch_fails_only_itself(tier: str, queue: Queue, h
     assert (summary.done, summary.dead, summary.fenced_out) == (4, 1, 0)
 
 
+LEAVER = """
+    import os, time
+    def handle(payload):
+        if payload.get("leave"):  # a child and a grandchild that outlive the job, one orphaned
+            if os.fork() == 0:
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+                time.sleep(60)
+                os._exit(0)
+            time.sleep(0.2)
+            return {"left": True}
+        me, alive = os.getpid(), []
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) != me:
+                try:
+                    stat = open(f"/proc/{name}/stat", "rb").read()
+                except OSError:
+                    continue
+                argv0 = open(f"/proc/{name}/cmdline", "rb").read().split(b"\\0")[0].decode()
+                if argv0 and stat[stat.rindex(b")") + 2:].split()[0] not in (b"Z", b"X"):  # not a kernel thread
+                    alive.append(argv0)
+        return {"others": sorted(alive)}
+"""
+
+
+# microvm: not yet; the guest's runner still saw one leftover (the orphaned grandchild, it seems)
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_processes_a_batch_job_leaves_behind_die_before_the_next_job_starts(
+        tier: str, queue: Queue, handlers, sql: SQL, require_tier) -> None:
+    """A handle() that forks a child and a grandchild and returns: before the next job of the
+    batch runs, neither is alive any more (the next job sees only its sandbox's own processes,
+    the same as the batch's first job saw), so a job's leftovers (a fork bomb's copies) can never
+    take the sandbox down under a neighbour."""
+    require_tier(tier)
+    h = handlers(**{"leaver.py": LEAVER})
+    ids = queue.enqueue_many([{"kind": "leaver", "payload": p, "max_attempts": 1}
+                              for p in ({}, {"leave": True}, {})])
+    Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=3, concurrency=1, timeout=30)).run()
+    rows = dict(sql("SELECT id, result_json FROM fleetless.jobs"))
+    assert rows[ids[1]] == {"left": True}, rows
+    assert rows[ids[2]] == rows[ids[0]], rows  # what the first job saw, and no sleeping leftovers
+
+
 @pytest.mark.parametrize("tier", ["process", "bwrap"])  # a microVM's lease carries a minute of boot allowance
 def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(tier: str, queue: Queue, handlers, sql: SQL,
                                                                require_tier) -> None:

@@ -113,6 +113,48 @@ def _arm_watchdog(seconds: float) -> None:
             time.sleep(0.02)
 
 
+def _become_subreaper() -> None:
+    """Orphans of the jobs' processes come to this runner (not to the sandbox's init), so that
+    :func:`_end_leftovers` finds them; where prctl cannot be reached, the pid namespace's init of
+    the tiers that have one still takes them, and direct children are found either way."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:  # a guest without ctypes: the direct children still go
+        pass
+
+
+def _end_leftovers(me: int, within: float = 5.0) -> None:
+    """Kill every process a module job left behind (its forks, a fork bomb's copies, their
+    children) before the next job starts: a job's processes die with the job, and must not take
+    the sandbox down (or hold its pids limit) while a neighbour runs. With no child at all this
+    is one ``waitpid``; otherwise ``/proc`` is scanned for this runner's children (orphans come to
+    it: :func:`_become_subreaper`) until none is left, at most ``within`` seconds."""
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return  # no child, so no descendant: the common case
+    give_up = time.monotonic() + within
+    while time.monotonic() < give_up:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+                if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:
+                    os.kill(int(name), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):
+                continue  # gone already
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        except ChildProcessError:
+            return
+        time.sleep(0.001)
+
+
 def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     handler = desc["handler"]
     jobs = desc["jobs"]
@@ -134,6 +176,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     except BaseException as exc:  # the import fails for every job alike: each job's failure
         import_error = "cannot import the handler: " + describe_exception(exc)
     me = os.getpid()
+    _become_subreaper()
     encode = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode  # built once, not per job
     environ = os.environ
     environ["FLEETLESS_KIND"] = desc["kind"]
@@ -153,6 +196,8 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             # no earlier than timeout + grace after any job's start, and at most 1 s later.
             _arm_watchdog(longest + grace + 1.0)
             armed_at = now
+        if i:
+            _end_leftovers(me)  # what the previous job forked dies before this one starts
         environ["FLEETLESS_JOB_ID"] = str(job["id"])
         attempt = str(job["attempt"])
         if attempt != attempt_was:  # most jobs of a batch are at the same attempt: one putenv less
