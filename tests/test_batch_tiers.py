@@ -209,8 +209,7 @@ LEAVER = """
 """
 
 
-# microvm: not yet; the guest's runner still saw one leftover (the orphaned grandchild, it seems)
-@pytest.mark.parametrize("tier", ["process", "bwrap"])
+@pytest.mark.parametrize("tier", TIERS)
 def test_processes_a_batch_job_leaves_behind_die_before_the_next_job_starts(
         tier: str, queue: Queue, handlers, sql: SQL, require_tier) -> None:
     """A handle() that forks a child and a grandchild and returns: before the next job of the

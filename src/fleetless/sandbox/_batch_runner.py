@@ -113,37 +113,57 @@ def _arm_watchdog(seconds: float) -> None:
             time.sleep(0.02)
 
 
-def _become_subreaper() -> None:
+def _become_subreaper() -> bool:
     """Orphans of the jobs' processes come to this runner (not to the sandbox's init), so that
-    :func:`_end_leftovers` finds them; where prctl cannot be reached, the pid namespace's init of
-    the tiers that have one still takes them, and direct children are found either way."""
+    :func:`_end_leftovers` finds them. False where prctl cannot be reached (a guest without
+    ctypes): leftovers are then also found by their process group."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except Exception:  # a guest without ctypes: the direct children still go
-        pass
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0)  # PR_SET_CHILD_SUBREAPER
+    except Exception:  # a guest without ctypes
+        return False
 
 
-def _end_leftovers(me: int, within: float = 5.0) -> None:
+def _stat(pid: str) -> tuple[int, int]:
+    """(parent pid, process group) of a process, from ``/proc/<pid>/stat``."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[1]), int(fields[2])
+
+
+def _end_leftovers(me: int, subreaper: bool, within: float = 5.0) -> None:
     """Kill every process a module job left behind (its forks, a fork bomb's copies, their
     children) before the next job starts: a job's processes die with the job, and must not take
-    the sandbox down (or hold its pids limit) while a neighbour runs. With no child at all this
-    is one ``waitpid``; otherwise ``/proc`` is scanned for this runner's children (orphans come to
-    it: :func:`_become_subreaper`) until none is left, at most ``within`` seconds."""
-    try:
-        os.waitpid(-1, os.WNOHANG)
-    except ChildProcessError:
-        return  # no child, so no descendant: the common case
+    the sandbox down (or hold its pids limit) while a neighbour runs. As a subreaper with no child
+    at all this is one ``waitpid``; otherwise ``/proc`` is scanned for this runner's children
+    (orphans come to it) and, without a subreaper, for the other members of its process group
+    that are not its ancestors, until none is left, at most ``within`` seconds."""
+    if subreaper:
+        try:
+            os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child, so no descendant: the common case
+    group = os.getpgrp()
+    keep = {me}
+    pid = me
+    while pid > 1:  # the runner's ancestors may share its group (a shell, the guest's agent)
+        try:
+            pid = _stat(str(pid))[0]
+        except (OSError, ValueError, IndexError):
+            break
+        keep.add(pid)
     give_up = time.monotonic() + within
-    while time.monotonic() < give_up:
+    while True:
+        found = False
         for name in os.listdir("/proc"):
-            if not name.isdigit():
+            if not name.isdigit() or int(name) in keep:
                 continue
             try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    stat = f.read()
-                if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:
+                parent, pgrp = _stat(name)
+                if parent == me or (not subreaper and pgrp == group):
+                    found = True
                     os.kill(int(name), signal.SIGKILL)
             except (OSError, ValueError, IndexError):
                 continue  # gone already
@@ -151,6 +171,9 @@ def _end_leftovers(me: int, within: float = 5.0) -> None:
             while os.waitpid(-1, os.WNOHANG)[0] > 0:
                 pass
         except ChildProcessError:
+            if subreaper:
+                return
+        if not found or time.monotonic() >= give_up:
             return
         time.sleep(0.001)
 
@@ -176,7 +199,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     except BaseException as exc:  # the import fails for every job alike: each job's failure
         import_error = "cannot import the handler: " + describe_exception(exc)
     me = os.getpid()
-    _become_subreaper()
+    subreaper = _become_subreaper()
     encode = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode  # built once, not per job
     environ = os.environ
     environ["FLEETLESS_KIND"] = desc["kind"]
@@ -197,7 +220,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             _arm_watchdog(longest + grace + 1.0)
             armed_at = now
         if i:
-            _end_leftovers(me)  # what the previous job forked dies before this one starts
+            _end_leftovers(me, subreaper)  # what the previous job forked dies before this one starts
         environ["FLEETLESS_JOB_ID"] = str(job["id"])
         attempt = str(job["attempt"])
         if attempt != attempt_was:  # most jobs of a batch are at the same attempt: one putenv less
