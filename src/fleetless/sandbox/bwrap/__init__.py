@@ -54,7 +54,7 @@ from .. import (
 from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer
 from .._limits import rlimit_kill_reason, rlimits_for
-from .._wording import describe_signal
+from .._wording import memory_size
 from ._filesystem import (
     _SYSTEM_PATHS,
     HANDLERS,
@@ -511,7 +511,7 @@ class BwrapSandbox(Sandbox):
         cg = self._cgroup
         if cg is not None and exit_code != 0:
             if cg.memory_bytes is not None and cg.oom_killed():
-                return f"killed: memory limit {_mib(cg.memory_bytes)} exceeded"
+                return f"killed: memory limit {memory_size(cg.memory_bytes)} exceeded"
             if cg.pids_max is not None and cg.pids_limit_hit():
                 tail = f" ({reason[len('killed: ') :]})" if hit else ""
                 return f"killed: pids limit {limits.pids} reached{tail}"
@@ -565,10 +565,4 @@ class BwrapSandbox(Sandbox):
         return f"<BwrapSandbox workspace={self._workspace} cgroup={cgroup}>"
 
 
-def _mib(n: int) -> str:
-    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n} bytes"
 
-
-def describe_exit(code: int) -> str:
-    """``exit 3`` or ``SIGKILL`` for an :class:`ExecResult` exit code (for logs)."""
-    return describe_signal(-code) if code < 0 else f"exit {code}"

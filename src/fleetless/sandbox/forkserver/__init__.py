@@ -45,13 +45,13 @@ from .. import (
     _hostuid,
     cgroups,
 )
+from .._wording import memory_size
 from . import client
 
 __all__ = ["ForkServerSandbox"]
 
 WORKSPACE = "/workspace"
 HANDLERS = "/handlers"
-MiB = 1024 * 1024
 _SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
@@ -316,7 +316,7 @@ class ForkServerSandbox(Sandbox):
         cg = self._cgroup
         if cg is not None and exit_code != 0:
             if cg.memory_bytes is not None and cg.oom_killed():
-                killed = f"killed: memory limit {_mib(cg.memory_bytes)} exceeded"
+                killed = f"killed: memory limit {memory_size(cg.memory_bytes)} exceeded"
             elif cg.pids_max is not None and cg.pids_limit_hit():
                 killed = f"killed: pids limit {limits.pids} reached" + (
                     f" ({reason.removeprefix('killed: ')})" if hit else "")
@@ -364,6 +364,4 @@ def _release(init: client.Init) -> None:
     init.server.done()
 
 
-def _mib(n: int) -> str:
-    return f"{n // MiB} MiB" if n % MiB == 0 else f"{n} bytes"
 

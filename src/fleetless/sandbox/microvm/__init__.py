@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from fleetless.sandbox import ExecResult, MiB, Sandbox, SandboxUnavailable, Template
+from fleetless.sandbox._limits import rlimit_kill_reason
 from fleetless.sandbox.microvm.image import CpioWriter, ImageInfo, guest_has_program, load_image
-from fleetless.sandbox.process import rlimit_kill_reason
 
 __all__ = ["MIN_MEMORY_MIB", "GuestJob", "MicroVMSandbox", "accel", "boot", "network_mode"]
 

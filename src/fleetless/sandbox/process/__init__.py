@@ -50,8 +50,7 @@ from .._hardening import harden_drainer, untraversable
 from .._limits import rlimit_kill_reason, rlimits_for
 from .._wording import describe_signal
 
-# microvm.py still imports rlimit_kill_reason from here (that file is another change's to move).
-__all__ = ["CONTAIN_ENV", "ProcessSandbox", "rlimit_kill_reason"]
+__all__ = ["CONTAIN_ENV", "ProcessSandbox"]
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
