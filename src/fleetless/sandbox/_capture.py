@@ -7,6 +7,7 @@ stderr (the error) and drop the rest as it arrives, so the drainer's memory stay
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import time
 from collections.abc import Callable
@@ -47,6 +48,16 @@ class Captured:
     @property
     def stderr(self) -> str:
         return bytes(self._err[-self._err_cap :]).decode("utf-8", "replace")
+
+
+def parse_status(raw: bytes) -> int | None:
+    """The job's wait status from the one line ``status N`` of its supervisor (the process tier's
+    supervisor, the fork server's init); None for anything else (which only a job that wrote into
+    its supervisor's pipe can cause)."""
+    m = re.fullmatch(rb"status (\d{1,5})\n", raw)
+    if m is None or int(m.group(1)) > 0xFFFF:
+        return None
+    return int(m.group(1))
 
 
 def pump(

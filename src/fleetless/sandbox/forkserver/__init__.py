@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import select
 import signal
 import socket
@@ -75,13 +74,6 @@ def _root_spec(python: str, handlers: Path, network: bool) -> client.RootSpec:
     except SandboxUnavailable:
         seccomp = None
     return client.RootSpec(tuple(binds), tuple(links), seccomp)
-
-
-def _status(raw: bytes) -> int | None:
-    m = re.fullmatch(rb"status (\d{1,5})\n", raw)
-    if m is None or int(m.group(1)) > 0xFFFF:
-        return None
-    return int(m.group(1))
 
 
 class ForkServerSandbox(Sandbox):
@@ -306,7 +298,7 @@ class ForkServerSandbox(Sandbox):
         if raw.startswith(b"error "):
             self.kill()
             raise SandboxUnavailable(f"the fork server's job init failed: {raw[6:].decode(errors='replace').strip()}")
-        status = _status(raw)
+        status = _capture.parse_status(raw)
         killed: str | None = reason if hit else None
         if status is not None:
             exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)

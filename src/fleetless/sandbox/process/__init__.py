@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -64,15 +63,6 @@ def tree_cgroup_caps() -> cgroups.CgroupCaps | None:
     if not caps.pids:
         return None
     return dataclasses.replace(caps, memory=False, cpu=False)
-
-
-def parse_status(raw: bytes) -> int | None:
-    """The job's wait status from the supervisor's one line ``status N``; None for anything else
-    (which only a job that wrote into its supervisor's pipe can cause)."""
-    m = re.fullmatch(rb"status (\d{1,5})\n", raw)
-    if m is None or int(m.group(1)) > 0xFFFF:
-        return None
-    return int(m.group(1))
 
 
 class ProcessSandbox(Sandbox):
@@ -315,7 +305,7 @@ class ProcessSandbox(Sandbox):
             proc.stdout.close()
             proc.stderr.close()
         killed: str | None = reason if hit else None
-        status = parse_status(raw)
+        status = _capture.parse_status(raw)
         if status is not None:
             exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         else:
