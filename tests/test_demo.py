@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -54,3 +55,17 @@ def test_demo_rows_are_whole_and_its_handlers_stay_for_the_user_to_read(dsn: str
         assert row.rstrip().endswith(f"resize-image in {folder}"), row
     finally:
         shutil.rmtree(folder.parent)
+
+
+def test_demo_answers_json_with_every_jobs_row_and_its_lines_on_stderr(dsn: str, fleetless) -> None:
+    """`--json` on the demo too (issue 10: every command that reports): stdout is one JSON object
+    (the tier, the drain's summary with drain --json's names, each job's row); the words go to stderr."""
+    r = fleetless("demo", "--sandbox", "process", "--json", dsn=dsn, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tier"] == "process" and "drained: claimed" in r.stderr
+    assert (out["summary"]["done"], out["summary"]["dead"]) == (9, 3)
+    rows = {j["kind"]: j for j in out["jobs"] if j["status"] != "done"}
+    assert rows["slow"]["outcome"] == "killed: timeout after 2 s" and rows["flaky"]["attempts"] == 3
+    assert len(out["jobs"]) == 12 and Path(out["handlers"]).is_dir()
+    shutil.rmtree(Path(out["handlers"]).parent)

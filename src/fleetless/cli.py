@@ -688,12 +688,13 @@ def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
               envvar="FLEETLESS_SANDBOX",
               help="Isolation tier. auto: bwrap where it works on this host, else process [env FLEETLESS_SANDBOX].")
 @click.option("--jobs", "n_jobs", type=int, default=12, show_default=True, help="Size of the burst.")
+@json_option
 @click.pass_context
-def demo(ctx: click.Context, sandbox: str, n_jobs: int) -> None:
+def demo(ctx: click.Context, sandbox: str, n_jobs: int, as_json: bool) -> None:
     """Enqueue a burst of example jobs (one fails, one times out), drain them, show the outcome."""
     from . import demo as demo_mod
 
-    demo_mod.run(ctx.obj["dsn"], sandbox=sandbox, n_jobs=n_jobs)
+    demo_mod.run(ctx.obj["dsn"], sandbox=sandbox, n_jobs=n_jobs, as_json=as_json)
 
 
 @cli.command()

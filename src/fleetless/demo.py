@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import logging
 import os
 import stat
@@ -72,14 +75,17 @@ def outcome_line(status: str, text: str | None, width: int = 100) -> str:
     return outcome
 
 
-def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12) -> None:
+def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12, as_json: bool = False) -> None:
+    """The demo; ``as_json``: its lines go to stderr and stdout is one JSON object (the tier, the
+    drain's summary as ``drain --json`` gives it, each job's row, where the handlers are)."""
+    say = functools.partial(click.echo, err=as_json)
     with ExitStack() as stack:
         embedded = not dsn
         logging.getLogger("fleetless.drainer").setLevel(logging.ERROR)  # the table says it all
         if not dsn:
             from .embedded import EmbeddedPostgres
 
-            click.echo("No DATABASE_URL given: starting an embedded PostgreSQL for the demo ...")
+            say("No DATABASE_URL given: starting an embedded PostgreSQL for the demo ...")
             dsn = stack.enter_context(EmbeddedPostgres())
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {DEMO_SCHEMA} CASCADE")
@@ -98,28 +104,34 @@ def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12) -> None:
         )
         drainer = Drainer(queue, config)
         if drainer.tier_note:
-            click.echo(drainer.tier_note)
-        click.echo(f"Enqueued {len(ids)} jobs into {DEMO_SCHEMA}.jobs; draining with the "
-                   f"'{drainer.config.sandbox}' sandbox (one sandbox per job) ...")
+            say(drainer.tier_note)
+        say(f"Enqueued {len(ids)} jobs into {DEMO_SCHEMA}.jobs; draining with the "
+            f"'{drainer.config.sandbox}' sandbox (one sandbox per job) ...")
         started = time.monotonic()
         summary = drainer.run()
-        click.echo(summary.line())
+        say(summary.line())
         rows = sorted(queue.list(limit=len(ids)), key=lambda r: r["id"])
-        click.echo("")
-        click.echo(f"{'id':>4}  {'kind':<13} {'status':<9} {'tries':<6} outcome")
+        say("")
+        say(f"{'id':>4}  {'kind':<13} {'status':<9} {'tries':<6} outcome")
+        report = []
         for r in rows:
             job = queue.get(r["id"])
             text = job["result"] if job["status"] == "done" else job["last_error"]
             outcome = outcome_line(job["status"], text)
-            click.echo(f"{job['id']:>4}  {job['kind']:<13} {job['status']:<9} "
-                       f"{job['attempts']}/{job['max_attempts']:<4} {outcome}")
-        click.echo("")
-        click.echo(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s.")
+            report.append({k: job[k] for k in ("id", "kind", "status", "attempts", "max_attempts")}
+                          | {"outcome": outcome})
+            say(f"{job['id']:>4}  {job['kind']:<13} {job['status']:<9} "
+                f"{job['attempts']}/{job['max_attempts']:<4} {outcome}")
+        say("")
+        say(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s.")
         kinds = ", ".join(sorted(p.name for p in handlers.iterdir()))
-        click.echo(f"The handlers that ran are in {handlers} ({kinds}): read them, or run them on "
-                   f"your own jobs with: fleetless drain --handlers {handlers}")
+        say(f"The handlers that ran are in {handlers} ({kinds}): read them, or run them on "
+            f"your own jobs with: fleetless drain --handlers {handlers}")
         if embedded:
-            click.echo("The embedded server stops now. Against your own database: DATABASE_URL=... fleetless demo,"
-                       " then fleetless --schema fleetless_demo show ID")
+            say("The embedded server stops now. Against your own database: DATABASE_URL=... fleetless demo,"
+                " then fleetless --schema fleetless_demo show ID")
         else:
-            click.echo("Inspect with: fleetless --schema fleetless_demo status | jobs | show ID")
+            say("Inspect with: fleetless --schema fleetless_demo status | jobs | show ID")
+        if as_json:
+            click.echo(json.dumps({"tier": drainer.config.sandbox, "summary": dataclasses.asdict(summary),
+                                   "handlers": str(handlers), "jobs": report}))
