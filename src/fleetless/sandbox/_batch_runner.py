@@ -133,7 +133,21 @@ def _stat(pid: str) -> tuple[int, int]:
     return int(fields[1]), int(fields[2])
 
 
-def _end_leftovers(me: int, subreaper: bool, within: float = 5.0) -> None:
+def _self_and_ancestors(me: int) -> frozenset[int]:
+    """This runner and the processes above it, which may share its process group (a shell, the
+    guest's agent) and are never a job's leftovers; they do not change during a batch."""
+    keep = {me}
+    pid = me
+    while pid > 1:
+        try:
+            pid = _stat(str(pid))[0]
+        except (OSError, ValueError, IndexError):
+            break
+        keep.add(pid)
+    return frozenset(keep)
+
+
+def _end_leftovers(me: int, subreaper: bool, keep: frozenset[int], within: float = 5.0) -> None:
     """Kill every process a module job left behind (its forks, a fork bomb's copies, their
     children) before the next job starts: a job's processes die with the job, and must not take
     the sandbox down (or hold its pids limit) while a neighbour runs. As a subreaper with no child
@@ -146,14 +160,6 @@ def _end_leftovers(me: int, subreaper: bool, within: float = 5.0) -> None:
         except ChildProcessError:
             return  # no child, so no descendant: the common case
     group = os.getpgrp()
-    keep = {me}
-    pid = me
-    while pid > 1:  # the runner's ancestors may share its group (a shell, the guest's agent)
-        try:
-            pid = _stat(str(pid))[0]
-        except (OSError, ValueError, IndexError):
-            break
-        keep.add(pid)
     give_up = time.monotonic() + within
     while True:
         found = False
@@ -200,6 +206,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
         import_error = "cannot import the handler: " + describe_exception(exc)
     me = os.getpid()
     subreaper = _become_subreaper()
+    keep = _self_and_ancestors(me)
     encode = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode  # built once, not per job
     environ = os.environ
     environ["FLEETLESS_KIND"] = desc["kind"]
@@ -220,7 +227,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             _arm_watchdog(longest + grace + 1.0)
             armed_at = now
         if i:
-            _end_leftovers(me, subreaper)  # what the previous job forked dies before this one starts
+            _end_leftovers(me, subreaper, keep)  # what the previous job forked dies before this one starts
         environ["FLEETLESS_JOB_ID"] = str(job["id"])
         attempt = str(job["attempt"])
         if attempt != attempt_was:  # most jobs of a batch are at the same attempt: one putenv less
