@@ -180,3 +180,38 @@ def test_a_row_refused_for_no_known_reason_stops_the_flush_there_and_keeps_the_r
             (first, "done", 1), (refused, "pending", 0), (last, "done", 1)]
     finally:
         sql("DROP TRIGGER refuse_done ON fleetless.jobs")
+
+
+def test_outcomes_written_with_the_next_claim_share_its_transaction(queue: Queue,
+                                                                    sql: Callable[..., list[Any]]) -> None:
+    """Per-job mode: a slot's outcome and its next job go in one transaction (one commit, one round
+    trip): the finished row and the claimed one carry the same transaction id and time."""
+    first, second = queue.enqueue_many([("k", {"n": 0}), ("k", {"n": 1})])
+    (job,) = claim_all(queue, 1)
+    completer = Completer(queue)
+    completer.add(job, Outcome("done", result="r"))
+    claimed = completer.flush_then_claim(lambda items: queue.finish_then_claim(items, 5, ttl=60))
+    assert [j.id for j in claimed or []] == [second]
+    assert completer.counts.done == 1 and completer.buffered == 0
+    rows = dict((r[0], r[1:]) for r in sql(
+        "SELECT id, status, xmin::text, finished_at, started_at FROM fleetless.jobs"))
+    assert rows[first][0] == "done" and rows[second][0] == "running"
+    assert rows[first][1] == rows[second][1]  # the same transaction wrote both rows
+    assert rows[first][2] == rows[second][3]  # now(): its one start time
+    assert sql("SELECT job_id, outcome FROM fleetless.job_attempts") == [(first, "done")]
+
+
+def test_an_outcome_refused_with_the_next_claim_claims_nothing_and_is_written_alone(
+        queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    """All or nothing: the database refusing an outcome rolls the claim back with it; the
+    completer then writes the outcomes one by one (the refused one fails its job alone) and says
+    nothing was claimed, so the caller claims on its own."""
+    ids = queue.enqueue_many([("k", {"n": i}) for i in range(3)])
+    good, bad = claim_all(queue, 2)
+    completer = Completer(queue)
+    completer.add(good, Outcome("done", result="r"))
+    completer.add(bad, Outcome("done", result_json="{not json"))
+    assert completer.flush_then_claim(lambda items: queue.finish_then_claim(items, 5, ttl=60)) is None
+    assert sql("SELECT id, status, left(last_error, 30) FROM fleetless.jobs ORDER BY id") == [
+        (ids[0], "done", None), (ids[1], "dead", "its outcome cannot be stored: "), (ids[2], "pending", None)]
+    assert (completer.counts.done, completer.counts.dead, completer.buffered) == (1, 1, 0)

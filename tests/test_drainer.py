@@ -184,6 +184,17 @@ def test_jobs_run_concurrently_up_to_the_limit(queue: Queue, handlers, sql) -> N
     assert 2 <= most <= 3
 
 
+def test_a_slots_outcome_is_written_in_the_same_commit_as_its_next_claim(queue: Queue, handlers, sql) -> None:
+    """Per-job mode: one commit per job, not two. Each job's outcome is durable no later than its
+    slot's next job is claimed: the same transaction (the same now()) ended one and started the next."""
+    h = handlers(**{"ok.py": "print('ok')"})
+    queue.enqueue_many([("ok", {"i": i}) for i in range(4)])
+    drain(queue, h, concurrency=1)
+    rows = sql("SELECT status, started_at, finished_at FROM fleetless.jobs ORDER BY started_at")
+    assert [r[0] for r in rows] == ["done"] * 4
+    assert [r[2] for r in rows[:-1]] == [r[1] for r in rows[1:]]
+
+
 def test_max_runtime_stops_claiming_and_finishes_what_it_holds(queue: Queue, handlers, sql) -> None:
     h = handlers(**{"nap.py": "import time; time.sleep(0.6)"})
     queue.enqueue_many([("nap", {})] * 6)

@@ -139,6 +139,33 @@ class Completer:
                 raise
             self._count(items, written)
 
+    def flush_then_claim(
+        self, claim: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], list[Job]]]
+    ) -> list[Job] | None:
+        """As :meth:`flush`, with the caller's next claim in the same transaction: ``claim`` takes
+        the outcomes, writes them and claims (:meth:`Queue.finish_then_claim`) and returns what was
+        written and what was claimed. Returns the claimed jobs; None when nothing was claimed with
+        them: nothing was buffered, or the database refused the two (the outcomes are then written
+        one by one, as by :meth:`flush`), and the caller claims on its own."""
+        with self._flushing:
+            items = self._take()
+            if not items:
+                return None
+            try:
+                written, claimed = claim(items)
+            except ConnectionError:
+                self._put_back(items)
+                raise
+            except db.DatabaseError as exc:
+                log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
+                self._one_by_one(items)
+                return None
+            except BaseException:
+                self._put_back(items)
+                raise
+            self._count(items, written)
+            return claimed
+
     def settle(self, reason: str) -> tuple[int, int]:
         """After the drain failed: write each buffered outcome once; give back (release, fenced,
         uncharged) each one whose write fails. Stops at a lost connection, leaving the rest

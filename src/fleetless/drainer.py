@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import db, handlers, kinds, maintenance
 from .batch import Runner, Slot, describe_failure, describe_run, job_env
@@ -384,6 +384,8 @@ class Drainer:
                 and (budget_end is None or time.monotonic() < budget_end)
             )
             short = False
+            if not self._batched and not (claiming and len(running) < c.concurrency):
+                self._db(self._completer.flush)  # no claim to write them with: on their own
             if claiming:
                 while len(running) < c.concurrency:
                     if self._batched:
@@ -393,7 +395,8 @@ class Drainer:
                             want = self._kinds.get(units[0][0].kind, _NO_SETTINGS).batch_size or want
                     else:
                         want = min(c.batch, c.concurrency - len(running))
-                        units = [[job] for job in self._claim(want)]
+                        # the outcomes of the jobs that ended go in the same transaction
+                        units = [[job] for job in self._claim(want, with_outcomes=True)]
                     got = sum(len(u) for u in units if u)
                     for jobs in units:
                         if jobs:
@@ -454,7 +457,7 @@ class Drainer:
             for fut in [f for f in running if f.done()]:
                 result = fut.result()  # a unit that raised stays in running: its claims are given back
                 running.pop(fut)
-                self._record(result)
+                self._record(result)  # per-job mode: written with the next claim, at the loop's top
 
     def _give_back(self, running: dict[Future[_Result], _Unit], exc: BaseException) -> int:
         """After an error: what ran still counts, and every other claim the drain holds is given
@@ -465,7 +468,7 @@ class Drainer:
         reason = f"released: the drain stopped on an error ({_what(exc)})"
         for fut, (jobs, _) in running.items():  # every unit has ended: its sandbox was destroyed
             if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self._record(fut.result(), flush=False)
+                self._record(fut.result())
             else:  # it raised: its jobs have no outcome
                 for job in jobs:
                     self._completer.add(job, Outcome("release", error=reason, run=Run(tier=self._tier_of(job.kind))))
@@ -499,13 +502,22 @@ class Drainer:
             return LIMIT_POLL_SECONDS  # due but not claimed: a limited kind waits for room
         return due
 
-    def _claim(self, n: int, *, one_kind: bool = False) -> list[Job]:
+    def _claim(self, n: int, *, one_kind: bool = False, with_outcomes: bool = False) -> list[Job]:
         """One claim statement, with a token of its own: if its reply is lost after it committed,
-        the retry first takes back what it claimed instead of stranding it until the lease ends."""
+        the retry first takes back what it claimed instead of stranding it until the lease ends.
+
+        ``with_outcomes`` (per-job mode): the outcomes waiting in the completer are written in the
+        claim's own transaction (one round trip, one commit), so each is durable no later than the
+        slot's next job is claimed; a retry that finds the claim committed writes them again,
+        which recognises them as its own (the same transaction wrote both)."""
         c = self.config
         timeout, ttl = self._lease_bounds()
         token = uuid.uuid4()
         tries = 0
+        args: dict[str, Any] = dict(
+            queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
+            claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable), token=token,
+            kinds=self._kinds)
 
         def claim() -> list[Job]:
             nonlocal tries
@@ -514,11 +526,14 @@ class Drainer:
                 held = self.queue.claimed_with(token)
                 if held:
                     log.warning("took back %d job(s) from a claim whose reply was lost", len(held))
+                    if with_outcomes:
+                        self._completer.flush()
                     return held
-            return self.queue.claim(
-                n, queues=c.queues, default_timeout=timeout, ttl=ttl, lease_grace=self._grace, one_kind=one_kind,
-                claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable), token=token,
-                kinds=self._kinds)
+            if with_outcomes:
+                got = self._completer.flush_then_claim(lambda items: self.queue.finish_then_claim(items, n, **args))
+                if got is not None:
+                    return got
+            return self.queue.claim(n, **args)
 
         return self._db(claim)
 
@@ -580,17 +595,15 @@ class Drainer:
     def _grace(self) -> float:
         return self.config.lease_grace + max(b.overhead_seconds for b in self._backends.values())
 
-    def _record(self, result: _Result, *, flush: bool = True) -> None:
-        """A unit's outcomes go to the completer; in per-job mode they are written right away, so
-        that each is durable before its slot claims again."""
+    def _record(self, result: _Result) -> None:
+        """A unit's outcomes go to the completer. In per-job mode the loop writes them before its
+        slot claims again: with that claim, in its transaction, or alone when it claims nothing."""
         outcomes, fatal = result
         for job, outcome in outcomes:
             self._completer.add(job, outcome)
         if fatal is not None:
             log.error("%s", fatal)
             self._fatal = fatal
-        if flush and not self._batched:
-            self._db(self._completer.flush)
 
     def _lease_beat(self, jobs: Iterable[Job]) -> float:
         """How often to renew leases: a third of the shortest lease of ``jobs``, at least 0.2 s."""

@@ -430,11 +430,9 @@ class Queue:
             return []
         kinds = kinds or {}
         limited = sorted(k for k, ks in kinds.items() if ks.limited and k not in skip_kinds)
-        params: dict[str, Any] = {
-            "n": n, "queues": list(queues) if queues else None,
-            "skip_kinds": [*skip_kinds, *limited] or None, "token": token or uuid.uuid4(),
-            "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
-            "claimed_by": claimed_by, "tier": tier, "kinds": _claim_settings(kinds)}
+        params = _claim_params(n, queues=queues, default_timeout=default_timeout, ttl=ttl, lease_grace=lease_grace,
+                               claimed_by=claimed_by, tier=tier, skip_kinds=[*skip_kinds, *limited], token=token,
+                               kinds=kinds)
         got: list[Job] = []
         if limited:
             due = [r["kind"] for r in self._run("limited_kinds_due", {"limited": limited, "queues": params["queues"]})]
@@ -540,26 +538,43 @@ class Queue:
         retry whose first reply was lost recognises its own earlier writes (their status is in it)."""
         if not outcomes:
             return {}
-        tokens: dict[uuid.UUID, str] = {}  # a claim's jobs share its token: one str() per claim
-        rows = []
-        for job, o in outcomes:
-            run = o.run or _NO_RUN
-            token = tokens.get(job.claim_token)
-            if token is None:
-                token = tokens[job.claim_token] = str(job.claim_token)
-            rows.append((job.id, token, o.action, o.permanent, float(o.delay),
-                         None if o.error is None else clean_text(o.error, MAX_ERROR_CHARS, keep="tail"),
-                         None if o.result is None else result_text(o.result, cut=o.result_cut),
-                         o.result_json, run.tier, run.exit_code, run.signal,
-                         None if run.kill_reason is None else clean_text(run.kill_reason, 500)))
-        params = {"rows": _ROWS_JSON.encode(rows), "host": socket.gethostname(), "pid": os.getpid(),
-                  "max_releases": MAX_RELEASES}
-        written = {job_id: _STATUS[status] for job_id, status in self._tuples("finish_many", params)}
+        rows = self._tuples("finish_many", _finish_params(outcomes))
+        return self._written(outcomes, rows)
+
+    def _written(self, outcomes: Sequence[tuple[Job, Outcome]], rows: list[tuple[Any, ...]]) -> dict[int, Status]:
+        """finish_many's answer: each written job's new status, and the jobs it did not match
+        told apart (fenced out, or written by this call's own earlier try whose reply was lost)."""
+        written = {job_id: _STATUS[status] for job_id, status in rows}
         missing = [job for job, _ in outcomes if job.id not in written]
-        if missing:  # fenced out, or written by this call's own earlier try whose reply was lost
+        if missing:
             written.update((r["id"], Status(r["status"])) for r in self._run(
                 "outcomes_of", {"ids": [j.id for j in missing], "tokens": [j.claim_token for j in missing]}))
         return written
+
+    def finish_then_claim(
+        self, outcomes: Sequence[tuple[Job, Outcome]], n: int, **claim: Any
+    ) -> tuple[dict[int, Status], list[Job]]:
+        """:meth:`finish_many` of ``outcomes``, then :meth:`claim` of up to ``n`` (``claim``: its
+        keyword arguments), both in one transaction sent as one message: a per-job drain's slot
+        writes its job's outcome and takes its next job with one round trip and one commit (two
+        commits per job were most of its drainer's time), and the outcome is durable no later than
+        the claim. All or nothing: a database error writes neither and propagates. A claim that is
+        more than its one statement (a kind with a concurrency or rate limit), ``one_kind``, or
+        ``n`` < 1: the two calls, one after the other."""
+        kinds: Mapping[str, KindSettings] = claim.get("kinds") or {}
+        if n < 1 or claim.get("one_kind") or any(ks.limited for ks in kinds.values()) or not outcomes:
+            return self.finish_many(outcomes), self.claim(n, **claim)
+        claim.pop("one_kind", None)
+        params = {**_finish_params(outcomes), **_claim_params(n, **claim)}
+        # Client-side binding is what lets two statements travel in one simple query, which the
+        # server runs as one implicit transaction; psycopg quotes every value as a literal.
+        with (db.errors_translated(self.schema), self._connection() as c, psycopg.ClientCursor(c) as cur):
+            cur.execute(self._q["finish_many"] + ";\n" + self._q["claim"], params)
+            finished = cur.fetchall()
+            cur.nextset()
+            names = [col.name for col in cur.description or ()]
+            claimed = [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+        return self._written(outcomes, finished), _jobs(claimed)
 
     def extend_leases(
         self, jobs: Iterable[Job], *, default_timeout: float = 600, ttl: float = 900, lease_grace: float = 60
@@ -756,6 +771,35 @@ class Queue:
         assert seconds is not None
         statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
         return self.prune_batch(dict.fromkeys(statuses, seconds))
+
+def _claim_params(
+    n: int, *, queues: Sequence[str] | None = None, default_timeout: float = 600, ttl: float = 900,
+    lease_grace: float = 60, claimed_by: str | None = None, tier: str | None = None, skip_kinds: Sequence[str] = (),
+    token: uuid.UUID | None = None, kinds: Mapping[str, KindSettings] | None = None,
+) -> dict[str, Any]:
+    """The claim statements' parameters (``skip_kinds``: with the limited kinds, claimed apart)."""
+    return {"n": n, "queues": list(queues) if queues else None, "skip_kinds": list(skip_kinds) or None,
+            "token": token or uuid.uuid4(), "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
+            "claimed_by": claimed_by, "tier": tier, "kinds": _claim_settings(kinds or {})}
+
+
+def _finish_params(outcomes: Sequence[tuple[Job, Outcome]]) -> dict[str, Any]:
+    """finish_many's parameters: the outcomes as one JSON array of rows (see the statement)."""
+    tokens: dict[uuid.UUID, str] = {}  # a claim's jobs share its token: one str() per claim
+    rows = []
+    for job, o in outcomes:
+        run = o.run or _NO_RUN
+        token = tokens.get(job.claim_token)
+        if token is None:
+            token = tokens[job.claim_token] = str(job.claim_token)
+        rows.append((job.id, token, o.action, o.permanent, float(o.delay),
+                     None if o.error is None else clean_text(o.error, MAX_ERROR_CHARS, keep="tail"),
+                     None if o.result is None else result_text(o.result, cut=o.result_cut),
+                     o.result_json, run.tier, run.exit_code, run.signal,
+                     None if run.kill_reason is None else clean_text(run.kill_reason, 500)))
+    return {"rows": _ROWS_JSON.encode(rows), "host": socket.gethostname(), "pid": os.getpid(),
+            "max_releases": MAX_RELEASES}
+
 
 def _claim_settings(kinds: Mapping[str, KindSettings]) -> str | None:
     """What the claim statements apply per kind, as JSON (None: nothing set)."""

@@ -98,3 +98,21 @@ def test_every_fenced_write_retried_after_a_lost_reply_reports_its_own_outcome(d
     assert len(queue.claim(2)) == 2
     assert queue.fail(released, "stale", delay=0) is None
     assert queue.release(failed, "stale") is None
+
+
+def test_a_per_job_outcome_written_with_a_claim_whose_reply_is_lost_is_recognised_and_nothing_strands(
+        dsn: str, queue: Queue, handlers, sql) -> None:
+    """Per-job mode writes a slot's outcome in its next claim's transaction. The last job's comes
+    with a claim that finds nothing: that reply lost, the retry finds no claim it made and writes
+    the outcome again, which recognises its own write."""
+    h = handlers(**{"job.py": "print('ok')"})
+    queue.enqueue("job", {})
+    with pg_proxy(dsn) as proxy:
+        proxy.drop_reply_to(FINISH_MANY)
+        through = Queue(proxy.dsn)
+        summary = Drainer(through, DrainConfig(handlers_dir=h, concurrency=1)).run()
+        through.close()
+    assert proxy.dropped == [FINISH_MANY]
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 1, "ok\n")]
+    assert sql("SELECT outcome, count(*) FROM fleetless.job_attempts GROUP BY 1") == [("done", 1)]
+    assert (summary.done, summary.fenced_out) == (1, 0), summary
