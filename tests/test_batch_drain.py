@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fleetless import Queue
+from fleetless import Queue, Status
 from fleetless.drainer import DrainConfig, Drainer
 
 from proctools import wait_for
@@ -335,3 +335,68 @@ def test_a_forged_result_line_fails_only_its_own_job_and_changes_no_other_row(qu
     assert [rows[i][:2] for i in ids[2:]] == [("done", 2), ("done", 3)]
     assert sql("SELECT * FROM fleetless.jobs WHERE id = %s", other) == before
     assert (summary.done, summary.dead, summary.fenced_out) == (3, 1, 0)
+
+
+def test_the_next_batch_is_claimed_while_every_slot_runs_and_a_stop_gives_it_back_uncharged(
+        queue: Queue, handlers, sql: SQL, tmp_path: Path) -> None:
+    """With every slot busy the drainer claims the next batch ahead (a slot that frees starts it
+    without waiting for a claim). A drain stopped meanwhile gives that batch back: its jobs are
+    pending again with no attempt charged, and each has a 'released' attempt row."""
+    started = tmp_path / "started"
+    h = handlers(**{"nap.py": f"""
+        import pathlib, time
+        def handle(p):
+            pathlib.Path({str(started)!r}).touch()
+            time.sleep(1.5)
+    """})
+    ids = queue.enqueue_many([("nap", {"i": i}) for i in range(6)])
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=2, concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(lambda: started.exists() and sql(
+            "SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(4,)],
+            what="a running batch and one claimed ahead")
+        drainer.stop()  # short jobs finish; the batch claimed ahead never started
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        drainer.stop(grace=0)
+        thread.join(timeout=60)
+    rows = dict((r[0], r[1:]) for r in sql("SELECT id, status, attempts FROM fleetless.jobs"))
+    assert [rows[i] for i in ids[2:4]] == [("pending", 0)] * 2  # the batch claimed ahead
+    assert [rows[i][0] for i in ids[4:]] == ["pending"] * 2  # never claimed
+    assert sql("SELECT job_id, outcome FROM fleetless.job_attempts WHERE job_id = ANY(%s) ORDER BY 1",
+               ids[2:4]) == [(ids[2], "released"), (ids[3], "released")]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(0,)]
+
+
+def test_a_job_cancelled_while_its_batch_waits_to_start_ends_cancelled_without_running(
+        queue: Queue, handlers, sql: SQL, tmp_path: Path) -> None:
+    ran = tmp_path / "ran"
+    ran.mkdir()
+    ran.chmod(0o777)
+    h = handlers(**{"nap.py": f"""
+        import pathlib, time
+        def handle(p):
+            pathlib.Path({str(ran)!r}, str(p["i"])).touch()
+            time.sleep(1.5)
+    """})
+    ids = queue.enqueue_many([("nap", {"i": i}) for i in range(4)])
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=2, concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(lambda: (ran / "0").exists() and sql(
+            "SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(4,)],
+            what="a running batch and one claimed ahead")
+        assert queue.cancel(ids[3]) is Status.RUNNING
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        drainer.stop(grace=0)
+        thread.join(timeout=60)
+    rows = dict((r[0], r[1:]) for r in sql("SELECT id, status, attempts, last_error FROM fleetless.jobs"))
+    assert [rows[i][0] for i in ids] == ["done", "done", "done", "cancelled"]
+    assert rows[ids[3]][1:] == (1, "cancelled: an operator cancelled the job while it ran")
+    assert sorted(p.name for p in ran.iterdir()) == ["0", "1", "2"]  # job 3 never started

@@ -30,7 +30,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import db, handlers, kinds, maintenance
-from .batch import Runner, Slot, describe_failure, describe_run, job_env
+from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, describe_failure, describe_run, job_env
 from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
 from .insights import error_head
@@ -216,6 +216,7 @@ class Drainer:
         self._cancelled: set[_Claim] = set()  # claims an operator cancelled while this drain held them
         self._had_handler: frozenset[str] = frozenset()  # kinds with a handler when the drain started
         self._next_cancel_poll = 0.0
+        self._ahead: list[Job] = []  # batch mode: the next batch, claimed while every slot runs
 
     def _new_completer(self) -> Completer:
         """Batch mode: the completer writes on a connection of its own, beside the loop's claims."""
@@ -386,24 +387,24 @@ class Drainer:
             short = False
             if not self._batched and not (claiming and len(running) < c.concurrency):
                 self._db(self._completer.flush)  # no claim to write them with: on their own
+            if not claiming and self._ahead:
+                self._release_ahead(RELEASED_STOPPING)
             if claiming:
                 while len(running) < c.concurrency:
-                    if self._batched:
-                        units = [self._claim(c.per_sandbox, one_kind=True)]
-                        want = c.per_sandbox  # or the claimed kind's batch_size
-                        if units[0]:
-                            want = self._kinds.get(units[0][0].kind, _NO_SETTINGS).batch_size or want
+                    if self._ahead:  # claimed while the slots ran: it starts without waiting for a claim
+                        units, want = [self._take_ahead()], 0
+                        got = 0  # counted when it was claimed
+                    elif self._batched:
+                        units, want = self._claim_batch()
+                        got = len(units[0])
                     else:
                         want = min(c.batch, c.concurrency - len(running))
                         # the outcomes of the jobs that ended go in the same transaction
-                        units = [[job] for job in self._claim(want, with_outcomes=True)]
-                    got = sum(len(u) for u in units if u)
+                        units = [[job] for job in self._claimed(self._claim(want, with_outcomes=True))]
+                        got = len(units)
                     for jobs in units:
                         if jobs:
                             slot = Slot()
-                            for job in jobs:
-                                self._claimed_at[_claim_of(job)] = time.monotonic()
-                                self.reporter.claimed(job)
                             fut = pool.submit(self._run_unit, runner, jobs, slot)
                             # Leases run from the claim, the timeout from the exec: renew within a
                             # third of a lease, so a slow sandbox start or teardown never lets a
@@ -411,10 +412,19 @@ class Drainer:
                             next_beat = min(next_beat, time.monotonic() + self._lease_beat(jobs))
                             fut.add_done_callback(lambda _: self._wake.set())
                             running[fut] = (jobs, slot)
-                    self.summary.claimed += got
                     if got < want:
                         short = True
                         break
+                if (not short and self._batched and not self._ahead and not self._limited
+                        and len(running) == c.concurrency):
+                    # Every slot busy, more may be due: claim the next batch now, while they run,
+                    # so the slot that frees first starts it at once (a claim of thousands of rows
+                    # takes a while; the slot would otherwise stand idle for it).
+                    units, want = self._claim_batch()
+                    self._ahead = units[0]
+                    if self._ahead:
+                        next_beat = min(next_beat, time.monotonic() + self._lease_beat(self._ahead))
+                    short = len(self._ahead) < want
             watching = self._watcher is not None and not self._watcher.lost and claiming
             now = time.monotonic()
             if running or not short:
@@ -459,6 +469,37 @@ class Drainer:
                 running.pop(fut)
                 self._record(result)  # per-job mode: written with the next claim, at the loop's top
 
+    def _claim_batch(self) -> tuple[list[list[Job]], int]:
+        """Batch mode: one claim of up to a batch of one kind, as one unit, and how many it wanted
+        (the drain's --per-sandbox, or the claimed kind's batch_size)."""
+        jobs = self._claimed(self._claim(self.config.per_sandbox, one_kind=True))
+        want = self.config.per_sandbox
+        if jobs:
+            want = self._kinds.get(jobs[0].kind, _NO_SETTINGS).batch_size or want
+        return [jobs], want
+
+    def _claimed(self, jobs: list[Job]) -> list[Job]:
+        for job in jobs:
+            self._claimed_at[_claim_of(job)] = time.monotonic()
+            self.reporter.claimed(job)
+        self.summary.claimed += len(jobs)
+        return jobs
+
+    def _take_ahead(self) -> list[Job]:
+        """The batch claimed ahead, less its jobs an operator cancelled meanwhile (they end
+        cancelled without running)."""
+        jobs, self._ahead = self._ahead, []
+        for job in [j for j in jobs if _claim_of(j) in self._cancelled]:
+            run = Run(tier=self._tier_of(job.kind), kill_reason="cancelled")
+            self._completer.add(job, Outcome("fail", error=CANCELLED, permanent=True, run=run))
+        return [j for j in jobs if _claim_of(j) not in self._cancelled]
+
+    def _release_ahead(self, reason: str) -> None:
+        """The batch claimed ahead will not run here: its claims are given back, uncharged."""
+        jobs, self._ahead = self._ahead, []
+        for job in jobs:
+            self._completer.add(job, Outcome("release", error=reason, run=Run(tier=self._tier_of(job.kind))))
+
     def _give_back(self, running: dict[Future[_Result], _Unit], exc: BaseException) -> int:
         """After an error: what ran still counts, and every other claim the drain holds is given
         back (fenced, uncharged), each with one try. Returns how many claims were given back; a
@@ -473,6 +514,7 @@ class Drainer:
                 for job in jobs:
                     self._completer.add(job, Outcome("release", error=reason, run=Run(tier=self._tier_of(job.kind))))
         running.clear()
+        self._release_ahead(reason)
         self._completer.settle(reason)
         if self._completer.buffered:
             log.warning("could not write %d outcome(s) (the database is away); those jobs run again after"
@@ -549,6 +591,7 @@ class Drainer:
         self._next_cancel_poll = now + CANCEL_POLL_SECONDS
         units = list(units)
         held = [j for jobs, _ in units for j in jobs if _claim_of(j) not in self._cancelled]
+        held += [j for j in self._ahead if _claim_of(j) not in self._cancelled]  # ends cancelled when taken
         cancelled = self._db(lambda: self.queue.cancel_requested(held)) if held else set()
         for job_id, _ in cancelled:
             log.warning("job %d: cancelled by request; killing its sandbox", job_id)
@@ -617,7 +660,7 @@ class Drainer:
         start or tear down, and in batch mode jobs wait behind each other in one sandbox and
         finished ones for the completer's flush. A renewed lease still ends after the job's own
         deadline (exec start + timeout), which every sandbox enforces without the drainer."""
-        held = [j for jobs, _ in running.values() for j in jobs] + self._completer.holding()
+        held = [j for jobs, _ in running.values() for j in jobs] + self._ahead + self._completer.holding()
         if held:
             timeout, ttl = self._lease_bounds()
             self._db(lambda: self.queue.extend_leases(held, default_timeout=timeout, ttl=ttl,
