@@ -99,7 +99,9 @@ SET status = 'running',
                         ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
-WHERE j.id IN (
+-- The ids as one array (an InitPlan run once), not IN (subquery): the planner then reaches each
+-- row by its primary key instead of hashing a scan of the whole table (a 2,000-row claim: 0.8x).
+WHERE j.id = ANY(ARRAY(
   SELECT id FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
@@ -107,7 +109,7 @@ WHERE j.id IN (
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT %(n)s
-)
+))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
           extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds;
@@ -471,21 +473,21 @@ SET status = CASE
     result_json = CASE WHEN o.act = 'release' THEN j.result_json ELSE o.result_json::jsonb END,
     started_at = CASE WHEN o.act = 'release' THEN NULL ELSE j.started_at END,
     locked_at = NULL, lease_expires_at = NULL
-FROM (SELECT u.*,
+FROM (SELECT u.*, was.attempts AS was_attempts, was.started_at AS was_started_at, was.tier AS was_tier,
              -- a release that is the max_releases-th in a row is charged: it becomes a failure
-             CASE WHEN u.action = 'release' AND b.releases + 1 >= %(max_releases)s THEN 'fail'
+             CASE WHEN u.action = 'release' AND was.releases + 1 >= %(max_releases)s THEN 'fail'
                   ELSE u.action END AS act,
-             CASE WHEN u.action = 'release' AND b.releases + 1 >= %(max_releases)s
-                  THEN 'released ' || (b.releases + 1) || ' times in a row; charged as an attempt: ' || u.error
+             CASE WHEN u.action = 'release' AND was.releases + 1 >= %(max_releases)s
+                  THEN 'released ' || (was.releases + 1) || ' times in a row; charged as an attempt: ' || u.error
                   ELSE u.error END AS err
       FROM (SELECT (e->>0)::bigint AS id, (e->>1)::uuid AS token, e->>2 AS action, (e->>3)::bool AS permanent,
                    (e->>4)::float8 AS delay, e->>5 AS error, e->>6 AS result, e->>7 AS result_json,
                    e->>8 AS tier, (e->>9)::int AS exit_code, e->>10 AS signal, e->>11 AS kill_reason
             FROM jsonb_array_elements(%(rows)s::jsonb) AS e) AS u
-           JOIN {schema}.jobs AS b ON b.id = u.id) AS o
-     JOIN {schema}.jobs AS was ON was.id = o.id
+           JOIN {schema}.jobs AS was ON was.id = u.id) AS o
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
-RETURNING j.id, j.status, o.act AS action, was.attempts, was.started_at, COALESCE(o.tier, was.tier) AS tier,
+RETURNING j.id, j.status, o.act AS action, o.was_attempts AS attempts, o.was_started_at AS started_at,
+          COALESCE(o.tier, o.was_tier) AS tier,
           o.exit_code, o.signal,
           o.kill_reason, o.err AS error
 ), history AS (
@@ -544,7 +546,8 @@ SET status = 'running',
                         ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
-WHERE j.id IN (
+-- (ids as one array: see claim)
+WHERE j.id = ANY(ARRAY(
   SELECT id FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
@@ -552,7 +555,7 @@ WHERE j.id IN (
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT COALESCE((%(kinds)s::jsonb -> (SELECT kind FROM head) ->> 'batch_size')::int, %(n)s)
-)
+))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
           extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds
