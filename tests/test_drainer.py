@@ -309,7 +309,7 @@ def test_sigkill_of_a_drainer_kills_its_jobs_and_the_next_drain_recovers_them(ds
     proc.kill()
     proc.wait()
     wait_for(lambda: not pids_with(marker), timeout=10, what="job processes to die")
-    wait_for(lambda: not any(private_workdir.glob("ws-*")), timeout=10, what="workspace removal")
+    wait_for(lambda: not any(private_workdir.glob("ws-*")), timeout=30, what="workspace removal")
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("running", 1)]
     # The lease (timeout 3 s + grace 0) has not expired yet: nothing to recover.
     early = fleetless("drain", "--handlers", str(h), dsn=dsn)
