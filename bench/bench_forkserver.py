@@ -9,12 +9,17 @@ Target: forkserver <= 0.7x bare.
 
 Part 2, per-job drain: --jobs such jobs, one sandbox each (no batch mode), concurrency 2, one
 ``Drainer`` to empty, forkserver against each of --tiers in the same run; jobs/s medians and
-ratios. Target: forkserver >= 4x each of today's tiers.
+ratios. Target: forkserver >= 4x each of today's tiers. The issue's baseline is the tiers as they
+were when it was filed: ``--baseline-tree DIR`` (a source tree, for example a worktree of the
+commit before the fork server, ``git worktree add /tmp/base d1bbc85^``, then ``/tmp/base/src``)
+also drains each of --tiers with that tree's code (its own process, the drain alone timed), in
+the same repetitions.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -66,16 +71,45 @@ def per_job(hdir: Path, payload: Path, tiers: list[str], runs: int) -> None:
               f"  [spread {spread(values)}]")
 
 
-def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int) -> None:
+#: A drain with another source tree's code (the baseline), timed inside its own process.
+BASELINE_DRAIN = """
+import sys, time
+from pathlib import Path
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.sandbox import Limits
+dsn, hdir, tier, concurrency, python, jobs = sys.argv[1:]
+q = Queue(dsn)
+config = DrainConfig(handlers_dir=Path(hdir), sandbox=tier, concurrency=int(concurrency),
+                     limits=Limits(memory_bytes=256 * 1024 * 1024), python=python)
+t = time.perf_counter()
+summary = Drainer(q, config).run()
+elapsed = time.perf_counter() - t
+assert summary.done == int(jobs), summary.line()
+print(elapsed)
+"""
+
+
+def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int, baseline: str | None) -> None:
     results: dict[str, list[float]] = {}
+    cases = ["forkserver", *tiers] + [f"{t} (baseline)" for t in tiers if baseline]
     with scratch_db() as dsn:
         q = Queue(dsn)
         q.init()
         for rep in range(reps):
-            for tier in ["forkserver", *tiers]:
+            for case in cases:
+                tier = case.split()[0]
                 with psycopg.connect(dsn, autocommit=True) as c:
                     c.execute("TRUNCATE fleetless.jobs CASCADE")
                 q.enqueue_many(("job", {"n": 1}) for _ in range(jobs))
+                if case.endswith("(baseline)"):
+                    assert baseline is not None
+                    out = subprocess.run(
+                        [sys.executable, "-c", BASELINE_DRAIN, dsn, str(hdir), tier, str(concurrency),
+                         default_python(), str(jobs)],
+                        env={**os.environ, "PYTHONPATH": baseline}, capture_output=True, text=True, check=True)
+                    results.setdefault(case, []).append(jobs / float(out.stdout.split()[-1]))
+                    continue
                 config = DrainConfig(handlers_dir=hdir, sandbox=tier, concurrency=concurrency, limits=LIMITS,
                                      python=default_python())
                 t = time.perf_counter()
@@ -83,13 +117,13 @@ def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int)
                 elapsed = time.perf_counter() - t
                 if summary.done != jobs:
                     raise SystemExit(f"{tier}: only {summary.done}/{jobs} done: {summary.line()}")
-                results.setdefault(tier, []).append(jobs / elapsed)
+                results.setdefault(case, []).append(jobs / elapsed)
             print(f"rep {rep + 1}/{reps} done", file=sys.stderr, flush=True)
         q.close()
     fork = median(results["forkserver"])
     print(f"\nper-job drain of {jobs} json jobs, concurrency {concurrency}, {reps} rep(s): median jobs/s")
     for name, values in results.items():
-        print(f"  {name:12s} {median(values):8.1f} jobs/s  forkserver x{fork / median(values):5.2f} of it"
+        print(f"  {name:18s} {median(values):8.1f} jobs/s  forkserver x{fork / median(values):5.2f} of it"
               f"  [spread {spread(values)}]")
 
 
@@ -101,6 +135,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--tiers", default="process,bwrap")
     ap.add_argument("--skip-drain", action="store_true")
+    ap.add_argument("--skip-per-job", action="store_true")
+    ap.add_argument("--baseline-tree", help="a source tree whose tiers are the drain's baseline (see above)")
     a = ap.parse_args()
     tiers = [t for t in a.tiers.split(",") if t]
     for tier in ["forkserver", *tiers]:
@@ -115,9 +151,10 @@ def main() -> None:
         payload = Path(tmp) / "payload.json"
         payload.write_text('{"n": 1}')
         payload.chmod(0o644)
-        per_job(hdir, payload, tiers, a.runs)
+        if not a.skip_per_job:
+            per_job(hdir, payload, tiers, a.runs)
         if not a.skip_drain:
-            drains(hdir, tiers, a.jobs, a.reps, a.concurrency)
+            drains(hdir, tiers, a.jobs, a.reps, a.concurrency, a.baseline_tree)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -337,6 +338,25 @@ def test_a_forged_result_line_fails_only_its_own_job_and_changes_no_other_row(qu
     assert (summary.done, summary.dead, summary.fenced_out) == (3, 1, 0)
 
 
+@contextmanager
+def _one_batch_running_and_one_ahead(queue: Queue, h: Path, sql: SQL, started: Path) -> Iterator[Drainer]:
+    """A drain of batches of 2 on one slot, once its first batch runs (``started`` exists) and
+    the next is claimed ahead (4 running rows); on leaving, the drain has ended by itself."""
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=2, concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(lambda: started.exists() and sql(
+            "SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(4,)],
+            what="a running batch and one claimed ahead")
+        yield drainer
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        drainer.stop(grace=0)
+        thread.join(timeout=60)
+
+
 def test_the_next_batch_is_claimed_while_every_slot_runs_and_a_stop_gives_it_back_uncharged(
         queue: Queue, handlers, sql: SQL, tmp_path: Path) -> None:
     """With every slot busy the drainer claims the next batch ahead (a slot that frees starts it
@@ -350,19 +370,8 @@ def test_the_next_batch_is_claimed_while_every_slot_runs_and_a_stop_gives_it_bac
             time.sleep(1.5)
     """})
     ids = queue.enqueue_many([("nap", {"i": i}) for i in range(6)])
-    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=2, concurrency=1))
-    thread = threading.Thread(target=drainer.run)
-    thread.start()
-    try:
-        wait_for(lambda: started.exists() and sql(
-            "SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(4,)],
-            what="a running batch and one claimed ahead")
+    with _one_batch_running_and_one_ahead(queue, h, sql, started) as drainer:
         drainer.stop()  # short jobs finish; the batch claimed ahead never started
-        thread.join(timeout=60)
-        assert not thread.is_alive()
-    finally:
-        drainer.stop(grace=0)
-        thread.join(timeout=60)
     rows = dict((r[0], r[1:]) for r in sql("SELECT id, status, attempts FROM fleetless.jobs"))
     assert [rows[i] for i in ids[2:4]] == [("pending", 0)] * 2  # the batch claimed ahead
     assert [rows[i][0] for i in ids[4:]] == ["pending"] * 2  # never claimed
@@ -383,19 +392,8 @@ def test_a_job_cancelled_while_its_batch_waits_to_start_ends_cancelled_without_r
             time.sleep(1.5)
     """})
     ids = queue.enqueue_many([("nap", {"i": i}) for i in range(4)])
-    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=2, concurrency=1))
-    thread = threading.Thread(target=drainer.run)
-    thread.start()
-    try:
-        wait_for(lambda: (ran / "0").exists() and sql(
-            "SELECT count(*) FROM fleetless.jobs WHERE status = 'running'") == [(4,)],
-            what="a running batch and one claimed ahead")
+    with _one_batch_running_and_one_ahead(queue, h, sql, ran / "0"):
         assert queue.cancel(ids[3]) is Status.RUNNING
-        thread.join(timeout=60)
-        assert not thread.is_alive()
-    finally:
-        drainer.stop(grace=0)
-        thread.join(timeout=60)
     rows = dict((r[0], r[1:]) for r in sql("SELECT id, status, attempts, last_error FROM fleetless.jobs"))
     assert [rows[i][0] for i in ids] == ["done", "done", "done", "cancelled"]
     assert rows[ids[3]][1:] == (1, "cancelled: an operator cancelled the job while it ran")
