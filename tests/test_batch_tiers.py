@@ -122,10 +122,10 @@ def test_a_reaped_batchs_late_finish_is_fenced_out(tier: str, queue: Queue, hand
     arrived, go = threading.Event(), threading.Event()
     record = drainer._record
 
-    def late(result: Any, *, flush: bool = True) -> None:
+    def late(result: Any) -> None:
         arrived.set()
         go.wait(SLOW[tier])
-        record(result, flush=flush)
+        record(result)
 
     drainer._record = late  # type: ignore[method-assign]
     done: list[Any] = []
