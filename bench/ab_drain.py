@@ -7,6 +7,7 @@ ceiling and PgQueuer, whole processes.
 from __future__ import annotations
 
 import argparse
+import compileall
 import os
 import statistics
 import subprocess
@@ -23,6 +24,8 @@ from fleetless import Queue
 
 
 CPU: dict[str, list[float]] = {}
+#: the PostgreSQL server's CPU (every postgres process, from /proc) during each drain
+SERVER: dict[str, list[float]] = {}
 SELF: dict[str, list[float]] = {}
 #: the CLI, then the drainer process's own CPU (without its sandboxes) on fd 3's pipe... on stderr
 SELF_CPU = """
@@ -36,14 +39,34 @@ finally:
 """
 
 
+def server_cpu() -> float:
+    """CPU seconds used so far by every live process named postgres, plus the ended ones the
+    postmaster has waited for (its children's CPU): a drain's backends end with its connections."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            continue
+        if b"(postgres)" in stat[:64]:
+            fields = stat[stat.rindex(b")") + 2:].split()
+            total += sum(int(f) for f in fields[11:15])
+    return total / tick
+
+
 def timed(argv: list[str], env: dict[str, str], label: str = "") -> float:
     """Wall seconds of the whole process; its CPU (with its waited-for children: sandboxes,
     runners) goes to CPU[label]."""
     t = time.perf_counter()
+    server = server_cpu()
     proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     assert proc.stderr is not None
     err = proc.stderr.read().decode()
     _, status, ru = os.wait4(proc.pid, 0)
+    SERVER.setdefault(label, []).append(server_cpu() - server)
     for line in err.splitlines():
         if line.startswith("SELFCPU "):
             SELF.setdefault(label, []).append(float(line.split()[1]))
@@ -64,6 +87,8 @@ def main() -> None:
     a = ap.parse_args()
     n = a.jobs
     trees = [t.split("=", 1) for t in a.tree] or [["tree", "src"]]
+    for _, src in trees:  # as an installed package is (see suite.compile_tree)
+        compileall.compile_dir(src, quiet=1)
     rates: dict[str, list[float]] = {}
     with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
         Path(folder, "noop.py").write_text("def handle(payload):\n    return None\n")
@@ -98,6 +123,7 @@ def main() -> None:
         cpu = statistics.median(CPU[label]) * 1e6 / n
         print(f"{label:10s} {m:9,.0f} jobs/s  [{', '.join(f'{v:,.0f}' for v in vals)}]{extra}"
               f"  CPU {cpu:.1f} us/job [{', '.join(f'{c * 1e6 / n:.1f}' for c in CPU[label])}]"
+              + f"  server {statistics.median(SERVER[label]) * 1e6 / n:.1f} us/job"
               + (f"  drainer alone {statistics.median(SELF[label]) * 1e6 / n:.1f} us/job" if label in SELF else ""))
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from suite import Context, Section  # noqa: E402
+from suite import Context, Section, compile_tree  # noqa: E402
 
 ALL = ("enqueue", "drain", "perjob", "latency", "claim", "tick")
 DOC = HERE.parent / "BENCHMARKS.md"
@@ -69,6 +69,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown measurement(s) {', '.join(sorted(unknown))} (from {', '.join(ALL)})")
     ctx = Context(reps=args.reps, quick=args.quick, machine=machine(), note=args.note, scale=args.scale)
+    compile_tree()  # every fleetless process below starts as an installed one does
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "plots").mkdir(exist_ok=True)
     for name in names:

@@ -138,6 +138,50 @@ def test_a_batched_finish_writes_each_rows_history_in_the_same_statement(queue: 
     assert len(queue.attempts(a.id)) == 1
 
 
+def test_a_flush_of_done_outcomes_alone_writes_the_rows_and_history_a_mixed_flush_writes(queue: Queue, sql) -> None:
+    """A flush whose outcomes are all done takes a leaner statement (finish_done): every column it
+    leaves on the job and its attempt row are what the general one (finish_many) writes for the
+    same outcome, a requested cancel still losing to done, and it is fenced on the claim alike."""
+    from fleetless.job import Outcome
+
+    queue.enqueue_many([("a", {})] * 4)
+    lean, lean_cancelled, general, general_cancelled = queue.claim(4, claimed_by="h:1", tier="microvm")
+    sql("UPDATE fleetless.jobs SET cancel_requested_at = now() WHERE id = ANY(%s)",
+        [lean_cancelled.id, general_cancelled.id])
+    done = [Outcome("done", result_json='{"n": 1}', run=Run(tier="bwrap", exit_code=0)),
+            Outcome("done", result="out\n")]
+    assert queue.finish_many(list(zip((lean, lean_cancelled), done, strict=True))) == {
+        lean.id: "done", lean_cancelled.id: "done"}
+    release = Outcome("release", error="stopping")  # makes the flush a mixed one
+    extra = queue.enqueue("a", {})
+    (held,) = queue.claim(1)
+    assert held.id == extra
+    assert queue.finish_many([*zip((general, general_cancelled), done, strict=True), (held, release)]) == {
+        general.id: "done", general_cancelled.id: "done", held.id: "pending"}
+
+    def row(job_id: int) -> tuple[object, ...]:
+        (r,) = sql("SELECT status, attempts, releases, result, result_json, last_error, started_at IS NOT NULL,"
+                   " finished_at IS NOT NULL, locked_at, lease_expires_at, tier FROM fleetless.jobs WHERE id = %s",
+                   job_id)
+        (a,) = [(x["attempt"], x["outcome"], x["tier"], x["exit_code"], x["host"], x["started_at"] is not None,
+                 x["duration_seconds"] is not None, x["error_head"]) for x in queue.attempts(job_id)]
+        return r, a
+
+    assert row(lean.id) == row(general.id)
+    assert row(lean_cancelled.id) == row(general_cancelled.id)
+    assert row(lean.id)[0][:5] == ("done", 1, 0, None, {"n": 1})
+    assert row(lean.id)[1][:3] == (1, "done", "bwrap")
+    assert row(lean_cancelled.id)[1][:3] == (1, "done", "microvm")  # the claim's tier when the outcome has none
+    # The same claim's done again (a retry after a lost reply): its own write, no second history row;
+    # a claim taken over since is fenced out.
+    assert queue.finish_many([(lean, Outcome("done"))]) == {lean.id: "done"}
+    assert len(queue.attempts(lean.id)) == 1
+    (again,) = queue.claim(1)  # the released job, under a new claim
+    assert again.id == held.id
+    assert queue.finish_many([(held, Outcome("done"))]) == {}
+    assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", held.id) == [("running",)]
+
+
 def test_an_expired_attempt_names_the_drainer_that_held_it(queue: Queue, sql) -> None:
     job_id = queue.enqueue("a", {})
     queue.claim(1, claimed_by="worker-7.example:4242", tier="bwrap")

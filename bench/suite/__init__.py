@@ -97,6 +97,18 @@ class Section:
         plt.close(fig)
 
 
+def compile_tree() -> None:
+    """Byte-compile fleetless's sources, as ``pip install`` does for an installed package. The
+    checkout is installed editable, and where PYTHONDONTWRITEBYTECODE is set (as on these
+    machines) Python never writes a ``.pyc`` for it: every process would compile each module it
+    imports from source again (~0.1 s of a drain's start here), which no deployed drainer does.
+    Python still reads the files this writes, and recompiles in memory any that a later edit made
+    stale."""
+    import compileall
+
+    compileall.compile_dir(str(ROOT / "src" / "fleetless"), quiet=1)
+
+
 def run_process(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
     """Run a whole process; its wall time, peak RSS (KiB, from wait4) and stdout."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -112,5 +124,5 @@ def run_process(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple
         return wall, int(usage.ru_maxrss), out.read()
 
 
-__all__ = ["ADMIN_DSN", "VENV_PY", "Context", "Section", "fmt", "median", "run_process",
+__all__ = ["ADMIN_DSN", "VENV_PY", "Context", "Section", "compile_tree", "fmt", "median", "run_process",
            "scratch_db", "spread"]

@@ -44,10 +44,15 @@ def run(ctx: Context) -> Section:
     s.rows.append(["peak RSS", f"{median(rss):.1f} MiB [{spread(rss)}]", "<= 60 MB"])
     s.unit = "seconds"
     bare: list[float] = []
+    driver: list[float] = []
     for _ in range(ctx.reps * 2):
         bare.append(run_process([VENV_PY, "-c", "pass"])[0])
+        driver.append(run_process([VENV_PY, "-c", "import psycopg"])[0])
     s.rows.append(["bare `python -c pass` (same interpreter, same run)", f"{median(bare):.3f} s [{spread(bare)}]", ""])
-    s.notes.append(f"The tick is {median(walls) / median(bare):.1f}x a bare interpreter start of the same run; "
+    s.rows.append(["`python -c 'import psycopg'` (the driver alone, same run)",
+                   f"{median(driver):.3f} s [{spread(driver)}]", ""])
+    s.notes.append(f"The tick is {median(walls) / median(bare):.1f}x a bare interpreter start and "
+                   f"{median(walls) / median(driver):.2f}x an interpreter that only imports psycopg, in the same run; "
                    "wall time includes the interpreter, the imports, one connection and the maintenance "
                    "round. Peak RSS by GNU time (`/usr/bin/time -f %M`).")
     s.notes.append("Slowest top-level imports of the CLI (`-X importtime`, cumulative µs): "

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from . import db
 from .job import Job, Outcome, Run, Status
@@ -41,6 +42,7 @@ __all__ = ["NOT_STORABLE", "Completer", "Counts"]
 log = logging.getLogger("fleetless.completer")
 #: Heads last_error when the database refused a job's outcome (the job fails alone, permanently).
 NOT_STORABLE = "its outcome cannot be stored: "
+T = TypeVar("T")
 
 
 @dataclass
@@ -119,25 +121,7 @@ class Completer:
         """Write everything buffered, in one statement. When the database refuses it (anything but
         a lost connection), row by row: an outcome it cannot store fails its job alone. On any
         other error the outcomes not written stay buffered (nothing is lost) and it propagates."""
-        with self._flushing:
-            items = self._take()
-            if not items:
-                return
-            try:
-                written = self.queue.finish_many(items)
-            except ConnectionError:
-                self._put_back(items)
-                raise
-            except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
-                if len(items) > 1:
-                    log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
-                                len(items), _first_line(exc))
-                self._one_by_one(items, refused=exc if len(items) == 1 else None)
-                return
-            except BaseException:
-                self._put_back(items)
-                raise
-            self._count(items, written)
+        self._write(lambda items: (self.queue.finish_many(items), None), with_claim=False)
 
     def flush_then_claim(
         self, claim: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], list[Job]]]
@@ -147,24 +131,37 @@ class Completer:
         written and what was claimed. Returns the claimed jobs; None when nothing was claimed with
         them: nothing was buffered, or the database refused the two (the outcomes are then written
         one by one, as by :meth:`flush`), and the caller claims on its own."""
+        return self._write(claim, with_claim=True)
+
+    def _write(self, write: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], T]], *,
+               with_claim: bool) -> T | None:
+        """Take what is buffered and write it with ``write`` (which returns the statuses written and
+        whatever else its statement gave: the claim's jobs). A lost connection, or any error but a
+        refusal, puts the outcomes back and propagates. A refusal writes them one by one and
+        returns None; a lone outcome's own refusal is final then, but with a claim the refusal may
+        have been the claim's, so each outcome is tried again alone."""
         with self._flushing:
             items = self._take()
             if not items:
                 return None
             try:
-                written, claimed = claim(items)
+                written, also = write(items)
             except ConnectionError:
                 self._put_back(items)
                 raise
-            except db.DatabaseError as exc:
-                log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
-                self._one_by_one(items)
+            except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
+                if with_claim:
+                    log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
+                elif len(items) > 1:
+                    log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
+                                len(items), _first_line(exc))
+                self._one_by_one(items, refused=exc if len(items) == 1 and not with_claim else None)
                 return None
             except BaseException:
                 self._put_back(items)
                 raise
             self._count(items, written)
-            return claimed
+            return also
 
     def settle(self, reason: str) -> tuple[int, int]:
         """After the drain failed: write each buffered outcome once; give back (release, fenced,

@@ -479,9 +479,11 @@ class Drainer:
         return [jobs], want
 
     def _claimed(self, jobs: list[Job]) -> list[Job]:
-        for job in jobs:
-            self._claimed_at[_claim_of(job)] = time.monotonic()
-            self.reporter.claimed(job)
+        if type(self.reporter) is not NullReporter:  # nobody listens: nothing to time (once per job)
+            now = time.monotonic()
+            for job in jobs:
+                self._claimed_at[_claim_of(job)] = now
+                self.reporter.claimed(job)
         self.summary.claimed += len(jobs)
         return jobs
 
@@ -489,10 +491,16 @@ class Drainer:
         """The batch claimed ahead, less its jobs an operator cancelled meanwhile (they end
         cancelled without running)."""
         jobs, self._ahead = self._ahead, []
-        for job in [j for j in jobs if _claim_of(j) in self._cancelled]:
-            run = Run(tier=self._tier_of(job.kind), kill_reason="cancelled")
-            self._completer.add(job, Outcome("fail", error=CANCELLED, permanent=True, run=run))
-        return [j for j in jobs if _claim_of(j) not in self._cancelled]
+        if not self._cancelled:
+            return jobs
+        kept = []
+        for job in jobs:
+            if _claim_of(job) in self._cancelled:
+                run = Run(tier=self._tier_of(job.kind), kill_reason="cancelled")
+                self._completer.add(job, Outcome("fail", error=CANCELLED, permanent=True, run=run))
+            else:
+                kept.append(job)
+        return kept
 
     def _release_ahead(self, reason: str) -> None:
         """The batch claimed ahead will not run here: its claims are given back, uncharged."""
@@ -603,16 +611,16 @@ class Drainer:
 
     def _run_unit(self, runner: Runner, jobs: list[Job], slot: Slot) -> _Result:
         """In a worker thread: one unit's jobs in their sandbox(es)."""
-        for job in jobs:
-            self.reporter.started(job)
+        if type(self.reporter) is not NullReporter:
+            for job in jobs:
+                self.reporter.started(job)
         return self._runners.get(self._tier_of(jobs[0].kind), runner).run(jobs, slot)
 
     def _written(self, job: Job, outcome: Outcome, status: Status | None) -> None:
         """The completer wrote (or was fenced out of) one outcome: tell the reporter."""
-        claim = job.id, job.claim_token
         if type(self.reporter) is NullReporter:  # nobody listens: no event built (once per job)
-            self._claimed_at.pop(claim, None)
-            self._cancelled.discard(claim)
+            if self._cancelled:
+                self._cancelled.discard(_claim_of(job))
             return
         what: FinishedAs
         if status is None:

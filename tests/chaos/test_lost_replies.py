@@ -17,7 +17,7 @@ CLAIM = b"attempts = j.attempts + 1"  # in the claim statement only
 COMPLETE = b"SET status = 'done'"
 FAIL = b"max_attempts AND NOT"
 RELEASE = b"times in a row; charged"
-FINISH_MANY = b"AS action, (e->>3)::bool AS permanent"  # in the completer's batched finish only
+FINISH = b"e->>5 AS error"  # in the completer's finishes only (finish_many, and finish_done for all-done)
 
 
 def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: Queue, handlers, sql) -> None:
@@ -45,11 +45,11 @@ def test_a_finish_whose_reply_is_lost_is_recognised_as_the_drainers_own(
     h = handlers(**{"job.py": source})
     queue.enqueue_many([("job", {})] * 3)
     with pg_proxy(dsn) as proxy:
-        proxy.drop_reply_to(FINISH_MANY)
+        proxy.drop_reply_to(FINISH)
         through = Queue(proxy.dsn)
         summary = Drainer(through, DrainConfig(handlers_dir=h, concurrency=1, per_sandbox=per_sandbox)).run()
         through.close()
-    assert proxy.dropped == [FINISH_MANY]
+    assert proxy.dropped == [FINISH]
     assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [(status, 1, 3)]
     assert getattr(summary, counted) == 3 and summary.fenced_out == 0, summary
 
@@ -62,7 +62,7 @@ def test_a_batched_finish_retried_after_a_lost_reply_reports_every_row_as_its_ow
         done, failed, released = jobs = through.claim(3)
         items = [(done, Outcome("done", result="r")), (failed, Outcome("fail", error="boom")),
                  (released, Outcome("release", error="stopping"))]
-        proxy.drop_reply_to(FINISH_MANY)
+        proxy.drop_reply_to(FINISH)
         with pytest.raises(DatabaseUnavailable):
             through.finish_many(items)
         assert through.finish_many(items) == {  # the retry: every write is ours
@@ -108,11 +108,11 @@ def test_a_per_job_outcome_written_with_a_claim_whose_reply_is_lost_is_recognise
     h = handlers(**{"job.py": "print('ok')"})
     queue.enqueue("job", {})
     with pg_proxy(dsn) as proxy:
-        proxy.drop_reply_to(FINISH_MANY)
+        proxy.drop_reply_to(FINISH)
         through = Queue(proxy.dsn)
         summary = Drainer(through, DrainConfig(handlers_dir=h, concurrency=1)).run()
         through.close()
-    assert proxy.dropped == [FINISH_MANY]
+    assert proxy.dropped == [FINISH]
     assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 1, "ok\n")]
     assert sql("SELECT outcome, count(*) FROM fleetless.job_attempts GROUP BY 1") == [("done", 1)]
     assert (summary.done, summary.fenced_out) == (1, 0), summary

@@ -241,7 +241,7 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             if os.getpid() != me:  # a fork of this runner made by the job: never report twice
                 os._exit(0)
-            text = encode(value)
+            text = "null" if value is None else encode(value)  # most jobs return nothing
             if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
                 raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
                                  f"at {RESULT_BYTES} bytes")

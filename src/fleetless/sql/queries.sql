@@ -502,6 +502,32 @@ RETURNING j.id, j.status, o.act AS action, o.was_attempts AS attempts, o.was_sta
 )
 SELECT id, status FROM finished;
 
+-- name: finish_done
+-- finish_many for a flush whose outcomes are all 'done' (a batch of small jobs, nearly always):
+-- the same rows, fence, columns and history, without what only a failure or a give-back needs.
+-- A done row keeps its attempts, started_at and tier, so RETURNING's values are the attempt's own
+-- and the row before the update is not joined again (a fifth of a large flush's time); done wins
+-- over a requested cancel, as in finish_many.
+WITH finished AS (
+UPDATE {schema}.jobs AS j
+SET finished_at = now(), status = 'done', last_error = o.error, result = o.result,
+    result_json = o.result_json::jsonb, locked_at = NULL, lease_expires_at = NULL
+FROM (SELECT (e->>0)::bigint AS id, (e->>1)::uuid AS token, e->>5 AS error, e->>6 AS result,
+             e->>7 AS result_json, e->>8 AS tier, (e->>9)::int AS exit_code, e->>10 AS signal,
+             e->>11 AS kill_reason
+      FROM jsonb_array_elements(%(rows)s::jsonb) AS e) AS o
+WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
+RETURNING j.id, j.attempts, j.started_at, COALESCE(o.tier, j.tier) AS tier, o.exit_code, o.signal,
+          o.kill_reason, o.error
+), history AS (
+  INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
+                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+  SELECT id, attempts, 'done', %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
+         extract(epoch FROM now() - started_at), left(error, 500)
+  FROM finished
+)
+SELECT id, 'done' FROM finished;
+
 -- name: extend_leases
 -- Batch mode: jobs wait behind each other in one sandbox, so the leases set at claim (own timeout
 -- plus grace) would expire under a live drainer. While a batch runs, its drainer renews all of its
