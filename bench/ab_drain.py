@@ -22,7 +22,6 @@ from suite.drain import PEERS, PEERS_PY, _fill_fleetless, _fill_raw, _url
 
 from fleetless import Queue
 
-
 CPU: dict[str, list[float]] = {}
 #: the PostgreSQL server's CPU (every postgres process, from /proc) during each drain
 SERVER: dict[str, list[float]] = {}
