@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--per-sandbox", default="2000")
     ap.add_argument("--tree", action="append", default=[], help="label=path/to/src")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--sandbox", default="process", help="the tier fleetless drains with")
     a = ap.parse_args()
     n = a.jobs
     trees = [t.split("=", 1) for t in a.tree] or [["tree", "src"]]
@@ -105,7 +106,7 @@ def main() -> None:
             for label, src in trees:
                 _fill_fleetless(dsn, n)
                 w = timed([sys.executable, "-c", SELF_CPU, "drain", "--handlers", folder, "--sandbox",
-                           "process", "--per-sandbox", a.per_sandbox, "--concurrency", "2", "--lease-grace", "60"],
+                           a.sandbox, "--per-sandbox", a.per_sandbox, "--concurrency", "2", "--lease-grace", "60"],
                           {"PYTHONPATH": os.path.abspath(src), "DATABASE_URL": dsn}, label)
                 import psycopg
                 with psycopg.connect(dsn) as c:

@@ -215,3 +215,71 @@ def test_an_outcome_refused_with_the_next_claim_claims_nothing_and_is_written_al
     assert sql("SELECT id, status, left(last_error, 30) FROM fleetless.jobs ORDER BY id") == [
         (ids[0], "done", None), (ids[1], "dead", "its outcome cannot be stored: "), (ids[2], "pending", None)]
     assert (completer.counts.done, completer.counts.dead, completer.buffered) == (1, 1, 0)
+
+
+def test_the_background_writer_keeps_each_statement_within_its_row_cap(
+        queue: Queue, sql: Callable[..., list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backlog (the outcomes of several batches at once) is written as several statements of at
+    most STATEMENT_ROWS rows, oldest first, not as one statement that runs long on one core."""
+    import fleetless.completer as completer
+
+    monkeypatch.setattr(completer, "STATEMENT_ROWS", 4)
+    queue.enqueue_many([("k", {}) for _ in range(10)])
+    jobs = claim_all(queue, 10)
+    sizes: list[int] = []
+    real = queue.finish_many
+
+    def counting(items: Any) -> Any:
+        sizes.append(len(items))
+        return real(items)
+
+    monkeypatch.setattr(queue, "finish_many", counting)
+    c = Completer(queue, flush_size=2, flush_interval=3600)
+    with c._cond:  # the whole backlog arrives before the writer looks
+        for job in jobs:
+            c._buffer.append((job, Outcome("done")))
+        c._first_at = 0.0
+    c.start()
+    wait_for(lambda: c.buffered == 0, what="the backlog written")
+    c.close()
+    assert sizes == [4, 4, 2]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'") == [(10,)]
+    assert c.counts.done == 10
+
+
+def test_close_writes_half_of_what_is_left_on_a_second_connection_each_outcome_once(
+        dsn: str, queue: Queue, sql: Callable[..., list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drain's tail: close() writes what is left on the completer's connection and on a second
+    one (the drain's own) at once; every outcome is written and counted once, and a half the second
+    connection cannot write is put back and written by the closing flush."""
+    queue.enqueue_many([("k", {"n": i}) for i in range(40)])
+    jobs = claim_all(queue, 40)
+    beside = Queue(dsn)
+    written_beside: list[int] = []
+    real_beside = beside.finish_many
+
+    def on_the_side(items: Any) -> Any:
+        written_beside.append(len(items))
+        return real_beside(items)
+
+    monkeypatch.setattr(beside, "finish_many", on_the_side)
+    seen: list[int] = []
+    c = Completer(queue, flush_size=5, flush_interval=3600, on_written=lambda job, o, s: seen.append(job.id))
+    for job in jobs[:20]:
+        c.add(job, Outcome("done"))
+    c.close(beside=beside)
+    assert written_beside == [10]
+    assert sorted(seen) == sorted(j.id for j in jobs[:20]) and c.counts.done == 20
+
+    def lost(items: Any) -> Any:
+        raise DatabaseUnavailable("database unavailable: server closed the connection unexpectedly")
+
+    monkeypatch.setattr(beside, "finish_many", lost)
+    again = Completer(queue, flush_size=5, flush_interval=3600)
+    for job in jobs[20:]:
+        again.add(job, Outcome("fail", error="x"))
+    again.close(beside=beside)
+    assert (again.counts.retried, again.buffered) == (20, 0)
+    beside.close()
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1 ORDER BY 1") == [("done", 20), ("pending", 20)]
+    assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(40,)]  # one history row each

@@ -11,7 +11,9 @@ Two ways to use it:
   outcome is durable before anything else happens; a crash loses at most the job that was
   running, which the reaper gives back.
 - **batched** (``start``): a background thread flushes when ``flush_size`` outcomes are waiting
-  or ``flush_interval`` seconds after the first of them arrived. A flush that loses the database
+  or ``flush_interval`` seconds after the first of them arrived, at most ``STATEMENT_ROWS`` of
+  them per statement; ``close`` writes what is left on two connections at once when given a
+  second one (the drain's own). A flush that loses the database
   keeps its outcomes and is tried again (backing off to 5 s); ``close`` flushes what is left. A
   drainer SIGKILLed between a job's end and the flush has written nothing for that job: its claim
   is reaped and the job runs again (at-least-once, as documented in docs/guarantees.md).
@@ -43,6 +45,9 @@ log = logging.getLogger("fleetless.completer")
 #: Heads last_error when the database refused a job's outcome (the job fails alone, permanently).
 NOT_STORABLE = "its outcome cannot be stored: "
 T = TypeVar("T")
+#: Most outcomes the background thread writes in one statement: a larger one (a backlog of many
+#: batches) runs long on one core while the next outcomes wait; much smaller ones pay a commit each.
+STATEMENT_ROWS = 2000
 
 
 @dataclass
@@ -82,7 +87,8 @@ class Completer:
         self._buffer: list[tuple[Job, Outcome]] = []
         self._first_at: float | None = None  # monotonic time the oldest buffered outcome arrived
         self._cond = threading.Condition()
-        self._flushing = threading.Lock()  # one flush at a time, so outcomes are written in order
+        self._flushing = threading.Lock()  # one flush at a time (but close's second connection)
+        self._counting = threading.Lock()  # counts and on_written, from either of close's writers
         self._thread: threading.Thread | None = None
         self._closing = False
         self.last_error: str | None = None  # the latest failed flush's reason (batched mode)
@@ -121,7 +127,10 @@ class Completer:
         """Write everything buffered, in one statement. When the database refuses it (anything but
         a lost connection), row by row: an outcome it cannot store fails its job alone. On any
         other error the outcomes not written stay buffered (nothing is lost) and it propagates."""
-        self._write(lambda items: (self.queue.finish_many(items), None), with_claim=False)
+        self._write(self._finish_many, with_claim=False)
+
+    def _finish_many(self, items: list[tuple[Job, Outcome]]) -> tuple[dict[int, Status], None]:
+        return self.queue.finish_many(items), None
 
     def flush_then_claim(
         self, claim: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], list[Job]]]
@@ -134,34 +143,41 @@ class Completer:
         return self._write(claim, with_claim=True)
 
     def _write(self, write: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], T]], *,
-               with_claim: bool) -> T | None:
+               with_claim: bool, limit: int | None = None) -> T | None:
         """Take what is buffered and write it with ``write`` (which returns the statuses written and
         whatever else its statement gave: the claim's jobs). A lost connection, or any error but a
         refusal, puts the outcomes back and propagates. A refusal writes them one by one and
         returns None; a lone outcome's own refusal is final then, but with a claim the refusal may
-        have been the claim's, so each outcome is tried again alone."""
+        have been the claim's, so each outcome is tried again alone. ``limit``: at most this many
+        of the oldest outcomes (the background thread's statements stay short)."""
         with self._flushing:
-            items = self._take()
-            if not items:
-                return None
-            try:
-                written, also = write(items)
-            except ConnectionError:
-                self._put_back(items)
-                raise
-            except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
-                if with_claim:
-                    log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
-                elif len(items) > 1:
-                    log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
-                                len(items), _first_line(exc))
-                self._one_by_one(items, refused=exc if len(items) == 1 and not with_claim else None)
-                return None
-            except BaseException:
-                self._put_back(items)
-                raise
-            self._count(items, written)
-            return also
+            return self._write_items(self._take(limit), write, with_claim=with_claim)
+
+    def _write_items(self, items: list[tuple[Job, Outcome]],
+                     write: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], T]], *,
+                     with_claim: bool) -> T | None:
+        """:meth:`_write` of outcomes already taken (close's second connection writes its half
+        beside the closing flush, outside ``_flushing``)."""
+        if not items:
+            return None
+        try:
+            written, also = write(items)
+        except ConnectionError:
+            self._put_back(items)
+            raise
+        except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
+            if with_claim:
+                log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
+            elif len(items) > 1:
+                log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
+                            len(items), _first_line(exc))
+            self._one_by_one(items, refused=exc if len(items) == 1 and not with_claim else None)
+            return None
+        except BaseException:
+            self._put_back(items)
+            raise
+        self._count(items, written)
+        return also
 
     def settle(self, reason: str) -> tuple[int, int]:
         """After the drain failed: write each buffered outcome once; give back (release, fenced,
@@ -193,10 +209,15 @@ class Completer:
                                 job.id, _first_line(exc))
         return written, released
 
-    def _take(self) -> list[tuple[Job, Outcome]]:
+    def _take(self, limit: int | None = None) -> list[tuple[Job, Outcome]]:
+        """The buffered outcomes, or the ``limit`` oldest of them (the rest keep their wait: the
+        oldest of them arrived no earlier than the first taken, so they are due at once)."""
         with self._cond:
-            items, self._buffer = self._buffer, []
-            self._first_at = None
+            if limit is None or len(self._buffer) <= limit:
+                items, self._buffer = self._buffer, []
+                self._first_at = None
+            else:
+                items, self._buffer = self._buffer[:limit], self._buffer[limit:]
         return items
 
     def _put_back(self, items: list[tuple[Job, Outcome]]) -> None:
@@ -230,6 +251,10 @@ class Completer:
             return self.queue.finish_many([(job, stored)])
 
     def _count(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
+        with self._counting:
+            self._count_locked(items, written)
+
+    def _count_locked(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
         c = self.counts
         for job, outcome in items:
             status = written.get(job.id)
@@ -276,7 +301,7 @@ class Completer:
                 if self._closing:
                     return
             try:
-                self.flush()
+                self._write(self._finish_many, with_claim=False, limit=max(self.flush_size, STATEMENT_ROWS))
                 backoff = self.flush_interval
                 self.last_error = None
             except ConnectionError as exc:  # the database is away: keep the outcomes and try again
@@ -299,17 +324,41 @@ class Completer:
             self._thread.join()
             self._thread = None
 
-    def close(self, flush: Callable[[Callable[[], None]], None] | None = None) -> None:
+    def close(self, flush: Callable[[Callable[[], None]], None] | None = None, beside: Queue | None = None) -> None:
         """Stop the background thread, then write what is left: ``flush(self.flush)`` lets the
         caller wrap the last write in its own retry (the drainer's database ride-out). The error
-        that stopped the background thread, if one did, is raised here."""
+        that stopped the background thread, if one did, is raised here.
+
+        ``beside``: a second connection (the drain's own, idle by then) that writes half of what
+        is left at the same time, each half one statement: the drain's tail is its last outcomes,
+        which one connection would write on one core. What it could not write is put back and
+        written by the closing flush."""
         self.stop()
         if self.failure is not None:
             raise self.failure
-        if flush is None:
-            self.flush()
-        else:
-            flush(self.flush)
+        run = flush if flush is not None else _call
+        helper = None
+        if beside is not None and self.buffered > self.flush_size:
+            half = self._take(self.buffered // 2)
+            helper = threading.Thread(target=self._write_beside, args=(beside, half), name="completer-beside")
+            helper.start()
+        try:
+            run(self.flush)
+        finally:
+            if helper is not None:
+                helper.join()
+        if self.buffered:  # put back by the second connection
+            run(self.flush)
+
+    def _write_beside(self, queue: Queue, items: list[tuple[Job, Outcome]]) -> None:
+        try:
+            self._write_items(items, lambda taken: (queue.finish_many(taken), None), with_claim=False)
+        except Exception as exc:  # its outcomes are back in the buffer: the closing flush writes them
+            log.debug("writing outcomes on the second connection failed (%s)", _first_line(exc))
+
+
+def _call(f: Callable[[], None]) -> None:
+    f()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -101,7 +101,7 @@ class DrainConfig:
     per_sandbox: int = 1  # batch mode above 1: up to this many claimed jobs of one kind per sandbox
     watch: bool = False  # wait for work (NOTIFY, next due time) instead of exiting when idle
     idle_exit: float | None = None  # watch mode: exit after this long with nothing to do (None: never)
-    flush_size: int = 500  # batch mode: outcomes written per statement at most
+    flush_size: int = 500  # batch mode: a write starts once this many outcomes wait
     flush_interval: float = 0.05  # batch mode: an outcome waits at most this long to be written
 
     def __post_init__(self) -> None:
@@ -354,7 +354,9 @@ class Drainer:
                 except BaseException:
                     self._abort(running.values())  # every sandbox destroyed: its jobs are released
                     raise
-            self._completer.close(flush=lambda f: self._db(f))
+            # the drain's own connection, idle now, writes half of the last outcomes beside it
+            self._completer.close(flush=lambda f: self._db(f),
+                                  beside=self.queue if self._completer.queue is not self.queue else None)
         except BaseException as exc:
             released = self._give_back(running, exc)
             self._close(started)
