@@ -102,3 +102,17 @@ def test_enqueue_many_streams_a_generator_in_chunks_and_a_late_bad_item_writes_n
     ids = queue.enqueue_many(jobs(None))
     assert len(ids) == n and ids == sorted(ids)
     assert sql("SELECT payload FROM fleetless.jobs WHERE id = %s", ids[-1]) == [({"i": n - 1},)]
+
+
+def test_a_queue_built_on_a_connection_pool_takes_each_statement_from_the_pool(dsn: str, queue: Queue, sql) -> None:
+    """``Queue(pool)``: fleetless imports psycopg_pool only when the app has (a drain's start does
+    not pay for it); the pool it is given is still recognised and used, never left holding a
+    connection."""
+    with ConnectionPool(dsn, min_size=1, max_size=1, open=True) as pool:
+        q = Queue(pool)
+        job_id = q.enqueue("greet", {"n": 1})
+        (job,) = q.claim(1)
+        assert job.id == job_id and q.complete(job, "ok")
+        assert pool.get_stats()["pool_available"] == 1  # returned after each statement
+        q.close()
+    assert sql("SELECT status FROM fleetless.jobs") == [("done",)]

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import socket
+import sys
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -16,7 +17,6 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psycopg
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
 
 from . import db
 from .job import (
@@ -33,6 +33,8 @@ from .periodic import Schedule
 from .retry import MAX_ERROR_CHARS
 
 if TYPE_CHECKING:
+    from psycopg_pool import ConnectionPool  # imported by the app that passes one, not here
+
     from .kinds import KindSettings
 
 __all__ = ["DuplicateJob", "JobNotFound", "Queue"]
@@ -141,7 +143,8 @@ class Queue:
         self.schema = db.validate_schema_name(schema)
         self._q = db.queries(schema)
         self._dsn = db_ if isinstance(db_, str) else None
-        self._pool = db_ if isinstance(db_, ConnectionPool) else None
+        pools = sys.modules.get("psycopg_pool")  # not imported by the app: db_ is no pool of it
+        self._pool = db_ if pools is not None and isinstance(db_, pools.ConnectionPool) else None
         self._conn: psycopg.Connection[Any] | None = (
             db_ if isinstance(db_, psycopg.Connection) else None
         )
