@@ -49,7 +49,7 @@ def main() -> None:
 
         def fill() -> None:
             with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute("TRUNCATE fleetless.jobs CASCADE")
+                c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
             q.enqueue_many(("noop", {"i": i}) for i in range(a.jobs))
 
         for rep in range(a.reps):

@@ -100,7 +100,7 @@ def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int,
             for case in cases:
                 tier = case.split()[0]
                 with psycopg.connect(dsn, autocommit=True) as c:
-                    c.execute("TRUNCATE fleetless.jobs CASCADE")
+                    c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
                 q.enqueue_many(("job", {"n": 1}) for _ in range(jobs))
                 if case.endswith("(baseline)"):
                     assert baseline is not None

@@ -90,7 +90,7 @@ def main() -> None:
         for mode in ("restore", "cold"):
             set_mode(mode)
             with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute("TRUNCATE fleetless.jobs CASCADE")
+                c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
             q.enqueue_many(("json_handler", {"i": i}) for i in range(a.jobs))
             t = time.perf_counter()
             summary = Drainer(q, DrainConfig(handlers_dir=hdir, sandbox="microvm", concurrency=2,

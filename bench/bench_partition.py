@@ -94,7 +94,7 @@ def main() -> None:
         q.init()
         q.close()
         with psycopg.connect(dsn, autocommit=True) as c:
-            c.execute("TRUNCATE fleetless.jobs CASCADE")
+            c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
             empty = claim_rate(dsn)
             fill(c, args.rows)
             beside = claim_rate(dsn)

@@ -44,7 +44,7 @@ def reset(dsn: str, raw: bool) -> None:
         if raw:
             c.execute(RAW_DDL)
         else:
-            c.execute("TRUNCATE fleetless.jobs CASCADE")
+            c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
 
 
 def raw_insert_one(dsn: str, n: int) -> None:

@@ -75,7 +75,7 @@ def worker(dsn: str, mode: str, seconds: float) -> None:
 
 def refill(dsn: str, n: int) -> None:
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs CASCADE")  # and its attempt history
+        c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")  # and its attempt history
     q = Queue(dsn)
     q.enqueue_many(("noop", {}) for _ in range(n))
     q.close()

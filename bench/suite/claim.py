@@ -41,7 +41,7 @@ def run(ctx: Context) -> Section:
         q.init()
         for label, (pending, done) in setups.items():  # the fill is slow: reps inside each setup
             with psycopg.connect(dsn, autocommit=True) as c:
-                c.execute("TRUNCATE fleetless.jobs CASCADE")
+                c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
                 c.execute(FILL, ("pending", "pending", pending))
                 if done:
                     c.execute(FILL, ("done", "done", done))

@@ -30,7 +30,7 @@ def _url(dsn: str) -> str:
 def _fill_fleetless(dsn: str, n: int) -> None:
     q = Queue(dsn)
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs CASCADE")
+        c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
     q.enqueue_many(("noop", {"i": i}) for i in range(n))
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("VACUUM ANALYZE fleetless.jobs")

@@ -58,7 +58,7 @@ def run(ctx: Context) -> Section:
                 if label.startswith("Queue.enqueue,"):
                     continue  # measured with the raw INSERT, interleaved
                 with psycopg.connect(dsn, autocommit=True) as c:
-                    c.execute("TRUNCATE fleetless.jobs CASCADE")
+                    c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
                     c.execute(RAW_TABLE)
                     c.execute("VACUUM ANALYZE")
                 if label.startswith("raw INSERT"):

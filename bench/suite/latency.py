@@ -54,7 +54,7 @@ def _tiers() -> list[str]:
 def _one(dsn: str, folder: str, q: Queue, tier: str, n: int, delayed: int) -> tuple[list[float], list[float]]:
     """One watcher of ``tier``: (enqueue -> handler start, due time -> handler start), in ms."""
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs CASCADE")
+        c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
     watcher = subprocess.Popen([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder, "--sandbox", tier,
                                 "--watch", "--idle-exit", "600", "--concurrency", "2", "--per-sandbox", "50"],
                                env={**os.environ, "DATABASE_URL": dsn}, stderr=subprocess.DEVNULL)

@@ -54,7 +54,7 @@ def run(ctx: Context) -> Section:
                     continue
                 tier = label.split()[0]
                 with psycopg.connect(dsn, autocommit=True) as c:
-                    c.execute("TRUNCATE fleetless.jobs CASCADE")
+                    c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
                 q.enqueue_many(("one", {"i": i}) for i in range(sizes[tier]))
                 wall, _, _ = run_process([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder,
                                           "--sandbox", tier, "--concurrency", "2"], env={"DATABASE_URL": dsn})

@@ -283,7 +283,7 @@ def test_a_server_restart_mid_drain_is_ridden_out_and_outcomes_are_written_after
     queue = Queue(server.dsn)
     queue.init()
     with psycopg.connect(server.dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs RESTART IDENTITY CASCADE")
+        c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts RESTART IDENTITY CASCADE")
     queue.enqueue_many([("work", {"i": i}) for i in range(12)])
     queue.close()
     drain = start_drain(server.dsn, h, "--concurrency", "3", "--lease-grace", "60")

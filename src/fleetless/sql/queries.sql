@@ -315,13 +315,13 @@ WHERE j.id = ANY(%(ids)s::bigint[]) AND j.claim_token = ANY(%(tokens)s::uuid[])
   AND j.status = 'running' AND j.cancel_requested_at IS NOT NULL;
 
 -- name: delete
--- Operator delete of a finished job, with its attempt history (ON DELETE CASCADE). Pending and
+-- Operator delete of a finished job, with its attempt history (the CTE "history"). Pending and
 -- running jobs are cancelled first, so that no drainer is ever left holding a deleted row. Its
 -- attempts no scrape has folded into attempt_totals yet (above the mark: they ended within the
 -- fold margin) are added to the totals by the same statement, under its kind, so /metrics'
 -- counters never drop when a job is deleted soon after it ended (they read the attempts live
--- until then). The CTEs share one snapshot: the attempts are read before the cascade removes
--- them. Run after fold_lock in the same transaction, so no fold is counting them meanwhile.
+-- until then). The CTEs share one snapshot: "folded" reads the attempts that "history" deletes.
+-- Run after fold_lock in the same transaction, so no fold is counting them meanwhile.
 WITH gone AS (
   DELETE FROM {schema}.jobs
   WHERE id = %(id)s AND status IN ('done', 'dead', 'cancelled')
@@ -341,6 +341,8 @@ WITH gone AS (
   SELECT kind, outcome, bound, n, seconds FROM folded
   ON CONFLICT (kind, outcome, bound)
   DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
+), history AS (
+  DELETE FROM {schema}.job_attempts a USING gone g WHERE a.job_id = g.id
 )
 SELECT id FROM gone;
 
@@ -394,7 +396,7 @@ FROM {schema}.jobs WHERE status = 'pending';
 -- The pruner (retention at every drain, and `fleetless prune`): finished jobs older than the age
 -- given for their status (NULL: that status is kept), oldest first, at most %(limit)s rows (NULL:
 -- all) so that one statement stays short. SKIP LOCKED: two drains pruning at once split the rows
--- instead of queueing behind each other. A job's attempt history goes with it (ON DELETE CASCADE).
+-- instead of queueing behind each other. A job's attempt history goes with it (the CTE "history").
 -- The status list is spelled out so the partial index jobs_finished_idx serves it. As delete
 -- does (and after fold_lock, likewise), the deleted jobs' attempts no scrape has folded yet are
 -- added to attempt_totals first, so pruning inside the fold margin never lowers the counters.
@@ -427,6 +429,8 @@ RETURNING id, kind
   SELECT kind, outcome, bound, n, seconds FROM folded
   ON CONFLICT (kind, outcome, bound)
   DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
+), history AS (
+  DELETE FROM {schema}.job_attempts a USING gone g WHERE a.job_id = g.id
 )
 SELECT id FROM gone;
 
