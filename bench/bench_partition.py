@@ -46,9 +46,10 @@ def fill(conn: psycopg.Connection[object], n: int) -> None:
 def delete_batches(conn: psycopg.Connection[object], batch: int) -> tuple[int, float]:
     t, total = time.perf_counter(), 0
     while True:
-        cur = conn.execute(
-            "DELETE FROM fleetless.jobs WHERE id IN (SELECT id FROM fleetless.jobs WHERE status = 'done'"
-            " AND finished_at < now() LIMIT %s)", (batch,))
+        cur = conn.execute(  # with the jobs' attempt history, as prune_batch does
+            "WITH gone AS (DELETE FROM fleetless.jobs WHERE id IN (SELECT id FROM fleetless.jobs WHERE status = 'done'"
+            " AND finished_at < now() LIMIT %s) RETURNING id), history AS (DELETE FROM fleetless.job_attempts a"
+            " USING gone g WHERE a.job_id = g.id) SELECT id FROM gone", (batch,))
         total += cur.rowcount
         if cur.rowcount < batch:
             return total, time.perf_counter() - t
@@ -80,6 +81,8 @@ def claim_rate(dsn: str, jobs: int = 20_000) -> float:
     rate = n / (time.perf_counter() - t)
     q.close()
     with psycopg.connect(dsn, autocommit=True) as c:  # drop the measured jobs, keep the rest
+        c.execute("DELETE FROM fleetless.job_attempts WHERE job_id IN (SELECT id FROM fleetless.jobs"
+                  " WHERE status = 'done' AND finished_at > now() - interval '1 hour')")
         c.execute("DELETE FROM fleetless.jobs WHERE status = 'done' AND finished_at > now() - interval '1 hour'")
     return rate
 

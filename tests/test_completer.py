@@ -283,3 +283,25 @@ def test_close_writes_half_of_what_is_left_on_a_second_connection_each_outcome_o
     beside.close()
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1 ORDER BY 1") == [("done", 20), ("pending", 20)]
     assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(40,)]  # one history row each
+
+
+def test_close_raises_what_failed_beside_its_write_rather_than_hide_it(
+        dsn: str, queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    """The second connection's outcomes written, their reporting failing (a reporter whose pipe
+    closed): close() raises that error as a single writer's flush would, and writes everything."""
+    queue.enqueue_many([("k", {"n": i}) for i in range(12)])
+    jobs = claim_all(queue, 12)
+    first = jobs[0].id  # in the half taken for the second connection (the oldest)
+
+    def reporter(job: Job, outcome: Outcome, status: Any) -> None:
+        if job.id == first:
+            raise BrokenPipeError("the reporter's pipe closed")
+
+    c = Completer(queue, flush_size=2, flush_interval=3600, on_written=reporter)
+    for job in jobs:
+        c.add(job, Outcome("done"))
+    beside = Queue(dsn)
+    with pytest.raises(BrokenPipeError):
+        c.close(beside=beside)
+    beside.close()
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 12)]

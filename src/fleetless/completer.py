@@ -12,9 +12,9 @@ Two ways to use it:
   running, which the reaper gives back.
 - **batched** (``start``): a background thread flushes when ``flush_size`` outcomes are waiting
   or ``flush_interval`` seconds after the first of them arrived, at most ``STATEMENT_ROWS`` of
-  them per statement; ``close`` writes what is left on two connections at once when given a
-  second one (the drain's own). A flush that loses the database
-  keeps its outcomes and is tried again (backing off to 5 s); ``close`` flushes what is left. A
+  them per statement (or ``flush_size``, when larger); ``close`` flushes what is left, on two
+  connections at once when given a second one (the drain's own). A flush that loses the database
+  keeps its outcomes and is tried again (backing off to 5 s). A
   drainer SIGKILLed between a job's end and the flush has written nothing for that job: its claim
   is reaped and the job runs again (at-least-once, as documented in docs/guarantees.md).
 
@@ -87,8 +87,7 @@ class Completer:
         self._buffer: list[tuple[Job, Outcome]] = []
         self._first_at: float | None = None  # monotonic time the oldest buffered outcome arrived
         self._cond = threading.Condition()
-        self._flushing = threading.Lock()  # one flush at a time (but close's second connection)
-        self._counting = threading.Lock()  # counts and on_written, from either of close's writers
+        self._flushing = threading.Lock()  # one flush at a time (close's second connection aside)
         self._thread: threading.Thread | None = None
         self._closing = False
         self.last_error: str | None = None  # the latest failed flush's reason (batched mode)
@@ -151,33 +150,27 @@ class Completer:
         have been the claim's, so each outcome is tried again alone. ``limit``: at most this many
         of the oldest outcomes (the background thread's statements stay short)."""
         with self._flushing:
-            return self._write_items(self._take(limit), write, with_claim=with_claim)
-
-    def _write_items(self, items: list[tuple[Job, Outcome]],
-                     write: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], T]], *,
-                     with_claim: bool) -> T | None:
-        """:meth:`_write` of outcomes already taken (close's second connection writes its half
-        beside the closing flush, outside ``_flushing``)."""
-        if not items:
-            return None
-        try:
-            written, also = write(items)
-        except ConnectionError:
-            self._put_back(items)
-            raise
-        except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
-            if with_claim:
-                log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
-            elif len(items) > 1:
-                log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
-                            len(items), _first_line(exc))
-            self._one_by_one(items, refused=exc if len(items) == 1 and not with_claim else None)
-            return None
-        except BaseException:
-            self._put_back(items)
-            raise
-        self._count(items, written)
-        return also
+            items = self._take(limit)
+            if not items:
+                return None
+            try:
+                written, also = write(items)
+            except ConnectionError:
+                self._put_back(items)
+                raise
+            except db.DatabaseError as exc:  # one row (or more) it refuses: the others are written
+                if with_claim:
+                    log.debug("writing outcomes with the next claim failed (%s); writing them alone", _first_line(exc))
+                elif len(items) > 1:
+                    log.warning("writing %d outcomes in one statement failed (%s); writing them one by one",
+                                len(items), _first_line(exc))
+                self._one_by_one(items, refused=exc if len(items) == 1 and not with_claim else None)
+                return None
+            except BaseException:
+                self._put_back(items)
+                raise
+            self._count(items, written)
+            return also
 
     def settle(self, reason: str) -> tuple[int, int]:
         """After the drain failed: write each buffered outcome once; give back (release, fenced,
@@ -251,10 +244,6 @@ class Completer:
             return self.queue.finish_many([(job, stored)])
 
     def _count(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
-        with self._counting:
-            self._count_locked(items, written)
-
-    def _count_locked(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
         c = self.counts
         for job, outcome in items:
             status = written.get(job.id)
@@ -338,23 +327,32 @@ class Completer:
             raise self.failure
         run = flush if flush is not None else _call
         helper = None
+        beside_written: list[tuple[list[tuple[Job, Outcome]], dict[int, Status]]] = []
         if beside is not None and self.buffered > self.flush_size:
             half = self._take(self.buffered // 2)
-            helper = threading.Thread(target=self._write_beside, args=(beside, half), name="completer-beside")
+            helper = threading.Thread(target=self._write_beside, args=(beside, half, beside_written),
+                                      name="completer-beside")
             helper.start()
         try:
             run(self.flush)
         finally:
             if helper is not None:
                 helper.join()
+            for items, written in beside_written:  # counted (and reported) here, by one thread
+                self._count(items, written)
         if self.buffered:  # put back by the second connection
             run(self.flush)
 
-    def _write_beside(self, queue: Queue, items: list[tuple[Job, Outcome]]) -> None:
+    def _write_beside(self, queue: Queue, items: list[tuple[Job, Outcome]],
+                      written: list[tuple[list[tuple[Job, Outcome]], dict[int, Status]]]) -> None:
+        """close()'s second writer: one statement on ``queue``'s connection. Whatever stops it (a
+        lost connection, a refusal) puts the outcomes back, for the closing flush (one by one
+        there, if refused); what it wrote is counted by close() itself."""
         try:
-            self._write_items(items, lambda taken: (queue.finish_many(taken), None), with_claim=False)
-        except Exception as exc:  # its outcomes are back in the buffer: the closing flush writes them
+            written.append((items, queue.finish_many(items)))
+        except BaseException as exc:
             log.debug("writing outcomes on the second connection failed (%s)", _first_line(exc))
+            self._put_back(items)
 
 
 def _call(f: Callable[[], None]) -> None:

@@ -320,7 +320,9 @@ WHERE j.id = ANY(%(ids)s::bigint[]) AND j.claim_token = ANY(%(tokens)s::uuid[])
 -- attempts no scrape has folded into attempt_totals yet (above the mark: they ended within the
 -- fold margin) are added to the totals by the same statement, under its kind, so /metrics'
 -- counters never drop when a job is deleted soon after it ended (they read the attempts live
--- until then). The CTEs share one snapshot: "folded" reads the attempts that "history" deletes.
+-- until then). The CTEs share one snapshot: "folded" reads the attempts that "history" deletes
+-- (an attempt committed after the snapshot is left behind: only a job retried, run and finished
+-- while this statement waited for its row lock has one, an orphan row no query joins to a job).
 -- Run after fold_lock in the same transaction, so no fold is counting them meanwhile.
 WITH gone AS (
   DELETE FROM {schema}.jobs
