@@ -21,6 +21,19 @@ def claim_all(queue: Queue, n: int) -> list[Job]:
     return queue.claim(n, default_timeout=60, ttl=60, lease_grace=60)
 
 
+def statement_sizes(queue: Queue, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many outcomes each of ``queue``'s finish statements writes, in order (filled as they run)."""
+    sizes: list[int] = []
+    real = queue.finish_many
+
+    def counting(items: Any) -> Any:
+        sizes.append(len(items))
+        return real(items)
+
+    monkeypatch.setattr(queue, "finish_many", counting)
+    return sizes
+
+
 def test_one_flush_writes_mixed_outcomes_in_one_statement(queue: Queue, sql: Callable[..., list[Any]],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     ids = queue.enqueue_many([("k", {"n": i}) for i in range(5)])
@@ -226,14 +239,7 @@ def test_the_background_writer_keeps_each_statement_within_its_row_cap(
     monkeypatch.setattr(completer, "STATEMENT_ROWS", 4)
     queue.enqueue_many([("k", {}) for _ in range(10)])
     jobs = claim_all(queue, 10)
-    sizes: list[int] = []
-    real = queue.finish_many
-
-    def counting(items: Any) -> Any:
-        sizes.append(len(items))
-        return real(items)
-
-    monkeypatch.setattr(queue, "finish_many", counting)
+    sizes = statement_sizes(queue, monkeypatch)
     c = Completer(queue, flush_size=2, flush_interval=3600)
     with c._cond:  # the whole backlog arrives before the writer looks
         for job in jobs:
@@ -255,14 +261,7 @@ def test_close_writes_half_of_what_is_left_on_a_second_connection_each_outcome_o
     queue.enqueue_many([("k", {"n": i}) for i in range(40)])
     jobs = claim_all(queue, 40)
     beside = Queue(dsn)
-    written_beside: list[int] = []
-    real_beside = beside.finish_many
-
-    def on_the_side(items: Any) -> Any:
-        written_beside.append(len(items))
-        return real_beside(items)
-
-    monkeypatch.setattr(beside, "finish_many", on_the_side)
+    written_beside = statement_sizes(beside, monkeypatch)
     seen: list[int] = []
     c = Completer(queue, flush_size=5, flush_interval=3600, on_written=lambda job, o, s: seen.append(job.id))
     for job in jobs[:20]:
