@@ -7,7 +7,6 @@ ceiling and PgQueuer, whole processes.
 from __future__ import annotations
 
 import argparse
-import compileall
 import os
 import statistics
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import scratch_db
+from suite import compile_tree
 from suite.drain import PEERS, PEERS_PY, _fill_fleetless, _fill_raw, _url
 
 from fleetless import Queue
@@ -87,8 +87,8 @@ def main() -> None:
     a = ap.parse_args()
     n = a.jobs
     trees = [t.split("=", 1) for t in a.tree] or [["tree", "src"]]
-    for _, src in trees:  # as an installed package is (see suite.compile_tree)
-        compileall.compile_dir(src, quiet=1)
+    for _, src in trees:  # as an installed package is
+        compile_tree(Path(src))
     rates: dict[str, list[float]] = {}
     with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
         Path(folder, "noop.py").write_text("def handle(payload):\n    return None\n")

@@ -97,16 +97,16 @@ class Section:
         plt.close(fig)
 
 
-def compile_tree() -> None:
-    """Byte-compile fleetless's sources, as ``pip install`` does for an installed package. The
-    checkout is installed editable, and where PYTHONDONTWRITEBYTECODE is set (as on these
-    machines) Python never writes a ``.pyc`` for it: every process would compile each module it
-    imports from source again (~0.1 s of a drain's start here), which no deployed drainer does.
-    Python still reads the files this writes, and recompiles in memory any that a later edit made
-    stale."""
+def compile_tree(src: Path = ROOT / "src") -> None:
+    """Byte-compile the fleetless sources under ``src`` (default: this checkout's), as ``pip
+    install`` does for an installed package. The checkout is installed editable, and where
+    PYTHONDONTWRITEBYTECODE is set (as on these machines) Python never writes a ``.pyc`` for it:
+    every process would compile each module it imports from source again (~0.1 s of a drain's
+    start here), which no deployed drainer does. Python still reads the files this writes, and
+    recompiles in memory any that a later edit made stale."""
     import compileall
 
-    compileall.compile_dir(str(ROOT / "src" / "fleetless"), quiet=1)
+    compileall.compile_dir(str(src), quiet=1)
 
 
 def run_process(argv: Sequence[str], env: dict[str, str] | None = None) -> tuple[float, int, str]:
