@@ -60,7 +60,9 @@ KILL_SUPERVISOR = FIND + """
             continue
         time.sleep(0.5)
         outcome[pid] = "survived" if os.path.exists(f"/proc/{pid}") else "killed"
-    open(os.path.join(args["seen"], "outcome"), "w").write(json.dumps(sorted(outcome.values())))
+    tmp = os.path.join(args["seen"], "outcome.tmp")  # renamed whole: the test reads it once it exists
+    open(tmp, "w").write(json.dumps(sorted(outcome.values())))
+    os.rename(tmp, os.path.join(args["seen"], "outcome"))
     time.sleep(600)
 """
 
