@@ -1,10 +1,12 @@
-"""Process helpers the tests share: is a pid alive, which processes carry a marker, waiting."""
+"""Process helpers the tests share: is a pid alive, which processes carry a marker, waiting, and
+what drains left in a work directory."""
 
 from __future__ import annotations
 
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -46,3 +48,9 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "c
     if value:
         return value
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def leftovers(work: Path) -> list[str]:
+    """What drains left in their work directory (workspaces, per-drainer copies), leaving out the
+    quarantine and the copies every drainer shares by design (``etc-shared-*``, kept after them)."""
+    return sorted(p.name for p in work.iterdir() if p.name != "quarantine" and "-shared-" not in p.name)

@@ -20,7 +20,7 @@ import pytest
 from fleetless import Queue
 
 from .conftest import APP_NAME, executions, processes_mentioning
-from proctools import pids_with, wait_for
+from proctools import leftovers, pids_with, wait_for
 
 ADMIN_DSN = os.environ.get("FLEETLESS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 # The drainer as a user runs it, but giving up on the database after 2 s instead of 30.
@@ -168,7 +168,7 @@ def test_a_drainer_that_cannot_reach_the_database_exits_3_in_one_line_and_kills_
     assert lines[-1].startswith("fleetless: error: lost the database connection: "), lines[-1]
     wait_for(lambda: not pids_with(marker), timeout=10, what="the job to be killed")
     assert processes_mentioning(str(workdir)) == []
-    wait_for(lambda: not any(workdir.iterdir()), timeout=10, what="the workspace to be removed")
+    wait_for(lambda: not leftovers(workdir), timeout=10, what="the workspace to be removed")
     # The claim is still held until its lease runs out; then the next drain reaps it and finishes.
     allow_connections(dsn, True)
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("running", 1)]

@@ -15,7 +15,7 @@ import psycopg
 from fleetless import Queue
 
 from .conftest import SOAK, Drain, executions, processes_mentioning
-from proctools import wait_for
+from proctools import leftovers, wait_for
 
 # The issue asks for 20 kills over 2,000 jobs (FLEETLESS_SOAK=1); by default the 20 kills come over
 # 1,000 jobs, to fit the suite in its time on a 2-core machine. FLEETLESS_CHAOS_JOBS and
@@ -99,6 +99,6 @@ def test_drainers_sigkilled_at_random_lose_no_job_and_every_rerun_is_a_counted_a
 
     # Nothing of the killed drainers survives them: no supervisor or job process, no workspace.
     assert processes_mentioning(str(workdir)) == []
-    wait_for(lambda: not any(workdir.iterdir()), timeout=10, what="workspaces to be removed")
+    wait_for(lambda: not leftovers(workdir), timeout=10, what="workspaces to be removed")
     with psycopg.connect(dsn) as c:
         assert c.execute("SELECT count(*) FROM fleetless.jobs WHERE status = 'running'").fetchone() == (0,)

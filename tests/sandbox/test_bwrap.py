@@ -17,6 +17,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -386,6 +387,52 @@ def test_the_tier_check_copies_no_etc_so_an_empty_cron_tick_stays_cheap() -> Non
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+ETC_COPY = """
+import sys, time
+sys.path.insert(0, {src!r})
+from fleetless.sandbox.bwrap._filesystem import etc_dir
+start = float(sys.argv[1])
+time.sleep(max(start - time.time(), 0))  # every process at once: they race to make the copy
+print(etc_dir(False))
+"""
+
+
+def test_drainers_share_one_etc_copy_and_a_stale_one_is_swept_after_its_grace(tmp_path: Path) -> None:
+    """Drainers whose jobs run as leased uids share one /etc copy, kept after they exit: four
+    drainer processes racing to make it all get the same whole copy and leave no half-made one.
+    A shared copy the host's files no longer make is swept once it is a day old (a job of an
+    older drainer may still have it bound before that); the current one never is."""
+    if os.geteuid() != 0:
+        pytest.skip("shared only where jobs run as leased uids (here: a root drainer)")
+    work = tmp_path / "work"
+    env = {**os.environ, "FLEETLESS_WORKDIR": str(work)}
+    at = f"{time.time() + 1.5:.3f}"
+    procs = [subprocess.Popen([sys.executable, "-c", ETC_COPY.format(src=SRC), at], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    copies = {out.strip() for out, _ in outs}
+    assert len(copies) == 1, copies
+    shared = Path(copies.pop())
+    assert shared.name.startswith("etc-shared-") and shared.parent == work
+    assert sorted(p.name for p in work.iterdir()) == [shared.name]  # whole, and no half-made copy left
+    assert (shared / "passwd").read_text().startswith("nobody:x:")
+    assert (shared / "ssl").is_dir() or not Path("/etc/ssl").is_dir()
+
+    stale_old, stale_new = work / "etc-shared-0000000000000000dead", work / "etc-shared-0000000000000000beef"
+    for stale in (stale_old, stale_new):
+        stale.mkdir()
+        (stale / "passwd").write_text("old")
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(stale_old, (two_days_ago, two_days_ago))
+    os.utime(shared, (two_days_ago, two_days_ago))  # old but current: kept
+    sweep = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r}); "
+                            "from fleetless.sandbox import bwrap; print(bwrap.sweep())"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert sweep.returncode == 0, sweep.stderr
+    assert sorted(p.name for p in work.iterdir()) == sorted([shared.name, stale_new.name])
 
 
 def test_venv_interpreter_outside_usr_is_bound(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:

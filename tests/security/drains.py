@@ -116,6 +116,3 @@ def open_to_jobs(folder: Path) -> Path:
     return folder
 
 
-def leftovers(work: Path) -> list[str]:
-    """What a drain left in its work directory (workspaces, copies), quarantine aside."""
-    return sorted(p.name for p in work.iterdir() if p.name != "quarantine")

@@ -10,7 +10,8 @@ from typing import Any
 
 from fleetless import Queue
 
-from .drains import NOBODY, SRC, drain, handlers_dir, leftovers, need_tier, need_user, shared, work_dir
+from .drains import NOBODY, SRC, drain, handlers_dir, need_tier, need_user, shared, work_dir
+from proctools import leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 

@@ -26,7 +26,8 @@ import pytest
 
 from fleetless import Queue
 
-from .drains import SRC, drain, handlers_dir, leftovers, need_tier, open_to_jobs, shared, work_dir
+from .drains import SRC, drain, handlers_dir, need_tier, open_to_jobs, shared, work_dir
+from proctools import leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 

@@ -20,7 +20,8 @@ import pytest
 from fleetless import Queue
 from fleetless.sandbox import _workspace
 
-from .drains import AS_ROOT_AND_NOT, drain, handlers_dir, leftovers, need_tier, need_user, shared, work_dir
+from .drains import AS_ROOT_AND_NOT, drain, handlers_dir, need_tier, need_user, shared, work_dir
+from proctools import leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 

@@ -4,13 +4,16 @@ A workspace directory is named ``ws-<drainer pid>-<random>`` under :func:`root`.
 per-drainer copies of host files that sandboxes run from or bind (:func:`cached_copy`:
 ``hs-…`` handlers snapshots, ``etc-…`` and ``bpf-…`` (its seccomp filter) for bwrap). A drainer
 that was SIGKILLed cannot remove its own; :func:`sweep` (run at the start of every drain) removes
-those whose drainer process is gone.
+those whose drainer process is gone. A copy every drainer can share (the jobs' ``/etc``) is made
+once for all of them instead (:func:`shared_copy`: ``<prefix>-shared-<digest of what it holds>``),
+and swept once it is stale (:func:`sweep_shared`).
 """
 
 from __future__ import annotations
 
 import atexit
 import errno
+import hashlib
 import logging
 import os
 import secrets
@@ -243,6 +246,7 @@ Signature = tuple[tuple[str, int, int, int], ...]
 _copies_lock = threading.Lock()
 _copies: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 _old_copies: list[Path] = []
+_shared: dict[tuple[str, Hashable], Path] = {}
 
 
 def signature(paths: list[str]) -> Signature:
@@ -276,6 +280,62 @@ def cached_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Pat
             _old_copies.append(current[1])
         _copies[(prefix, key)] = (sig, folder)
         return folder
+
+
+#: A shared copy another drainer replaced may still be bound by a job that started before: it is
+#: swept only once it is this much older than its replacement's making.
+SHARED_GRACE_SECONDS = 24 * 3600.0
+SHARED = "shared"
+
+
+def shared_name(prefix: str, key: Hashable, sig: Signature) -> str:
+    """``<prefix>-shared-<digest>``: the same name in every drainer for the same contents."""
+    return f"{prefix}-{SHARED}-{hashlib.sha256(repr((key, sig)).encode()).hexdigest()[:20]}"
+
+
+def shared_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Path], None]) -> Path:
+    """:func:`cached_copy`'s directory, but one for every drainer on the host and kept after they
+    exit: the first drainer that needs it builds it (in a ``<prefix>-<pid>-*`` directory, swept if it
+    dies meanwhile) and renames it into place, so a copy under its name is always whole. ``key`` and
+    ``sig`` must name everything ``build`` puts in it (a change makes another copy). Only for what
+    no job can write: :func:`root` is the drainer's own, and bwrap binds the copy read-only."""
+    name = shared_name(prefix, key, sig)
+    with _copies_lock:
+        known = _shared.get((prefix, key))
+        if known is not None and known.name == name and known.is_dir():
+            return known
+        final = root() / name
+        if not final.is_dir():
+            folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=root()))
+            try:
+                build(folder)
+                os.rename(folder, final)
+            except OSError as exc:
+                remove(folder)
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                    raise  # not "another drainer made it first"
+            except BaseException:
+                remove(folder)
+                raise
+        _shared[(prefix, key)] = final  # (never removed at exit: other drainers use it too)
+        return final
+
+
+def sweep_shared(prefix: str, current: set[str], grace: float = SHARED_GRACE_SECONDS) -> int:
+    """Remove ``<prefix>-shared-*`` copies not named in ``current`` (what the host's files make now)
+    that were made more than ``grace`` seconds ago; returns how many."""
+    removed = 0
+    now = time.time()
+    for entry in root().iterdir():
+        if not entry.name.startswith(f"{prefix}-{SHARED}-") or entry.name in current:
+            continue
+        try:
+            old = now - entry.lstat().st_mtime > grace
+        except FileNotFoundError:
+            continue
+        if old and remove(entry):
+            removed += 1
+    return removed
 
 
 @atexit.register

@@ -69,6 +69,7 @@ from ._filesystem import (
     _view,
     etc_dir,
     interpreter_paths,
+    sweep_etc,
 )
 from ._launcher import _launch, _Launcher, _pool, _shim
 from ._seccomp import seccomp_file
@@ -221,6 +222,7 @@ def sweep() -> int:
         log.warning("cgroup sweep failed: %s", exc)
     try:
         removed += _workspace.sweep()
+        removed += sweep_etc()
     except OSError as exc:
         log.warning("workspace sweep failed: %s", exc)
     return removed
