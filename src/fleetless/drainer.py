@@ -188,7 +188,11 @@ _Result = tuple[list[tuple[Job, Outcome]], str | None]
 class Drainer:
     def __init__(self, queue: Queue, config: DrainConfig, reporter: Reporter | None = None) -> None:
         self.queue = queue
-        tier, self.tier_note = choose_tier(config.sandbox)  # "auto": one line says which, and why
+        self._env = base_env(parse_pass_env(config.pass_env))
+        self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
+                                  python=config.python)
+        # "auto": one line says which, and why; the tier's slow checks of the template start now
+        tier, self.tier_note = choose_tier(config.sandbox, self._template)
         self.config = config = replace(config, sandbox=tier)
         self.reporter: Reporter = reporter or NullReporter()
         # Keyed by claim, not job id: this drain may claim a job id again (reaped under it) while
@@ -197,14 +201,11 @@ class Drainer:
         self._claimed_by = f"{socket.gethostname()}:{os.getpid()}"
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
-        self._env = base_env(parse_pass_env(config.pass_env))
         self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
         self._fatal: str | None = None
         self._reached_db = False  # "cannot connect" until a call succeeded, "lost" after
         self._unrunnable: dict[str, str] = {}  # kind -> why its handler cannot start here
         self._handlers_dir = config.handlers_dir
-        self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
-                                  python=config.python)
         self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
         self._batched = config.per_sandbox > 1
         self._wake = threading.Event()  # set by a finished unit, a NOTIFY, the completer's failure, or stop()

@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -387,6 +388,40 @@ def test_the_tier_check_copies_no_etc_so_an_empty_cron_tick_stays_cheap() -> Non
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+
+
+def test_warm_probes_the_interpreter_once_beside_the_check_and_a_bad_one_still_fails_the_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm`` starts the interpreter's probe in the background (a cron tick's ~20 ms, beside the
+    tier's own probe); ``check_template`` waits for it instead of starting a second. A probe that
+    fails in the background is asked again by the check, which says what is wrong in one line."""
+    from fleetless.sandbox.bwrap import _filesystem
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    probes: list[str] = []
+    real_run = subprocess.run
+
+    def counting_run(argv: Any, *args: Any, **kwargs: Any) -> Any:
+        if argv and argv[0] in (python, str(tmp_path / "nowhere" / "python")):
+            probes.append(argv[0])
+            time.sleep(0.2)  # a slow probe: the check comes while it runs
+        return real_run(argv, *args, **kwargs)
+
+    monkeypatch.setattr(_filesystem.subprocess, "run", counting_run)
+    BwrapSandbox.warm(Template(tmp_path, python=python))
+    assert str(venv) in interpreter_paths(python)
+    assert probes == [python]
+
+    bad = str(tmp_path / "nowhere" / "python")
+    BwrapSandbox.warm(Template(tmp_path, python=bad))
+    with pytest.raises(SandboxUnavailable, match=f"cannot use {bad} as the handler interpreter"):
+        interpreter_paths(bad)
+    for thread in threading.enumerate():
+        if thread.name == "fleetless-interpreter-probe":
+            thread.join()
+    assert probes == [python, bad, bad]  # the background's and the check's own
 
 
 ETC_COPY = """

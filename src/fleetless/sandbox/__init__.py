@@ -129,6 +129,13 @@ class Sandbox(ABC):
         before a drain claims anything, so an operator's mistake spends no job's attempts)."""
         return None
 
+    @classmethod
+    def warm(cls, template: Template) -> None:
+        """Start in the background what :meth:`check_template` would wait for (a tier's probe of
+        the interpreter in a subprocess), so that it overlaps the drain's other start-up work; the
+        check then waits for it and says what it found. A no-op where there is nothing to start."""
+        return None
+
     #: Whether jobs run the host's own files (process, bwrap), whose permissions then apply to them.
     runs_host_programs: ClassVar[bool] = False
     #: How to add a program this tier lacks, said when a kind is not claimed for want of one.
@@ -209,14 +216,19 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def choose_tier(name: str) -> tuple[str, str]:
+def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
     """The tier a drain runs with for ``name``, and one line saying which and why when ``name``
     is ``auto`` (else ""). ``auto`` is bwrap where it can create its namespaces here, else
-    process; never microvm, which needs its guest image built first."""
+    process; never microvm, which needs its guest image built first. With the drain's
+    ``template``, the chosen tier's own checks of it are started (:meth:`Sandbox.warm`)."""
     if name != AUTO:
-        get_backend(name)  # an unknown name: one line
+        backend = get_backend(name)  # an unknown name: one line
+        if template is not None:
+            backend.warm(template)
         return name, ""
     try:
+        if template is not None:
+            get_backend("bwrap").warm(template)  # beside its probe below
         get_backend("bwrap").check()
     except SandboxUnavailable as exc:
         return "process", (f"sandbox: process (auto: bwrap cannot run here: {exc}); jobs share the "

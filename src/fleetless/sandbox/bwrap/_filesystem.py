@@ -5,10 +5,12 @@ the checks that they can reach what is bound and the launcher's view that binds 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -119,6 +121,8 @@ def sweep_etc() -> int:
 
 _BOUND_ALREADY = ("/usr/",)
 _prefix_cache: dict[str, list[str]] = {}
+_prefix_locks: dict[str, threading.Lock] = {}
+_prefix_locks_lock = threading.Lock()
 
 
 def _covered(path: str, prefixes: Sequence[str]) -> bool:
@@ -134,6 +138,28 @@ def interpreter_paths(python: str) -> list[str]:
     cached = _prefix_cache.get(python)
     if cached is not None:
         return cached
+    with _prefix_locks_lock:
+        lock = _prefix_locks.setdefault(python, threading.Lock())
+    with lock:  # one probe per interpreter: a caller during :func:`warm_interpreter_paths`' waits for it
+        cached = _prefix_cache.get(python)
+        if cached is not None:
+            return cached
+        return _probe_interpreter_paths(python)
+
+
+def warm_interpreter_paths(python: str) -> None:
+    """Probe ``python``'s paths in a background thread (for :func:`interpreter_paths`' cache)."""
+    if python in _prefix_cache:
+        return
+
+    def probe() -> None:
+        with contextlib.suppress(SandboxUnavailable, OSError):  # the check asks again and says why
+            interpreter_paths(python)
+
+    threading.Thread(target=probe, name="fleetless-interpreter-probe", daemon=True).start()
+
+
+def _probe_interpreter_paths(python: str) -> list[str]:
     real = os.path.realpath(python)
     paths: list[str] = []
     if not (_covered(python, _BOUND_ALREADY) and _covered(real, _BOUND_ALREADY)):

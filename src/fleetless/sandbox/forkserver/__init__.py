@@ -144,6 +144,12 @@ class ForkServerSandbox(Sandbox):
             raise SandboxUnavailable("the fork server needs pidfd_open (Linux 5.3+, Python 3.9+)")
 
     @classmethod
+    def warm(cls, template: Template) -> None:
+        from .. import bwrap
+
+        bwrap.BwrapSandbox.warm(template)  # its interpreter's paths: the server's root binds them
+
+    @classmethod
     def check_template(cls, template: Template) -> None:
         cls.check()
         _hostuid.configured_range()
