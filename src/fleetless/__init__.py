@@ -1,5 +1,6 @@
 """fleetless: a PostgreSQL job queue with no worker fleet."""
 
+from . import _driver  # noqa: F401  (first: it imports psycopg without its version lookups)
 from .job import Job, Status
 from .queue import JobNotFound, Queue
 from .retry import RetryPolicy

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import hashlib
 import logging
 import os
 import secrets
@@ -290,6 +289,8 @@ SHARED = "shared"
 
 def shared_name(prefix: str, key: Hashable, sig: Signature) -> str:
     """``<prefix>-shared-<digest>``: the same name in every drainer for the same contents."""
+    import hashlib  # here: 1 ms of every cron tick's imports otherwise
+
     return f"{prefix}-{SHARED}-{hashlib.sha256(repr((key, sig)).encode()).hexdigest()[:20]}"
 
 
