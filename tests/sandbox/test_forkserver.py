@@ -97,6 +97,46 @@ def test_jobs_keep_the_handler_contract_through_the_fork_server(queue: Queue, ha
     assert not private_workdir.exists() or list(private_workdir.glob("ws-*")) == []
 
 
+def test_handler_scripts_run_compiled_once_by_the_server_as_python3_compiles_them(
+        queue: Queue, handlers, sql, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The server compiles the handlers' top-level scripts once (a job then runs the code object
+    instead of compiling its script again) exactly as ``python3 FILE`` would: none of the server's
+    own ``__future__`` flags (string annotations), the script's path in tracebacks, a script that
+    does not compile failing its own job with the SyntaxError. Too big, not ``.py``, or not a file:
+    left to the job."""
+    h = handlers(**{"annotated.py": """
+        import sys
+        def f(x: int) -> None:
+            raise ValueError("from the handler")
+        print(f.__annotations__["x"] is int, __file__, __name__, sys.argv[0])
+        f(1)
+    """, "broken.py": "def (:\n"})
+    annotated = queue.enqueue("annotated", {}, max_attempts=1)
+    broken = queue.enqueue("broken", {}, max_attempts=1)
+    _drain(queue, h)
+    rows = _rows(sql)
+    assert rows[annotated][:2] == ("dead", "True /handlers/annotated.py __main__ /handlers/annotated.py\n")
+    assert 'File "/handlers/annotated.py", line 3, in f' in rows[annotated][2]
+    assert rows[broken][0] == "dead" and "SyntaxError" in rows[broken][2]
+
+    from fleetless.sandbox.forkserver import _server
+
+    (tmp_path / "job.py").write_text("print('compiled at start', __name__)\n")
+    (tmp_path / "big.py").write_text("x = 1\n" * (_server._MAX_SCRIPT // 6 + 1))
+    (tmp_path / "bad.py").write_text("def (:\n")
+    (tmp_path / "notes.txt").write_text("print(1)\n")
+    (tmp_path / "pkg.py").mkdir()
+    _server._compiled.clear()
+    try:
+        _server.compile_scripts(str(tmp_path))
+        assert sorted(_server._compiled) == [f"{tmp_path}/job.py"]
+        (tmp_path / "job.py").write_text("print('read again')\n")  # (a snapshot never changes: shows which runs)
+        _server._run_script(f"{tmp_path}/job.py")
+        assert capsys.readouterr().out == "compiled at start __main__\n"
+    finally:
+        _server._compiled.clear()
+
+
 def test_a_job_scanning_its_own_memory_finds_no_earlier_jobs_payload(queue: Queue, handlers, sql) -> None:
     """A secret in one job's payload (and in its memory, many times over) is nowhere in the memory
     of a later job forked from the same server; the scan does find the later job's own secret."""

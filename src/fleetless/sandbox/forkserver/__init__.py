@@ -73,7 +73,7 @@ def _root_spec(python: str, handlers: Path, network: bool) -> client.RootSpec:
         seccomp: str | None = str(seccomp_file())
     except SandboxUnavailable:
         seccomp = None
-    return client.RootSpec(tuple(binds), tuple(links), seccomp)
+    return client.RootSpec(tuple(binds), tuple(links), seccomp, scripts=HANDLERS)
 
 
 class ForkServerSandbox(Sandbox):

@@ -78,6 +78,8 @@ class RootSpec:
     binds: tuple[tuple[str, str], ...]
     symlinks: tuple[tuple[str, str], ...]
     seccomp: str | None
+    #: A folder inside the root whose top-level ``.py`` scripts the server compiles once at start.
+    scripts: str | None = None
 
 
 class Server:
@@ -97,7 +99,7 @@ class Server:
         config = {
             "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint),
             "binds": [list(b) for b in root.binds], "symlinks": [list(s) for s in root.symlinks],
-            "seccomp": root.seccomp, "prewarm": list(PREWARM), "network": key.network,
+            "seccomp": root.seccomp, "prewarm": list(PREWARM), "network": key.network, "scripts": root.scripts,
         }
         debug = os.environ.get("FLEETLESS_FORKSERVER_STDERR")  # a file for the server's tracebacks
         try:
