@@ -96,6 +96,27 @@ def test_enqueue_many_uses_one_copy_and_returns_ids_in_order(queue: Queue, sql) 
     assert row == [("report", 3, 5, True)]
 
 
+ROW = ("SELECT kind, payload, status, attempts, max_attempts, max_attempts_default, queue, priority,"
+       " timeout_seconds, key, releases, run_after = created_at FROM fleetless.jobs WHERE id = %s")
+
+
+def test_the_default_options_statements_write_what_the_general_ones_write(queue: Queue, sql) -> None:
+    """enqueue(kind, payload) and enqueue_many's (kind, payload) items take leaner statements (three
+    parameters, three COPY columns, the rest the columns' defaults): their rows are the general
+    statement's with the same options, and ids follow the order given whichever COPY wrote them."""
+    lean = queue.enqueue("greet", {"a": [1, "x"]})
+    general = queue._run("enqueue", {**queue._job_params("greet", {"a": [1, "x"]}), "channel": queue.channel})
+    assert sql(ROW, lean) == sql(ROW, general[0]["id"]) == [
+        ("greet", {"a": [1, "x"]}, "pending", 0, 3, True, "default", 0, None, None, 0, True)]
+    ids = queue.enqueue_many([("greet", {"a": [1, "x"]}), {"kind": "report", "payload": {}, "priority": 5},
+                              ("greet", {}), {"kind": "once", "payload": {}, "key": "k1"}, ("greet", {})])
+    plain = [ids[0], ids[1], ids[2], ids[4]]
+    assert plain == sorted(plain) and len(set(ids)) == 5
+    assert sql(ROW, ids[0]) == sql(ROW, lean)
+    assert sql("SELECT kind, priority, max_attempts_default, key FROM fleetless.jobs WHERE id = ANY(%s) ORDER BY id",
+               ids[1:4]) == [("report", 5, True, None), ("greet", 0, True, None), ("once", 0, True, "k1")]
+
+
 def test_enqueue_many_with_one_bad_item_writes_nothing(queue: Queue, sql) -> None:
     with pytest.raises(ValueError, match=r"job #2: invalid job kind"):
         queue.enqueue_many([("a", {}), ("b", {}), ("Bad Kind", {})])
