@@ -428,17 +428,19 @@ ETC_COPY = """
 import sys, time
 sys.path.insert(0, {src!r})
 from fleetless.sandbox.bwrap._filesystem import etc_dir
+from fleetless.sandbox.bwrap._seccomp import seccomp_file
 start = float(sys.argv[1])
-time.sleep(max(start - time.time(), 0))  # every process at once: they race to make the copy
-print(etc_dir(False))
+time.sleep(max(start - time.time(), 0))  # every process at once: they race to make the copies
+print(etc_dir(False), seccomp_file(), "pyseccomp" in sys.modules)
 """
 
 
 def test_drainers_share_one_etc_copy_and_a_stale_one_is_swept_after_its_grace(tmp_path: Path) -> None:
-    """Drainers whose jobs run as leased uids share one /etc copy, kept after they exit: four
-    drainer processes racing to make it all get the same whole copy and leave no half-made one.
-    A shared copy the host's files no longer make is swept once it is a day old (a job of an
-    older drainer may still have it bound before that); the current one never is."""
+    """Drainers whose jobs run as leased uids share one /etc copy and one seccomp filter, kept after
+    they exit: four drainer processes racing to make them all get the same whole copies and leave
+    no half-made one, and a later drainer does not even import pyseccomp. A shared copy the host's
+    files no longer make is swept once it is a day old (a job of an older drainer may still have it
+    bound before that); the current one never is."""
     if os.geteuid() != 0:
         pytest.skip("shared only where jobs run as leased uids (here: a root drainer)")
     work = tmp_path / "work"
@@ -448,26 +450,34 @@ def test_drainers_share_one_etc_copy_and_a_stale_one_is_swept_after_its_grace(tm
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(4)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    copies = {out.strip() for out, _ in outs}
+    copies = {tuple(out.split()[:2]) for out, _ in outs}
     assert len(copies) == 1, copies
-    shared = Path(copies.pop())
+    shared, bpf = (Path(p) for p in copies.pop())
     assert shared.name.startswith("etc-shared-") and shared.parent == work
-    assert sorted(p.name for p in work.iterdir()) == [shared.name]  # whole, and no half-made copy left
+    assert bpf.parent.name.startswith("bpf-shared-") and bpf.parent.parent == work and bpf.stat().st_size > 0
+    # whole, and no half-made copy left
+    assert sorted(p.name for p in work.iterdir()) == sorted([shared.name, bpf.parent.name])
+    later = subprocess.run([sys.executable, "-c", ETC_COPY.format(src=SRC), "0"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert later.stdout.split() == [str(shared), str(bpf), "False"], later
     assert (shared / "passwd").read_text().startswith("nobody:x:")
     assert (shared / "ssl").is_dir() or not Path("/etc/ssl").is_dir()
 
     stale_old, stale_new = work / "etc-shared-0000000000000000dead", work / "etc-shared-0000000000000000beef"
-    for stale in (stale_old, stale_new):
+    stale_bpf = work / "bpf-shared-0000000000000000dead"
+    for stale in (stale_old, stale_new, stale_bpf):
         stale.mkdir()
         (stale / "passwd").write_text("old")
     two_days_ago = time.time() - 2 * 86400
     os.utime(stale_old, (two_days_ago, two_days_ago))
+    os.utime(stale_bpf, (two_days_ago, two_days_ago))
+    os.utime(bpf.parent, (two_days_ago, two_days_ago))
     os.utime(shared, (two_days_ago, two_days_ago))  # old but current: kept
     sweep = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r}); "
                             "from fleetless.sandbox import bwrap; print(bwrap.sweep())"],
                            env=env, capture_output=True, text=True, timeout=120)
     assert sweep.returncode == 0, sweep.stderr
-    assert sorted(p.name for p in work.iterdir()) == sorted([shared.name, stale_new.name])
+    assert sorted(p.name for p in work.iterdir()) == sorted([shared.name, bpf.parent.name, stale_new.name])
 
 
 def test_venv_interpreter_outside_usr_is_bound(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:

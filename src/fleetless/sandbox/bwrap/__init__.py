@@ -69,7 +69,7 @@ from ._filesystem import (
     _view,
     etc_dir,
     interpreter_paths,
-    sweep_etc,
+    sweep_shared,
     warm_interpreter_paths,
 )
 from ._launcher import _launch, _Launcher, _pool, _shim
@@ -223,7 +223,7 @@ def sweep() -> int:
         log.warning("cgroup sweep failed: %s", exc)
     try:
         removed += _workspace.sweep()
-        removed += sweep_etc()
+        removed += sweep_shared()
     except OSError as exc:
         log.warning("workspace sweep failed: %s", exc)
     return removed

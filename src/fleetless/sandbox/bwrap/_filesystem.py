@@ -111,12 +111,15 @@ def etc_dir(network: bool) -> Path:
     return _workspace.cached_copy("etc", network, _workspace.signature(paths), build)
 
 
-def sweep_etc() -> int:
-    """Remove the shared ``/etc`` copies the host's files no longer make (after their grace)."""
+def sweep_shared() -> int:
+    """Remove the shared ``/etc`` copies and seccomp filters the host's files no longer make (after
+    their grace)."""
     if not _leased():
         return 0
+    from ._seccomp import shared_name
+
     current = {_workspace.shared_name("etc", _etc_key(n), _workspace.signature(_etc_paths(n))) for n in (False, True)}
-    return _workspace.sweep_shared("etc", current)
+    return _workspace.sweep_shared("etc", current) + _workspace.sweep_shared("bpf", {shared_name()})
 
 
 _BOUND_ALREADY = ("/usr/",)

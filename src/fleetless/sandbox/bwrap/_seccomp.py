@@ -15,13 +15,14 @@ are refused, threads and fork work).
 
 On x86_64 the filter covers the three ABIs a process can call the kernel with: x86_64, i386
 (``int 0x80``) and x32 (numbers with bit 30 set), each with the same list; any other architecture
-gets EPERM for everything. The BPF is built once per drainer process (:func:`bpf`) with libseccomp
-through ``pyseccomp`` (ctypes, the API of libseccomp's own Python bindings) and handed to
-``bwrap --seccomp FD``.
+gets EPERM for everything. The BPF is built with libseccomp through ``pyseccomp`` (ctypes, the API
+of libseccomp's own Python bindings), once per host or per drainer process (:func:`seccomp_file`),
+and handed to ``bwrap --seccomp FD``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import os
@@ -112,13 +113,48 @@ def write_to(path: str | os.PathLike[str]) -> None:
         os.close(fd)
 
 
+#: Where libseccomp may be (its file is part of the shared filter's key: another libseccomp may
+#: know other system calls).
+_LIB_DIRS = ("/usr/lib", "/lib", "/usr/lib64", "/lib64", f"/usr/lib/{os.uname().machine}-linux-gnu",
+             f"/lib/{os.uname().machine}-linux-gnu")
+
+
+@functools.cache
+def _key() -> tuple[object, ...]:
+    """Everything the filter is made from, known without libseccomp: the list, the machine, the
+    libseccomp files (name, size, time) and the format of this module (looked at once per process,
+    as the filter was built once per process before)."""
+    libs = []
+    for folder in _LIB_DIRS:
+        try:
+            names = [n for n in os.listdir(folder) if n.startswith("libseccomp.so")]
+        except OSError:
+            continue
+        for name in sorted(names):
+            with contextlib.suppress(OSError):
+                st = os.stat(os.path.join(folder, name))
+                libs.append((folder, name, st.st_size, st.st_mtime_ns))
+    return ("filter-1", tuple(sorted(DENIED.items())), NAMESPACE_FLAGS, os.uname().machine, tuple(libs))
+
+
 def seccomp_file() -> Path:
     """The seccomp filter as a file the launcher (a job uid under a root drainer) opens for
-    ``bwrap --seccomp``: written once per drainer process, ``bpf-<pid>-*/filter`` in the workspace
-    root, readable by all (it is no secret, and not writable by anyone), swept like ``etc-*``."""
+    ``bwrap --seccomp``, readable by all (it is no secret, and not writable by anyone). Where jobs
+    run as leased uids, one file serves every drainer of the host (``bpf-shared-*``, keyed by
+    :func:`_key`): building it costs ``pyseccomp``'s import (two ``ldconfig`` runs) and
+    libseccomp, ~9 ms of every cron tick's tier probe. Otherwise written once per drainer
+    process, ``bpf-<pid>-*/filter``, swept like ``etc-*``."""
+    from ._filesystem import _leased
 
     def build(folder: Path) -> None:
         write_to(folder / "filter")
         folder.chmod(0o711)
 
+    if _leased():
+        return _workspace.shared_copy("bpf", _key(), (), build) / "filter"
     return _workspace.cached_copy("bpf", "seccomp", (), build) / "filter"
+
+
+def shared_name() -> str:
+    """The name the host's shared filter has now (what :func:`seccomp_file` would use)."""
+    return _workspace.shared_name("bpf", _key(), ())
