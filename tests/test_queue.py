@@ -117,6 +117,18 @@ def test_the_default_options_statements_write_what_the_general_ones_write(queue:
                ids[1:4]) == [("report", 5, True, None), ("greet", 0, True, None), ("once", 0, True, "k1")]
 
 
+def test_enqueue_on_a_callers_connection_with_dict_rows_returns_the_ids(queue: Queue, dsn: str, sql) -> None:
+    """The caller's connection may make dicts of rows (its row_factory): the ids come back all the
+    same, and the jobs are written once."""
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(dsn, row_factory=dict_row) as c:
+        one = queue.enqueue("greet", {})
+        two = queue.enqueue("greet", {"x": 1}, conn=c, priority=2)
+        many = queue.enqueue_many([("greet", {}), {"kind": "greet", "payload": {}, "key": "k"}], conn=c)
+    assert sql("SELECT id FROM fleetless.jobs ORDER BY id") == [(i,) for i in sorted([one, two, *many])]
+
+
 def test_enqueue_many_with_one_bad_item_writes_nothing(queue: Queue, sql) -> None:
     with pytest.raises(ValueError, match=r"job #2: invalid job kind"):
         queue.enqueue_many([("a", {}), ("b", {}), ("Bad Kind", {})])

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psycopg
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from . import db
 from .job import (
@@ -201,7 +201,7 @@ class Queue:
     def _tuples(self, name: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """As :meth:`_run`, with rows as tuples: the batch path's statements return thousands of
         rows, and a dict per row was a visible share of a drain of small jobs."""
-        with db.errors_translated(self.schema), self._connection() as c, c.cursor() as cur:
+        with db.errors_translated(self.schema), self._connection() as c, c.cursor(row_factory=tuple_row) as cur:
             cur.execute(self._q[name], params)
             return cur.fetchall() if cur.description else []
 
@@ -326,8 +326,9 @@ class Queue:
             name, params = ("enqueue_default", {"kind": params["kind"], "payload": params["payload"]}) if defaults \
                 else ("enqueue", params)
             params["channel"] = self.channel
-            with db.errors_translated(self.schema), self._connection(conn) as c:
-                row = c.execute(self._q[name], params, prepare=True if self._preparable(c) else None).fetchone()
+            with (db.errors_translated(self.schema), self._connection(conn) as c,
+                  c.cursor(row_factory=tuple_row) as cur):  # whatever the caller's connection's rows are
+                row = cur.execute(self._q[name], params, prepare=True if self._preparable(c) else None).fetchone()
                 assert row is not None
                 return int(row[0])
         with self._connection(conn) as c:
@@ -378,7 +379,8 @@ class Queue:
             return []
         ids: list[int] = []
         queues: set[str] = set()
-        with db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c), c.cursor() as cur:
+        with (db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c),
+              c.cursor(row_factory=tuple_row) as cur):
             pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
             while chunk := list(itertools.islice(pending, ENQUEUE_CHUNK)):
                 # ids for the whole chunk (a keyed job's goes unused: it gets its own), so that each

@@ -468,16 +468,58 @@ def test_drainers_share_one_etc_copy_and_a_stale_one_is_swept_after_its_grace(tm
     for stale in (stale_old, stale_new, stale_bpf):
         stale.mkdir()
         (stale / "passwd").write_text("old")
-    two_days_ago = time.time() - 2 * 86400
-    os.utime(stale_old, (two_days_ago, two_days_ago))
-    os.utime(stale_bpf, (two_days_ago, two_days_ago))
-    os.utime(bpf.parent, (two_days_ago, two_days_ago))
-    os.utime(shared, (two_days_ago, two_days_ago))  # old but current: kept
-    sweep = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r}); "
-                            "from fleetless.sandbox import bwrap; print(bwrap.sweep())"],
-                           env=env, capture_output=True, text=True, timeout=120)
-    assert sweep.returncode == 0, sweep.stderr
-    assert sorted(p.name for p in work.iterdir()) == sorted([shared.name, bpf.parent.name, stale_new.name])
+
+    def ago(days: float, *paths: Path) -> None:
+        for path in paths:
+            os.utime(path, (time.time() - days * 86400, time.time() - days * 86400))
+
+    def sweep() -> list[str]:
+        out = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {SRC!r}); "
+                              "from fleetless.sandbox import bwrap; print(bwrap.sweep())"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return sorted(p.name for p in work.iterdir())
+
+    ago(30, stale_old, stale_bpf)  # made long ago, replaced minutes ago (by the copies above): kept
+    everything = sorted([shared.name, bpf.parent.name, stale_old.name, stale_new.name, stale_bpf.name])
+    assert sweep() == everything
+    ago(2, shared, bpf.parent)  # replaced two days ago: gone; one made after its replacement stays
+    ago(1, stale_new)
+    assert sweep() == sorted([shared.name, bpf.parent.name, stale_new.name])
+
+
+def test_a_work_directory_others_may_write_or_a_planted_copy_is_never_shared(tmp_path: Path) -> None:
+    """A shared copy is used only from a work directory of the drainer's own user that no one else
+    may write, and only if it is a real directory of that user: else the drainer makes its own
+    copy, as it did before copies were shared."""
+    if os.geteuid() != 0:
+        pytest.skip("shared only where jobs run as leased uids (here: a root drainer)")
+    from fleetless.sandbox import _workspace
+    from fleetless.sandbox.bwrap import _filesystem
+
+    open_work = tmp_path / "open"
+    open_work.mkdir(mode=0o777)
+    open_work.chmod(0o777)
+    out = subprocess.run([sys.executable, "-c", ETC_COPY.format(src=SRC), "0"], capture_output=True, text=True,
+                         env={**os.environ, "FLEETLESS_WORKDIR": str(open_work)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert Path(out.stdout.split()[0]).name.startswith("etc-") and "-shared-" not in out.stdout
+    assert "not sharing etc copies there" in out.stderr
+
+    work = tmp_path / "work"
+    work.mkdir(mode=0o711)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "ld.so.preload").write_text("/tmp/evil.so\n")
+    name = _workspace.shared_name("etc", _filesystem._etc_key(False),
+                                  _workspace.signature(_filesystem._etc_paths(False)))
+    (work / name).symlink_to(planted)
+    out = subprocess.run([sys.executable, "-c", ETC_COPY.format(src=SRC), "0"], capture_output=True, text=True,
+                         env={**os.environ, "FLEETLESS_WORKDIR": str(work)}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    etc = Path(out.stdout.split()[0])
+    assert etc.name != name and "-shared-" not in etc.name and not (etc / "ld.so.preload").exists()
+    assert (work / name).is_symlink() and (planted / "ld.so.preload").exists()  # left alone
 
 
 def test_venv_interpreter_outside_usr_is_bound(handlers: Callable[..., Path], sandboxes: list[BwrapSandbox]) -> None:

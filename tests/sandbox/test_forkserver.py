@@ -102,8 +102,8 @@ def test_handler_scripts_run_compiled_once_by_the_server_as_python3_compiles_the
     """The server compiles the handlers' top-level scripts once (a job then runs the code object
     instead of compiling its script again) exactly as ``python3 FILE`` would: none of the server's
     own ``__future__`` flags (string annotations), the script's path in tracebacks, a script that
-    does not compile failing its own job with the SyntaxError. Too big, not ``.py``, or not a file:
-    left to the job."""
+    does not compile failing its own job with the SyntaxError. Too big, not ``.py``, not a file,
+    warning when compiled, or too deep for the compiler: left to the job (never the server's end)."""
     h = handlers(**{"annotated.py": """
         import sys
         def f(x: int) -> None:
@@ -126,6 +126,8 @@ def test_handler_scripts_run_compiled_once_by_the_server_as_python3_compiles_the
     (tmp_path / "bad.py").write_text("def (:\n")
     (tmp_path / "notes.txt").write_text("print(1)\n")
     (tmp_path / "pkg.py").mkdir()
+    (tmp_path / "deep.py").write_text("x = " + "-" * 100_000 + "1\n")  # RecursionError or MemoryError
+    (tmp_path / "warns.py").write_text("x = '\\d'\n")  # python3 warns on every run: its job compiles it
     _server._compiled.clear()
     try:
         _server.compile_scripts(str(tmp_path))

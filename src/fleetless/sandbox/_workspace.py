@@ -12,6 +12,7 @@ and swept once it is stale (:func:`sweep_shared`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
 import os
@@ -242,7 +243,7 @@ def sweep() -> int:
 
 
 Signature = tuple[tuple[str, int, int, int], ...]
-_copies_lock = threading.Lock()
+_copies_lock = threading.RLock()  # shared_copy falls back to cached_copy under it
 _copies: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 _old_copies: list[Path] = []
 _shared: dict[tuple[str, Hashable], Path] = {}
@@ -281,8 +282,8 @@ def cached_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Pat
         return folder
 
 
-#: A shared copy another drainer replaced may still be bound by a job that started before: it is
-#: swept only once it is this much older than its replacement's making.
+#: A shared copy that was replaced may still be bound by a job that started before: it is swept
+#: only once its replacement was made this long ago.
 SHARED_GRACE_SECONDS = 24 * 3600.0
 SHARED = "shared"
 
@@ -305,15 +306,23 @@ def shared_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Pat
         known = _shared.get((prefix, key))
         if known is not None and known.name == name and known.is_dir():
             return known
-        final = root() / name
-        if not final.is_dir():
+        work = root()
+        if not _own_dir(work, private=True):  # someone else's work directory: nothing of it is shared
+            log.warning("%s is not a directory of this user's that only it may write: not sharing %s "
+                        "copies there", work, prefix)
+            return cached_copy(prefix, key, sig, build)
+        final = work / name
+        if not _own_dir(final) and os.path.lexists(final):  # not ours: never used, never replaced
+            log.warning("%s is not a directory of this user's: not using it", final)
+            return cached_copy(prefix, key, sig, build)
+        if not _own_dir(final):
             folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=root()))
             try:
                 build(folder)
                 os.rename(folder, final)
             except OSError as exc:
                 remove(folder)
-                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not _own_dir(final):
                     raise  # not "another drainer made it first"
             except BaseException:
                 remove(folder)
@@ -322,19 +331,32 @@ def shared_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Pat
         return final
 
 
+def _own_dir(path: Path, private: bool = False) -> bool:
+    """A real directory (no symlink) of this process's user; ``private``: that no one else may
+    write either."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and not (private and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)))
+
+
 def sweep_shared(prefix: str, current: set[str], grace: float = SHARED_GRACE_SECONDS) -> int:
-    """Remove ``<prefix>-shared-*`` copies not named in ``current`` (what the host's files make now)
-    that were made more than ``grace`` seconds ago; returns how many."""
+    """Remove the ``<prefix>-shared-*`` copies not named in ``current`` (what the host's files
+    make now) that were made before the newest current one, once that one is ``grace`` seconds
+    old: a job that started on a replaced copy has had that long. Returns how many."""
+    entries = [e for e in root().iterdir() if e.name.startswith(f"{prefix}-{SHARED}-")]
+    made = {}
+    for entry in entries:
+        with contextlib.suppress(FileNotFoundError):
+            made[entry.name] = entry.lstat().st_mtime
+    replaced_at = max((made[n] for n in current if n in made), default=None)
+    if replaced_at is None or time.time() - replaced_at <= grace:
+        return 0
     removed = 0
-    now = time.time()
-    for entry in root().iterdir():
-        if not entry.name.startswith(f"{prefix}-{SHARED}-") or entry.name in current:
-            continue
-        try:
-            old = now - entry.lstat().st_mtime > grace
-        except FileNotFoundError:
-            continue
-        if old and remove(entry):
+    for entry in entries:
+        if entry.name not in current and made.get(entry.name, replaced_at) < replaced_at and remove(entry):
             removed += 1
     return removed
 

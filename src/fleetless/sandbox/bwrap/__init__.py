@@ -352,7 +352,11 @@ class BwrapSandbox(Sandbox):
     @classmethod
     def warm(cls, template: Template) -> None:
         """The interpreter's paths (a subprocess, ~20 ms) probed beside the tier's own probe."""
-        warm_interpreter_paths(template.python or default_python(binds_blocked=_hostuid.needed()))
+        try:
+            python = template.python or default_python(binds_blocked=_hostuid.needed())
+        except SandboxUnavailable:
+            return  # no interpreter at all: the check says so, with the tier's own reason
+        warm_interpreter_paths(python)
 
     @classmethod
     def check_template(cls, template: Template) -> None:

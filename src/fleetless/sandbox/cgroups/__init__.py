@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import time
 from pathlib import Path
@@ -82,7 +81,7 @@ class JobCgroup:
         kill_via: str | None = None,
     ) -> None:
         self.caps = caps if caps is not None else available()
-        self.name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        self.name = f"{PREFIX}{os.getpid()}-{os.urandom(4).hex()}"
         self.memory_bytes: int | None = None
         self.pids_max: int | None = None
         self.cpus: float | None = None

@@ -4,7 +4,6 @@ the few file operations on a cgroup filesystem."""
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,7 +126,7 @@ def probe_dir(base: Path, files: tuple[str, ...]) -> bool:
     """Can we create a child group in ``base`` that has ``files``? (mkdir + rmdir)"""
     if not os.access(base, os.W_OK):
         return False
-    probe = base / f"{PREFIX}probe-{os.getpid()}-{secrets.token_hex(3)}"
+    probe = base / f"{PREFIX}probe-{os.getpid()}-{os.urandom(3).hex()}"
     try:
         probe.mkdir()
     except OSError:

@@ -242,8 +242,11 @@ _compiled: dict[str, CodeType] = {}
 
 def compile_scripts(folder: str) -> None:
     """Compile the top-level ``.py`` files of ``folder`` as ``python3 FILE`` would (no inherited
-    ``__future__`` flags); one that cannot be read or compiled is left to its job, which then fails
-    the way ``python3`` would."""
+    ``__future__`` flags). One that cannot be read or compiled, or whose compiling warns (a warning
+    ``python3`` would print on every run, to the job's stderr), is left to its job, which then
+    compiles it as ``python3`` would; nothing of one script keeps the server from starting."""
+    import warnings
+
     try:
         names = sorted(os.listdir(folder))
     except OSError:
@@ -256,9 +259,10 @@ def compile_scripts(folder: str) -> None:
             st = os.stat(path)
             if not (st.st_mode & 0o170000 == 0o100000 and st.st_size <= _MAX_SCRIPT):
                 continue
-            with open(path, "rb") as f:
+            with open(path, "rb") as f, warnings.catch_warnings():
+                warnings.simplefilter("error")
                 _compiled[path] = compile(f.read(), path, "exec", dont_inherit=True)
-        except (OSError, SyntaxError, ValueError):
+        except Exception:  # SyntaxError, a warning, RecursionError, MemoryError: left to its job
             continue
 
 
