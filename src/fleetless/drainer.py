@@ -188,6 +188,7 @@ _Result = tuple[list[tuple[Job, Outcome]], str | None]
 class Drainer:
     def __init__(self, queue: Queue, config: DrainConfig, reporter: Reporter | None = None) -> None:
         self.queue = queue
+        queue.connect_ahead()  # while the tier is chosen and probed
         self._env = base_env(parse_pass_env(config.pass_env))
         self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
                                   python=config.python)

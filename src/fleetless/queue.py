@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -177,6 +178,19 @@ class Queue:
                 if self._owns_conn:  # a broken connection: the next call reconnects
                     self._conn.close()
                 raise
+
+    def connect_ahead(self) -> None:
+        """Open the queue's own connection in a background thread (a drain's start: beside its
+        sandbox tier's probes, ~3 ms of a cron tick). A connection that cannot be made is left to
+        the first call, which says why as it always does."""
+        if self._pool is not None or self._dsn is None or self._conn is not None:
+            return
+
+        def connect() -> None:
+            with contextlib.suppress(Exception), self._connection():
+                pass
+
+        threading.Thread(target=connect, name="fleetless-connect", daemon=True).start()
 
     def _preparable(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether a hot statement may be prepared on ``conn``: only on the queue's own connection,
