@@ -89,6 +89,6 @@ def run(ctx: Context) -> Section:
                    f"alternate between raw and fleetless every {CHUNK} jobs. Both single INSERTs are prepared "
                    "(psycopg's default for the raw one; fleetless prepares its enqueue on its own connection when "
                    "no pooler is in between). fleetless's single enqueue validates the job and NOTIFYs watchers in "
-                   "the same statement; the raw INSERT does neither. enqueue_many reserves ids, COPYs 8 columns "
-                   "and NOTIFYs once.")
+                   "the same statement; the raw INSERT does neither. enqueue_many validates each job, reserves "
+                   "ids, COPYs 4 columns per default job (9 for one with options of its own) and NOTIFYs once.")
     return s
