@@ -335,10 +335,8 @@ class Queue:
             queue=queue, priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
         )
         if key is None:  # the hot path: one statement, one tuple row (a dict row cost ~10% of an enqueue)
-            defaults = (max_attempts is None and run_after is None and not delay and queue == "default"
-                        and priority == 0 and timeout is None)
-            name, params = ("enqueue_default", {"kind": params["kind"], "payload": params["payload"]}) if defaults \
-                else ("enqueue", params)
+            name, params = ("enqueue_default", {"kind": params["kind"], "payload": params["payload"]}) \
+                if _all_default(params) else ("enqueue", params)
             params["channel"] = self.channel
             with (db.errors_translated(self.schema), self._connection(conn) as c,
                   c.cursor(row_factory=tuple_row) as cur):  # whatever the caller's connection's rows are
@@ -371,7 +369,7 @@ class Queue:
                     raise ValueError("needs 'kind' and 'payload'")
                 return self._job_params(options.pop("kind"), options.pop("payload"), **options)
             kind, payload = item
-            return {**self._job_params(kind, payload), "defaults": True}
+            return self._job_params(kind, payload)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"job #{index}: {exc}") from None
 
@@ -412,7 +410,7 @@ class Queue:
                         if r["key"] is not None:
                             continue
                         r["id"] = job_id
-                        if r.get("defaults"):
+                        if _all_default(r):
                             copy.write_row((job_id, r["kind"], r["payload"], True))
                         else:
                             others.append(r)
@@ -818,6 +816,13 @@ def _claim_params(
     return {"n": n, "queues": list(queues) if queues else None, "skip_kinds": list(skip_kinds) or None,
             "token": token or uuid.uuid4(), "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace,
             "claimed_by": claimed_by, "tier": tier, "kinds": _claim_settings(kinds or {})}
+
+
+def _all_default(params: Mapping[str, Any]) -> bool:
+    """Whether a job's :meth:`Queue._job_params` are every option's default (but a key): the job the
+    lean statements (enqueue_default, copy_default_jobs) write from the columns' defaults."""
+    return bool(params["max_attempts_default"] and params["run_after"] is None and not params["delay"]
+                and params["queue"] == "default" and params["priority"] == 0 and params["timeout"] is None)
 
 
 def _finish_query(outcomes: Sequence[tuple[Job, Outcome]]) -> str:
