@@ -246,7 +246,7 @@ Signature = tuple[tuple[str, int, int, int], ...]
 _copies_lock = threading.RLock()  # shared_copy falls back to cached_copy under it
 _copies: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 _old_copies: list[Path] = []
-_shared: dict[tuple[str, Hashable], Path] = {}
+_shared: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 
 
 def signature(paths: list[str]) -> Signature:
@@ -301,22 +301,22 @@ def shared_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Pat
     dies meanwhile) and renames it into place, so a copy under its name is always whole. ``key`` and
     ``sig`` must name everything ``build`` puts in it (a change makes another copy). Only for what
     no job can write: :func:`root` is the drainer's own, and bwrap binds the copy read-only."""
-    name = shared_name(prefix, key, sig)
     with _copies_lock:
-        known = _shared.get((prefix, key))
-        if known is not None and known.name == name and known.is_dir():
-            return known
+        known = _shared.get((prefix, key))  # (every sandbox asks: the same files, no digest again)
+        if known is not None and known[0] == sig and known[1].is_dir():
+            return known[1]
         work = root()
         if not _own_dir(work, private=True):  # someone else's work directory: nothing of it is shared
             log.warning("%s is not a directory of this user's that only it may write: not sharing %s "
                         "copies there", work, prefix)
             return cached_copy(prefix, key, sig, build)
-        final = work / name
-        if not _own_dir(final) and os.path.lexists(final):  # not ours: never used, never replaced
+        final = work / shared_name(prefix, key, sig)
+        ours = _own_dir(final)
+        if not ours and os.path.lexists(final):  # not ours: never used, never replaced
             log.warning("%s is not a directory of this user's: not using it", final)
             return cached_copy(prefix, key, sig, build)
-        if not _own_dir(final):
-            folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=root()))
+        if not ours:
+            folder = Path(tempfile.mkdtemp(prefix=f"{prefix}-{os.getpid()}-", dir=work))
             try:
                 build(folder)
                 os.rename(folder, final)
@@ -327,7 +327,7 @@ def shared_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Pat
             except BaseException:
                 remove(folder)
                 raise
-        _shared[(prefix, key)] = final  # (never removed at exit: other drainers use it too)
+        _shared[(prefix, key)] = (sig, final)  # (never removed at exit: other drainers use it too)
         return final
 
 

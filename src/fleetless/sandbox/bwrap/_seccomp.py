@@ -22,7 +22,6 @@ and handed to ``bwrap --seccomp FD``.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import functools
 import os
@@ -120,28 +119,25 @@ _LIB_DIRS = ("/usr/lib", "/lib", "/usr/lib64", "/lib64", f"/usr/lib/{os.uname().
 
 
 @functools.cache
-def _key() -> tuple[object, ...]:
-    """Everything the filter is made from, known without libseccomp: the list, the machine, the
-    libseccomp files (name, size, time) and the format of this module (looked at once per process,
-    as the filter was built once per process before)."""
+def _source() -> tuple[tuple[object, ...], _workspace.Signature]:
+    """What the filter is made from, known without libseccomp: the list, the machine and the format
+    of this module (the key), and the libseccomp files (their signature). Looked at once per
+    process, as the filter was built once per process before."""
     libs = []
     for folder in _LIB_DIRS:
         try:
-            names = [n for n in os.listdir(folder) if n.startswith("libseccomp.so")]
+            libs += [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.startswith("libseccomp.so")]
         except OSError:
             continue
-        for name in sorted(names):
-            with contextlib.suppress(OSError):
-                st = os.stat(os.path.join(folder, name))
-                libs.append((folder, name, st.st_size, st.st_mtime_ns))
-    return ("filter-1", tuple(sorted(DENIED.items())), NAMESPACE_FLAGS, os.uname().machine, tuple(libs))
+    key = ("filter-1", tuple(sorted(DENIED.items())), NAMESPACE_FLAGS, os.uname().machine)
+    return key, _workspace.signature(libs)
 
 
 def seccomp_file() -> Path:
     """The seccomp filter as a file the launcher (a job uid under a root drainer) opens for
     ``bwrap --seccomp``, readable by all (it is no secret, and not writable by anyone). Where jobs
     run as leased uids, one file serves every drainer of the host (``bpf-shared-*``, keyed by
-    :func:`_key`): building it costs ``pyseccomp``'s import (two ``ldconfig`` runs) and
+    :func:`_source`): building it costs ``pyseccomp``'s import (two ``ldconfig`` runs) and
     libseccomp, ~9 ms of every cron tick's tier probe. Otherwise written once per drainer
     process, ``bpf-<pid>-*/filter``, swept like ``etc-*``."""
     from ._filesystem import _leased
@@ -151,10 +147,10 @@ def seccomp_file() -> Path:
         folder.chmod(0o711)
 
     if _leased():
-        return _workspace.shared_copy("bpf", _key(), (), build) / "filter"
+        return _workspace.shared_copy("bpf", *_source(), build) / "filter"
     return _workspace.cached_copy("bpf", "seccomp", (), build) / "filter"
 
 
 def shared_name() -> str:
     """The name the host's shared filter has now (what :func:`seccomp_file` would use)."""
-    return _workspace.shared_name("bpf", _key(), ())
+    return _workspace.shared_name("bpf", *_source())

@@ -42,6 +42,7 @@ import os
 import platform
 import signal
 import socket
+import stat
 import struct
 import sys
 from types import CodeType
@@ -257,7 +258,7 @@ def compile_scripts(folder: str) -> None:
             continue
         try:
             st = os.stat(path)
-            if not (st.st_mode & 0o170000 == 0o100000 and st.st_size <= _MAX_SCRIPT):
+            if not (stat.S_ISREG(st.st_mode) and st.st_size <= _MAX_SCRIPT):
                 continue
             with open(path, "rb") as f, warnings.catch_warnings():
                 warnings.simplefilter("error")
