@@ -62,13 +62,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: checks the suite runs, numbers are noise")
     ap.add_argument("--scale", type=float, default=1.0,
                     help="job counts and table sizes times this (the issue's sizes at 1.0)")
+    ap.add_argument("--baseline-tree", type=Path,
+                    help="a source tree (e.g. a worktree of the commit before issue 8) that the tick is compared with")
     ap.add_argument("--note", default="", help="a line added under each section (e.g. other work was running)")
     args = ap.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = set(names) - set(ALL)
     if unknown:
         ap.error(f"unknown measurement(s) {', '.join(sorted(unknown))} (from {', '.join(ALL)})")
-    ctx = Context(reps=args.reps, quick=args.quick, machine=machine(), note=args.note, scale=args.scale)
+    ctx = Context(reps=args.reps, quick=args.quick, machine=machine(), note=args.note, scale=args.scale,
+                  baseline=args.baseline_tree)
     compile_tree()  # every fleetless process below starts as an installed one does
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "plots").mkdir(exist_ok=True)

@@ -26,6 +26,7 @@ class Context:
     machine: str
     note: str = ""
     scale: float = 1.0  # job counts and table sizes times this
+    baseline: Path | None = None  # another source tree (a worktree of an older commit), where a section compares
 
     def size(self, full: int, quick: int) -> int:
         return quick if self.quick else max(1, int(full * self.scale))

@@ -3,33 +3,66 @@ RSS), and `python -X importtime` of the CLI (the slowest imports)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
+import tempfile
+from pathlib import Path
 
 from fleetless import Queue
 
-from . import VENV_PY, Context, Section, fmt, median, run_process, scratch_db, spread
+from . import VENV_PY, Context, Section, compile_tree, fmt, median, run_process, scratch_db, spread
 
 #: GNU time (Debian's ``time`` package): it measures the tick's peak RSS from outside.
 TIME = "/usr/bin/time"
 
 
+def _commit(tree: Path | None) -> str:
+    """The commit a worktree is at (its short hash), else the tree's path."""
+    if tree is None:
+        return ""
+    r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return r.stdout.strip() or str(tree)
+
+
+def _tick(dsn: str, handlers: str, pythonpath: Path | None) -> tuple[float, float]:
+    """One ``fleetless drain`` on an empty queue as a whole process: wall seconds, peak RSS MiB."""
+    env = {"DATABASE_URL": dsn}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    with tempfile.NamedTemporaryFile("r") as peak_file:
+        # The peak RSS as GNU time reports it for its own child: a process forked by this one
+        # (matplotlib and all loaded) would carry this one's peak in its own ru_maxrss, which the
+        # kernel keeps across exec; time's is a small process.
+        wall, _, _ = run_process([TIME, "-f", "%M", "-o", peak_file.name, VENV_PY, "-m", "fleetless.cli",
+                                  "drain", "--handlers", handlers], env=env)
+        return wall, int(peak_file.read().split()[-1]) / 1024
+
+
 def run(ctx: Context) -> Section:
     walls: list[float] = []
     rss: list[float] = []
-    import tempfile
-
-    with scratch_db() as dsn, tempfile.TemporaryDirectory() as handlers:
+    base_walls: list[float] = []
+    base_rss: list[float] = []
+    baseline = ctx.baseline.resolve() if ctx.baseline is not None else None
+    with contextlib.ExitStack() as stack:
+        dsn = stack.enter_context(scratch_db())
+        handlers = stack.enter_context(tempfile.TemporaryDirectory())
         Queue(dsn).init()
-        for _ in range(ctx.reps * 2):
-            with tempfile.NamedTemporaryFile("r") as peak_file:
-                # The peak RSS as GNU time reports it for its own child: a process forked by this
-                # one (matplotlib and all loaded) would carry this one's peak in its own
-                # ru_maxrss, which the kernel keeps across exec; time's is a small process.
-                wall, _, _ = run_process([TIME, "-f", "%M", "-o", peak_file.name, VENV_PY, "-m", "fleetless.cli",
-                                          "drain", "--handlers", handlers], env={"DATABASE_URL": dsn})
-                walls.append(wall)
-                rss.append(int(peak_file.read().split()[-1]) / 1024)
+        base_dsn = ""
+        if baseline is not None:  # its own database, made by its own code (its schema is older)
+            compile_tree(baseline)
+            base_dsn = stack.enter_context(scratch_db())
+            run_process([VENV_PY, "-m", "fleetless.cli", "init"],
+                        env={"DATABASE_URL": base_dsn, "PYTHONPATH": str(baseline)})
+        for _ in range(ctx.reps * 2):  # interleaved: a load swing reaches both alike
+            wall, peak = _tick(dsn, handlers, None)
+            walls.append(wall)
+            rss.append(peak)
+            if baseline is not None:
+                wall, peak = _tick(base_dsn, handlers, baseline)
+                base_walls.append(wall)
+                base_rss.append(peak)
     imp = subprocess.run([VENV_PY, "-X", "importtime", "-c", "import fleetless.cli"], capture_output=True,
                          text=True).stderr
     rows = []
@@ -39,9 +72,19 @@ def run(ctx: Context) -> Section:
             rows.append((int(m.group(2)), m.group(4)))
     top = sorted((r for r in rows if "." not in r[1] or r[1].startswith("fleetless")), reverse=True)[:8]
     s = Section("tick", "(6) Cron tick: `fleetless drain` on an empty queue", "bench/run.py --only tick", ctx,
-                ["what", "median [spread]", "target"], raw={"wall_s": walls, "rss_mib": rss, "importtime": rows})
+                ["what", "median [spread]", "target"],
+                raw={"wall_s": walls, "rss_mib": rss, "importtime": rows, "baseline": str(baseline or ""),
+                     "baseline_wall_s": base_walls, "baseline_rss_mib": base_rss})
     s.rows.append(["whole-process wall time", f"{median(walls):.3f} s [{spread(walls)}]", "<= 0.2 s"])
     s.rows.append(["peak RSS", f"{median(rss):.1f} MiB [{spread(rss)}]", "<= 60 MB"])
+    if base_walls:
+        s.rows.append([f"the same tick at the baseline tree ({_commit(baseline)}), wall time",
+                       f"{median(base_walls):.3f} s [{spread(base_walls)}]", ""])
+        s.rows.append(["the same tick at the baseline tree, peak RSS",
+                       f"{median(base_rss):.1f} MiB [{spread(base_rss)}]", ""])
+        s.rows.append(["today / baseline: wall time, peak RSS",
+                       f"**{median(walls) / median(base_walls):.2f}**, **{median(rss) / median(base_rss):.2f}**",
+                       "<= 1 (keep it there)"])
     s.unit = "seconds"
     bare: list[float] = []
     driver: list[float] = []
