@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -253,6 +254,57 @@ def test_a_sandbox_that_breaks_mid_drain_returns_the_claim_without_charging_an_a
     rows = sql("SELECT status, attempts, last_error FROM fleetless.jobs ORDER BY id")
     assert rows[0][:2] == ("pending", 0) and "No space left" in str(rows[0][2])
     assert [r[:2] for r in rows[1:]] == [("pending", 0)] * 2  # the drain stopped claiming
+
+
+def test_a_jobs_sandbox_is_destroyed_beside_its_outcome_and_all_are_gone_when_the_drain_returns(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch, private_workdir: Path) -> None:
+    from fleetless.sandbox.process import ProcessSandbox
+
+    kill = ProcessSandbox.kill
+    seen: list[tuple[str, float]] = []  # each sandbox's job status when its kill began, and its end
+
+    def kill_after_the_outcome(self: ProcessSandbox) -> None:
+        job_id = int(self._template.env["FLEETLESS_JOB_ID"])
+        deadline = time.monotonic() + 10  # an inline kill would wait here for an outcome never written
+        while (status := sql("SELECT status FROM fleetless.jobs WHERE id = %s", job_id)[0][0]) == "running":
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        kill(self)
+        seen.append((str(status), time.monotonic()))
+
+    h = handlers(**{"a.py": "print(1)"})
+    queue.enqueue_many([("a", {})] * 6)
+    monkeypatch.setattr(ProcessSandbox, "kill", kill_after_the_outcome)
+    drain(queue, h, concurrency=2)
+    returned = time.monotonic()
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("done", 1)] * 6
+    assert [status for status, _ in seen] == ["done"] * 6  # written while its sandbox still stood
+    assert max(t for _, t in seen) <= returned  # and the drain waited for every sandbox to go
+    assert list(private_workdir.glob("ws-*")) == []
+
+
+def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_not_charged(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless.sandbox.process import ProcessSandbox
+
+    kill = ProcessSandbox.kill
+
+    def failing_kill(self: ProcessSandbox) -> None:
+        kill(self)
+        raise OSError(16, "Device or resource busy")
+
+    h = handlers(**{"a.py": "import time; time.sleep(0.2); print(1)"})
+    queue.enqueue_many([("a", {})] * 3)
+    monkeypatch.setattr(ProcessSandbox, "kill", failing_kill)
+    with pytest.raises(DrainError, match=r"sandbox error .*cannot destroy a sandbox: .*Device or resource busy"):
+        drain(queue, h, concurrency=1)
+    rows = sql("SELECT status, attempts, coalesce(last_error, '') FROM fleetless.jobs ORDER BY id")
+    assert rows[0][:2] == ("done", 1)  # it ran to its end: its outcome stands
+    # the kill fails beside the next job's start: that job may still run (its own outcome), and the
+    # one after it is refused a sandbox and given back uncharged, naming why
+    assert {r[:2] for r in rows} <= {("done", 1), ("pending", 0)}
+    assert any(r[:2] == ("pending", 0) and "cannot destroy a sandbox" in r[2] for r in rows)
 
 
 def test_two_drainers_racing_over_1000_jobs_never_run_one_twice(dsn: str, queue: Queue, handlers, sql,

@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS
 from .sandbox import ExecResult, Sandbox, Template
 
-__all__ = ["RUNNER_NAME", "Runner", "Slot", "describe_failure", "describe_run", "job_env"]
+__all__ = ["RUNNER_NAME", "Runner", "Slot", "Teardown", "describe_failure", "describe_run", "job_env"]
 
 log = logging.getLogger("fleetless.batch")
 RUNNER = Path(__file__).parent / "sandbox" / "_batch_runner.py"
@@ -164,6 +164,52 @@ class SandboxBroken(Exception):
     """The sandbox failed, not the job: the drain cannot go on with this tier."""
 
 
+class Teardown:
+    """Per-job mode's sandboxes destroyed beside the slot's next claim instead of before it.
+
+    A slot hands its sandbox over once the job has ended and its output is read, and goes on to its
+    outcome and next claim while a thread of this one kills the sandbox. Up to ``limit`` (the
+    drain's concurrency) are destroyed at once; a slot that finds ``limit`` still going blocks, as
+    if it killed its own. :meth:`close` returns when every sandbox handed over is gone (the drain
+    calls it before it returns). A kill that raised is kept in ``failure``, and the next job's
+    sandbox is refused with it, as an inline kill would have stopped the drain."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = max(limit, 1)
+        self._room = threading.BoundedSemaphore(self._limit)
+        self._pool: ThreadPoolExecutor | None = None  # made at the first hand-over
+        self._lock = threading.Lock()
+        self.failure: str | None = None
+
+    def hand_over(self, sbx: Sandbox) -> None:
+        self._room.acquire()
+        try:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._limit, thread_name_prefix="teardown")
+                self._pool.submit(self._kill, sbx)
+        except BaseException:
+            self._room.release()
+            sbx.kill()  # no thread for it (the drain is closing): inline, as before
+            raise
+
+    def _kill(self, sbx: Sandbox) -> None:
+        try:
+            sbx.kill()
+        except Exception as exc:
+            log.warning("could not destroy a sandbox: %s", exc)
+            self.failure = self.failure or f"cannot destroy a sandbox: {exc}"
+        finally:
+            self._room.release()
+
+    def close(self) -> None:
+        """Return when every sandbox handed over is destroyed."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
 @dataclass(frozen=True)
 class Runner:
     backend: type[Sandbox]
@@ -177,6 +223,8 @@ class Runner:
     had_handler: frozenset[str] = frozenset()
     #: Watch mode: keep one sandbox started ahead for a batch of up to this many jobs (0: never).
     spare_jobs: int = 0
+    #: Per-job mode: a job's sandbox is destroyed by this, beside the slot's next claim (None: inline).
+    teardown: Teardown | None = None
     _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
 
     def _kind(self, kind: str) -> KindSettings:
@@ -352,6 +400,9 @@ class Runner:
 
     def _single(self, job: Job, handler: handlers.Handler, slot: Slot) -> tuple[Job, Outcome]:
         template = replace(self.template_of(job.kind), env=job_env(job, dict(self.template.env)))
+        teardown = self.teardown
+        if teardown is not None and teardown.failure is not None:
+            raise SandboxBroken(teardown.failure)
         try:
             sbx = self._sandbox(template, slot, job.kind)
         except _Aborted:
@@ -361,12 +412,20 @@ class Runner:
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
             r = sbx.exec(argv, self.timeout_of(job))
         except Exception as exc:
+            sbx.kill()
+            slot.detach()
             if slot.aborted:  # destroyed under it by the drainer's stop: not a broken sandbox
                 return job, self._stopped(None)
             raise SandboxBroken(str(exc)) from None
-        finally:
+        except BaseException:
             sbx.kill()
             slot.detach()
+            raise
+        slot.detach()
+        if teardown is None:
+            sbx.kill()
+        else:  # the job has ended and its output is read: the rest of its tree dies beside the next claim
+            teardown.hand_over(sbx)
         if self.cancelled(job) and not r.ok:
             return job, Outcome("fail", error=CANCELLED, permanent=True,
                                 run=replace(describe_run(self.backend.name, r), kill_reason="cancelled"))

@@ -30,7 +30,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import db, handlers, kinds, maintenance
-from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, describe_failure, describe_run, job_env
+from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, Teardown, describe_failure, describe_run, job_env
 from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
 from .insights import error_head
@@ -219,6 +219,7 @@ class Drainer:
         self._had_handler: frozenset[str] = frozenset()  # kinds with a handler when the drain started
         self._next_cancel_poll = 0.0
         self._ahead: list[Job] = []  # batch mode: the next batch, claimed while every slot runs
+        self._teardown = Teardown(config.concurrency)  # a job's sandbox dies beside its slot's next claim
 
     def _new_completer(self) -> Completer:
         """Batch mode: the completer writes on a connection of its own, beside the loop's claims."""
@@ -340,7 +341,8 @@ class Drainer:
                 self.summary.watching_elsewhere = True
                 return self.summary
         runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
-                        cancelled=lambda job: _claim_of(job) in self._cancelled, had_handler=self._had_handler)
+                        cancelled=lambda job: _claim_of(job) in self._cancelled, had_handler=self._had_handler,
+                        teardown=self._teardown)
         self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
         if c.watch:  # a sandbox of the drain's own tier started ahead: a job that comes skips its start
             self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox)
@@ -534,6 +536,7 @@ class Drainer:
         return self._completer.counts.released - before
 
     def _close(self, started: float) -> None:
+        self._teardown.close()  # every sandbox of this drain is gone before it returns
         for each in self._runners.values():  # spare sandboxes (watch mode)
             each.close()
         if self._watcher is not None:
