@@ -307,6 +307,24 @@ def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_
     assert any(r[:2] == ("pending", 0) and "cannot destroy a sandbox" in r[2] for r in rows)
 
 
+def test_the_last_sandbox_that_cannot_be_destroyed_still_fails_the_drain(
+        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless.sandbox.process import ProcessSandbox
+
+    kill = ProcessSandbox.kill
+
+    def failing_kill(self: ProcessSandbox) -> None:
+        kill(self)
+        raise OSError(16, "Device or resource busy")
+
+    h = handlers(**{"a.py": "print(1)"})
+    queue.enqueue("a", {})
+    monkeypatch.setattr(ProcessSandbox, "kill", failing_kill)
+    with pytest.raises(DrainError, match=r"sandbox error \(process\): cannot destroy a sandbox: .*busy"):
+        drain(queue, h, concurrency=1)
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("done", 1)]
+
+
 def test_two_drainers_racing_over_1000_jobs_never_run_one_twice(dsn: str, queue: Queue, handlers, sql,
                                                                tmp_path: Path) -> None:
     h = handlers(ok="""

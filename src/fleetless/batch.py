@@ -167,44 +167,66 @@ class SandboxBroken(Exception):
 class Teardown:
     """Per-job mode's sandboxes destroyed beside the slot's next claim instead of before it.
 
-    A slot hands its sandbox over once the job has ended and its output is read, and goes on to its
-    outcome and next claim while a thread of this one kills the sandbox. Up to ``limit`` (the
-    drain's concurrency) are destroyed at once; a slot that finds ``limit`` still going blocks, as
-    if it killed its own. :meth:`close` returns when every sandbox handed over is gone (the drain
-    calls it before it returns). A kill that raised is kept in ``failure``, and the next job's
-    sandbox is refused with it, as an inline kill would have stopped the drain."""
+    A slot hands its sandbox over once the job has ended (every tier's ``exec`` returns when the
+    job's tree is dead) and its output is read, and goes on to its outcome and next claim while a
+    thread of this one removes what is left (cgroups, workspace, the uid lease). Up to ``limit``
+    (the drain's concurrency) are destroyed at once; a slot that finds ``limit`` still going blocks,
+    as if it killed its own. A sandbox that cannot be made while some are still being destroyed is
+    tried again once they are gone (:meth:`wait_idle`: every job uid of a range may still be held
+    by them). :meth:`close` returns when every sandbox handed over is gone (the drain calls it
+    before it returns); after it, a sandbox handed over is destroyed inline. A kill that raised is
+    kept in ``failure``: the next job is refused a sandbox with it, and the drain ends with it."""
 
     def __init__(self, limit: int) -> None:
         self._limit = max(limit, 1)
         self._room = threading.BoundedSemaphore(self._limit)
+        self._cond = threading.Condition()
         self._pool: ThreadPoolExecutor | None = None  # made at the first hand-over
-        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
         self.failure: str | None = None
 
     def hand_over(self, sbx: Sandbox) -> None:
         self._room.acquire()
-        try:
-            with self._lock:
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self._limit, thread_name_prefix="teardown")
-                self._pool.submit(self._kill, sbx)
-        except BaseException:
-            self._room.release()
-            sbx.kill()  # no thread for it (the drain is closing): inline, as before
-            raise
+        with self._cond:
+            if not self._closed:
+                try:
+                    if self._pool is None:
+                        self._pool = ThreadPoolExecutor(self._limit, thread_name_prefix="teardown")
+                    self._pending += 1
+                    self._pool.submit(self._destroy_counted, sbx)
+                    return
+                except Exception as exc:  # no thread for it (can't start new thread): inline below
+                    self._pending -= 1
+                    log.debug("teardown thread: %s", exc)
+        self._room.release()
+        self._destroy(sbx)
 
-    def _kill(self, sbx: Sandbox) -> None:
+    def _destroy(self, sbx: Sandbox) -> None:
         try:
             sbx.kill()
         except Exception as exc:
             log.warning("could not destroy a sandbox: %s", exc)
             self.failure = self.failure or f"cannot destroy a sandbox: {exc}"
+
+    def _destroy_counted(self, sbx: Sandbox) -> None:
+        try:
+            self._destroy(sbx)
         finally:
             self._room.release()
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Return when no sandbox handed over is still being destroyed."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
 
     def close(self) -> None:
-        """Return when every sandbox handed over is destroyed."""
-        with self._lock:
+        """Return when every sandbox handed over is destroyed; destroy later ones inline."""
+        with self._cond:
+            self._closed = True
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
@@ -390,7 +412,15 @@ class Runner:
 
     def _sandbox(self, template: Template, slot: Slot, kind: str) -> Sandbox:
         try:
-            sbx = self.backend.create(template, self.ttl_of(kind))
+            try:
+                sbx = self.backend.create(template, self.ttl_of(kind))
+            except Exception:
+                if self.teardown is None:
+                    raise
+                # once more when the sandboxes being destroyed are gone (one may have finished just
+                # now): what they held, a job uid say, is free then
+                self.teardown.wait_idle()
+                sbx = self.backend.create(template, self.ttl_of(kind))
         except Exception as exc:
             raise SandboxBroken(str(exc)) from None
         if not slot.attach(sbx):

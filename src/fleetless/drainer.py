@@ -362,8 +362,10 @@ class Drainer:
             self._completer.close(flush=lambda f: self._db(f),
                                   beside=self.queue if self._completer.queue is not self.queue else None)
         except BaseException as exc:
-            released = self._give_back(running, exc)
-            self._close(started)
+            try:
+                released = self._give_back(running, exc)
+            finally:
+                self._close(started)
             if isinstance(exc, DrainError | KeyboardInterrupt | SystemExit):
                 if released and isinstance(exc, DrainError):
                     raise DrainError(f"{exc}; {released} held claim(s) released") from exc
@@ -536,15 +538,19 @@ class Drainer:
         return self._completer.counts.released - before
 
     def _close(self, started: float) -> None:
-        self._teardown.close()  # every sandbox of this drain is gone before it returns
-        for each in self._runners.values():  # spare sandboxes (watch mode)
-            each.close()
-        if self._watcher is not None:
-            self._watcher.close()
-        if self._completer.queue is not self.queue:
-            self._completer.queue.close()
-        self._take_counts()
-        self.summary.seconds = time.monotonic() - started
+        try:
+            self._teardown.close()  # every sandbox of this drain is gone before it returns
+        finally:
+            for each in self._runners.values():  # spare sandboxes (watch mode)
+                each.close()
+            if self._watcher is not None:
+                self._watcher.close()
+            if self._completer.queue is not self.queue:
+                self._completer.queue.close()
+            self._take_counts()
+            self.summary.seconds = time.monotonic() - started
+        if self._teardown.failure is not None and self._fatal is None:  # the last sandbox's, say
+            self._fatal = f"sandbox error ({self.config.sandbox}): {self._teardown.failure}"
 
     def _lease_bounds(self) -> tuple[float, float]:
         """The timeout and TTL a lease is computed from: a kind's own may be longer than the drain's."""

@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleetless import Queue
+from fleetless import Queue, batch
 from fleetless.drainer import DrainConfig, Drainer
-from fleetless.sandbox import process
 
 from .conftest import executions, processes_mentioning
 from proctools import wait_for
@@ -69,26 +68,27 @@ def test_sigterm_to_three_busy_drainers_finishes_or_returns_every_job_and_exits_
 
 def test_a_job_that_ended_on_its_own_as_the_grace_ran_out_keeps_its_outcome(queue: Queue, sql: Any, handlers: Any,
                                                                              monkeypatch: Any) -> None:
-    # The job exits 0; while its sandbox is still being taken down, the shutdown grace runs out and
-    # the drainer aborts what it holds. The job's outcome is known: it must be recorded, not thrown
-    # away with the claim given back (which would run the job, and its side effects, again).
+    # The job exits 0; as its sandbox is handed over to be taken down (its unit not yet returned),
+    # the shutdown grace runs out and the drainer aborts what it holds. The job's outcome is known:
+    # it must be recorded, not thrown away with the claim given back (which would run the job, and
+    # its side effects, again).
     h = handlers(quick="""
         #!/bin/sh
         echo "quick"
     """)
     job_id = queue.enqueue("quick", {})
     drainer = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=1))
-    original_kill = process.ProcessSandbox.kill
+    original = batch.Teardown.hand_over
     first = threading.Event()
 
-    def slow_teardown(self: process.ProcessSandbox) -> None:
-        original_kill(self)
+    def slow_hand_over(self: batch.Teardown, sbx: Any) -> None:
+        original(self, sbx)
         if not first.is_set():
             first.set()
             drainer.stop(grace=0)
             time.sleep(1)  # the main loop sees the grace over and aborts meanwhile
 
-    monkeypatch.setattr(process.ProcessSandbox, "kill", slow_teardown)
+    monkeypatch.setattr(batch.Teardown, "hand_over", slow_hand_over)
     summary = drainer.run()
     assert (summary.done, summary.released) == (1, 0)
     assert sql("SELECT id, status, attempts, result FROM fleetless.jobs") == [(job_id, "done", 1, "quick\n")]

@@ -93,3 +93,31 @@ def test_a_range_that_is_not_uids_is_one_clear_line(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(_hostuid.ENV, "3000000000-3000000009")
     assert _hostuid.configured_range() == UidRange(3_000_000_000, 3_000_000_009)
 
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_range_of_exactly_concurrency_uids_is_enough_while_sandboxes_are_destroyed_beside_claims(
+        tier: str, queue, handlers, sql, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-job mode destroys a job's sandbox beside its slot's next claim, so for a moment a slot's
+    next sandbox may want a uid its last one still holds: it waits for that teardown instead of
+    stopping the drain with "all job uids are in use"."""
+    import time
+
+    from fleetless.drainer import DrainConfig, Drainer
+    from fleetless.sandbox import get_backend
+
+    backend = get_backend(tier)
+    kill = backend.kill
+
+    def slow_kill(self: object) -> None:  # a teardown slower than the next claim
+        time.sleep(0.05)
+        kill(self)  # type: ignore[arg-type]
+
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(tmp_path / "work"))
+    monkeypatch.setenv(_hostuid.ENV, "2000100010-2000100011")
+    monkeypatch.setattr(backend, "kill", slow_kill)
+    h = handlers(**{"a.py": "print(1)"})
+    queue.enqueue_many([("a", {})] * 12)
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2, sandbox=tier)).run()
+    assert summary.done == 12
+    assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 12)]
