@@ -284,8 +284,9 @@ def test_a_jobs_sandbox_is_destroyed_beside_its_outcome_and_all_are_gone_when_th
     assert list(private_workdir.glob("ws-*")) == []
 
 
-def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_not_charged(
-        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def kills_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every process-tier sandbox is destroyed, then its kill() raises (a cgroup the kernel keeps)."""
     from fleetless.sandbox.process import ProcessSandbox
 
     kill = ProcessSandbox.kill
@@ -294,9 +295,14 @@ def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_
         kill(self)
         raise OSError(16, "Device or resource busy")
 
+    monkeypatch.setattr(ProcessSandbox, "kill", failing_kill)
+
+
+@pytest.mark.usefixtures("kills_fail")
+def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_not_charged(
+        queue: Queue, handlers, sql) -> None:
     h = handlers(**{"a.py": "import time; time.sleep(0.2); print(1)"})
     queue.enqueue_many([("a", {})] * 3)
-    monkeypatch.setattr(ProcessSandbox, "kill", failing_kill)
     with pytest.raises(DrainError, match=r"sandbox error .*cannot destroy a sandbox: .*Device or resource busy"):
         drain(queue, h, concurrency=1)
     rows = sql("SELECT status, attempts, coalesce(last_error, '') FROM fleetless.jobs ORDER BY id")
@@ -307,19 +313,10 @@ def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_
     assert any(r[:2] == ("pending", 0) and "cannot destroy a sandbox" in r[2] for r in rows)
 
 
-def test_the_last_sandbox_that_cannot_be_destroyed_still_fails_the_drain(
-        queue: Queue, handlers, sql, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fleetless.sandbox.process import ProcessSandbox
-
-    kill = ProcessSandbox.kill
-
-    def failing_kill(self: ProcessSandbox) -> None:
-        kill(self)
-        raise OSError(16, "Device or resource busy")
-
+@pytest.mark.usefixtures("kills_fail")
+def test_the_last_sandbox_that_cannot_be_destroyed_still_fails_the_drain(queue: Queue, handlers, sql) -> None:
     h = handlers(**{"a.py": "print(1)"})
     queue.enqueue("a", {})
-    monkeypatch.setattr(ProcessSandbox, "kill", failing_kill)
     with pytest.raises(DrainError, match=r"sandbox error \(process\): cannot destroy a sandbox: .*busy"):
         drain(queue, h, concurrency=1)
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("done", 1)]
