@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import handlers
-from .insights import summarize_failure
+from .failure import summarize_failure
 from .job import Job, Outcome, Run, done_with_json
 from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS

@@ -33,7 +33,7 @@ from . import db, handlers, kinds, maintenance
 from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, Teardown, describe_failure, describe_run, job_env
 from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
-from .insights import error_head
+from .failure import error_head
 from .job import Job, Outcome, Run, Status
 from .queue import Queue
 from .retry import RetryPolicy

@@ -4,7 +4,8 @@ dashboard and ``/metrics`` all read the queue through :class:`Insights`, never w
 Everything here reads the table, not a drainer's memory: drainers are short-lived and many, so
 the table is the only place that knows what happened. The presentation helpers live here once:
 making a job's own output safe for a terminal (:func:`printable`) or a page (:func:`html_text`),
-ages (:func:`age`), sizes (:func:`size`) and the one-line summary of an error (:func:`error_head`).
+ages (:func:`age`) and sizes (:func:`size`); the one-line summary of an error (:func:`error_head`)
+is :mod:`fleetless.failure`'s, which the drain writes with each attempt.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from .failure import HEAD_CHARS, error_head, exception_line, summarize_failure
 from .job import Status
 from .queue import JobNotFound, Queue
 
@@ -36,8 +38,6 @@ __all__ = [
 # -- presentation --------------------------------------------------------------------------------
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-#: Longest error head shown in a list (the full error is on the job's own page / `show`).
-HEAD_CHARS = 200
 
 
 def printable(text: str) -> str:
@@ -76,50 +76,6 @@ def size(n: int | None) -> str:
             return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-_TRACEBACK = "Traceback (most recent call last):"
-
-
-def exception_line(stderr: str) -> str | None:
-    """What a failed program said last about why: for a Python traceback the exception's own line
-    (``ValueError: invoice 42 has no lines``), else the last non-empty line of stderr."""
-    lines = stderr.rstrip().splitlines()
-    start = None
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].strip() == _TRACEBACK:
-            start = i
-            break
-    if start is not None:
-        for line in lines[start + 1:]:
-            if line and not line[0].isspace():
-                return line.strip()[:HEAD_CHARS]
-    for line in reversed(lines):
-        if line.strip():
-            return line.strip()[:HEAD_CHARS]
-    return None
-
-
-def summarize_failure(head: str, stderr: str) -> str:
-    """The first line of a failed attempt's error: what happened (``exit code 1``, a kill reason),
-    with what the program said about why when it exited by itself."""
-    said = exception_line(stderr)
-    return f"{head}: {said}" if said else head
-
-
-_BARE_EXIT = re.compile(r"exit code -?\d+")
-
-
-def error_head(last_error: str | None) -> str | None:
-    """One line naming what happened, from a whole ``last_error``: its first line (errors are
-    written that way), or, for rows written before that was so (``exit code 1`` then a
-    traceback), the exit code with the exception's line."""
-    if not last_error:
-        return None
-    first, _, rest = last_error.partition("\n")
-    if _BARE_EXIT.fullmatch(first.strip()) and rest.strip():
-        first = summarize_failure(first.strip(), rest)
-    return first.strip()[:HEAD_CHARS]
 
 
 # -- paging --------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import contextlib
 import errno
 import logging
 import os
-import secrets
 import stat
 import tempfile
 import threading
@@ -141,7 +140,7 @@ def _empty(top: int, deadline: float) -> None:
     is opened, its files unlinked, its own subdirectories moved up into ``top`` under fresh names,
     and then removed. The loop ends when ``top`` is empty: one pass over ``top``'s entries per
     level of depth, with no recursion and two descriptors open at most."""
-    hoist = f".fleetless-rm-{secrets.token_hex(4)}-"
+    hoist = f".fleetless-rm-{os.urandom(4).hex()}-"
     hoisted = 0
     while True:
         with os.scandir(top) as it:
