@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="job counts and table sizes times this (the issue's sizes at 1.0)")
     ap.add_argument("--baseline-tree", type=Path,
-                    help="a source tree (e.g. a worktree of the commit before issue 8) that the tick is compared with")
+                    help="a checkout (a worktree of the commit before issue 8, say) or its src/: the tick compares")
     ap.add_argument("--note", default="", help="a line added under each section (e.g. other work was running)")
     args = ap.parse_args()
     names = [n.strip() for n in args.only.split(",") if n.strip()]

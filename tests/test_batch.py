@@ -169,3 +169,33 @@ def test_aborting_a_batch_releases_every_job_without_a_result(handlers: Callable
     assert summary(outcomes) == [(1, "done", "a"), (2, "release", "released: the drainer stopped before the job "
                                                                     "finished"),
                                  (3, "release", "released: the drainer stopped before the job finished")]
+
+
+def test_a_teardown_whose_thread_cannot_start_destroys_inline_and_keeps_its_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless.batch import Teardown
+
+    backend = get_backend("process")
+    (tmp_path / "handlers").mkdir()
+    template = Template(tmp_path / "handlers", Limits())
+    teardown = Teardown(1)
+    start = threading.Thread.start
+
+    def no_teardown_thread(self: threading.Thread) -> None:
+        if self.name == "teardown":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", no_teardown_thread)
+    first = backend.create(template)
+    workspace = first.host_workspace
+    assert workspace is not None and workspace.exists()
+    teardown.hand_over(first)  # inline: gone when it returns, nothing left counted as pending
+    assert not workspace.exists()
+    assert teardown.freed_since(teardown.finished) is False
+    monkeypatch.undo()
+    second = backend.create(template)
+    teardown.hand_over(second)  # the one permit is free again: this does not block
+    teardown.close()
+    assert (teardown.finished, teardown.failure) == (1, None)
+    assert second.host_workspace is None or not second.host_workspace.exists()

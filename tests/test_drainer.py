@@ -303,7 +303,7 @@ def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_
         queue: Queue, handlers, sql) -> None:
     h = handlers(**{"a.py": "import time; time.sleep(0.2); print(1)"})
     queue.enqueue_many([("a", {})] * 3)
-    with pytest.raises(DrainError, match=r"sandbox error .*cannot destroy a sandbox: .*Device or resource busy"):
+    with pytest.raises(DrainError, match=r"sandbox error.*: cannot destroy a sandbox of the process tier: .*busy"):
         drain(queue, h, concurrency=1)
     rows = sql("SELECT status, attempts, coalesce(last_error, '') FROM fleetless.jobs ORDER BY id")
     assert rows[0][:2] == ("done", 1)  # it ran to its end: its outcome stands
@@ -317,7 +317,7 @@ def test_a_sandbox_that_cannot_be_destroyed_stops_the_drain_and_the_next_job_is_
 def test_the_last_sandbox_that_cannot_be_destroyed_still_fails_the_drain(queue: Queue, handlers, sql) -> None:
     h = handlers(**{"a.py": "print(1)"})
     queue.enqueue("a", {})
-    with pytest.raises(DrainError, match=r"sandbox error \(process\): cannot destroy a sandbox: .*busy"):
+    with pytest.raises(DrainError, match=r"sandbox error: cannot destroy a sandbox of the process tier: .*busy"):
         drain(queue, h, concurrency=1)
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("done", 1)]
 

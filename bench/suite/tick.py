@@ -4,6 +4,7 @@ RSS), and `python -X importtime` of the CLI (the slowest imports)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import subprocess
 import tempfile
@@ -23,6 +24,19 @@ def _commit(tree: Path | None) -> str:
         return ""
     r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return r.stdout.strip() or str(tree)
+
+
+def _source_tree(tree: Path) -> Path:
+    """The folder holding the ``fleetless`` package of ``tree`` (a checkout: its ``src``), checked
+    to be what a process with it on PYTHONPATH imports, not this checkout's editable install."""
+    tree = tree.resolve()
+    if (tree / "src" / "fleetless").is_dir():
+        tree = tree / "src"
+    found = subprocess.run([VENV_PY, "-c", "import fleetless; print(fleetless.__file__)"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(tree)}).stdout.strip()
+    if not found.startswith(f"{tree}/"):
+        raise SystemExit(f"--baseline-tree {tree}: a process with it on PYTHONPATH imports {found or 'nothing'}")
+    return tree
 
 
 def _tick(dsn: str, handlers: str, pythonpath: Path | None, *options: str) -> tuple[float, float]:
@@ -45,7 +59,7 @@ def run(ctx: Context) -> Section:
     base_walls: list[float] = []
     base_rss: list[float] = []
     process_walls: list[float] = []  # today's tick without the auto tier's bwrap probe, as the baseline's default
-    baseline = ctx.baseline.resolve() if ctx.baseline is not None else None
+    baseline = _source_tree(ctx.baseline) if ctx.baseline is not None else None
     with contextlib.ExitStack() as stack:
         dsn = stack.enter_context(scratch_db())
         handlers = stack.enter_context(tempfile.TemporaryDirectory())

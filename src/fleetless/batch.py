@@ -25,7 +25,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -160,6 +160,10 @@ class _Spare:
         self.closed = False
 
 
+#: Most tries to make one job's sandbox while sandboxes handed over are being destroyed.
+_CREATE_TRIES = 5
+
+
 class SandboxBroken(Exception):
     """The sandbox failed, not the job: the drain cannot go on with this tier."""
 
@@ -169,20 +173,19 @@ class Teardown:
 
     A slot hands its sandbox over once the job has ended (every tier's ``exec`` returns when the
     job's tree is dead) and its output is read, and goes on to its outcome and next claim while a
-    thread of this one removes what is left (cgroups, workspace, the uid lease). Up to ``limit``
+    thread of its own removes what is left (cgroups, workspace, the uid lease). Up to ``limit``
     (the drain's concurrency) are destroyed at once; a slot that finds ``limit`` still going blocks,
-    as if it killed its own. A sandbox that cannot be made while some are still being destroyed is
-    tried again once they are gone (:meth:`wait_idle`: every job uid of a range may still be held
-    by them). :meth:`close` returns when every sandbox handed over is gone (the drain calls it
-    before it returns); after it, a sandbox handed over is destroyed inline. A kill that raised is
-    kept in ``failure``: the next job is refused a sandbox with it, and the drain ends with it."""
+    as if it killed its own. A slot whose next sandbox cannot be made tries again while sandboxes
+    handed over keep being destroyed (:meth:`freed_since`: a job uid may be held by one). :meth:`close`
+    returns when every sandbox handed over is gone (the drain calls it before it returns); after
+    it, or when no thread can start, a sandbox handed over is destroyed inline. A kill that raised
+    is kept in ``failure``: a later job is refused a sandbox with it, and the drain ends with it."""
 
     def __init__(self, limit: int) -> None:
-        self._limit = max(limit, 1)
-        self._room = threading.BoundedSemaphore(self._limit)
+        self._room = threading.BoundedSemaphore(max(limit, 1))
         self._cond = threading.Condition()
-        self._pool: ThreadPoolExecutor | None = None  # made at the first hand-over
-        self._pending = 0
+        self._pending = 0  # handed over, not destroyed yet
+        self._finished = 0  # destroyed so far, by the threads
         self._closed = False
         self.failure: str | None = None
 
@@ -190,13 +193,12 @@ class Teardown:
         self._room.acquire()
         with self._cond:
             if not self._closed:
+                worker = threading.Thread(target=self._destroy_counted, args=(sbx,), name="teardown", daemon=True)
+                self._pending += 1
                 try:
-                    if self._pool is None:
-                        self._pool = ThreadPoolExecutor(self._limit, thread_name_prefix="teardown")
-                    self._pending += 1
-                    self._pool.submit(self._destroy_counted, sbx)
+                    worker.start()  # a thread that does not start has nothing queued: inline below
                     return
-                except Exception as exc:  # no thread for it (can't start new thread): inline below
+                except RuntimeError as exc:
                     self._pending -= 1
                     log.debug("teardown thread: %s", exc)
         self._room.release()
@@ -206,30 +208,36 @@ class Teardown:
         try:
             sbx.kill()
         except Exception as exc:
-            log.warning("could not destroy a sandbox: %s", exc)
-            self.failure = self.failure or f"cannot destroy a sandbox: {exc}"
+            log.warning("could not destroy a sandbox of the %s tier: %s", sbx.name, exc)
+            self.failure = self.failure or f"cannot destroy a sandbox of the {sbx.name} tier: {exc}"
 
     def _destroy_counted(self, sbx: Sandbox) -> None:
         try:
             self._destroy(sbx)
         finally:
-            self._room.release()
             with self._cond:
                 self._pending -= 1
+                self._finished += 1
                 self._cond.notify_all()
+            self._room.release()
 
-    def wait_idle(self) -> None:
-        """Return when no sandbox handed over is still being destroyed."""
+    @property
+    def finished(self) -> int:
+        with self._cond:
+            return self._finished
+
+    def freed_since(self, finished: int) -> bool:
+        """Wait until no sandbox handed over is still being destroyed; whether any was destroyed
+        since :attr:`finished` read ``finished`` (then what it held is free for another try)."""
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
+            return self._finished > finished
 
     def close(self) -> None:
         """Return when every sandbox handed over is destroyed; destroy later ones inline."""
         with self._cond:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            self._cond.wait_for(lambda: self._pending == 0)
 
 
 @dataclass(frozen=True)
@@ -411,18 +419,21 @@ class Runner:
     # -- one sandbox ---------------------------------------------------------------------------
 
     def _sandbox(self, template: Template, slot: Slot, kind: str) -> Sandbox:
-        try:
+        teardown = self.teardown
+        tries = 0
+        while True:
+            tries += 1
+            finished = teardown.finished if teardown is not None else 0
             try:
                 sbx = self.backend.create(template, self.ttl_of(kind))
-            except Exception:
-                if self.teardown is None:
-                    raise
-                # once more when the sandboxes being destroyed are gone (one may have finished just
-                # now): what they held, a job uid say, is free then
-                self.teardown.wait_idle()
-                sbx = self.backend.create(template, self.ttl_of(kind))
-        except Exception as exc:
-            raise SandboxBroken(str(exc)) from None
+                break
+            except Exception as exc:
+                # Per-job mode: what it lacked (a job uid, say) may be held by sandboxes still being
+                # destroyed; once more while they go, unless the drain is stopping
+                if (teardown is None or slot.aborted or tries >= _CREATE_TRIES
+                        or not teardown.freed_since(finished)):
+                    raise SandboxBroken(str(exc)) from None
+                log.debug("no sandbox (%s): once more, as sandboxes being destroyed are gone", exc)
         if not slot.attach(sbx):
             sbx.kill()
             raise _Aborted()

@@ -550,7 +550,7 @@ class Drainer:
             self._take_counts()
             self.summary.seconds = time.monotonic() - started
         if self._teardown.failure is not None and self._fatal is None:  # the last sandbox's, say
-            self._fatal = f"sandbox error ({self.config.sandbox}): {self._teardown.failure}"
+            self._fatal = f"sandbox error: {self._teardown.failure}"
 
     def _lease_bounds(self) -> tuple[float, float]:
         """The timeout and TTL a lease is computed from: a kind's own may be longer than the drain's."""
