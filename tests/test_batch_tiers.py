@@ -256,19 +256,24 @@ def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(tier: str, queue:
     assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 12)]
 
 
-def _spare_waiting() -> bool:
-    """Whether a spare sandbox's runner has its pipe open, waiting for a batch (its fd names
+def _spares_waiting() -> int:
+    """How many spare sandboxes' runners have their pipe open, waiting for a batch (its fd names
     ``batch.fifo``: the host's path, or the one inside the sandbox's mount namespace)."""
+    waiting = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             if any(os.readlink(f"/proc/{pid}/fd/{fd}").endswith("/batch.fifo") for fd in fds):
-                return True
+                waiting += 1
         except OSError:
             continue
-    return False
+    return waiting
+
+
+def _spare_waiting() -> bool:
+    return _spares_waiting() > 0
 
 
 # no spare where the job's workspace is not a host directory: a microVM's is a copy, the forkserver's a
@@ -306,3 +311,24 @@ def test_a_watchers_job_runs_in_a_sandbox_started_before_it_came_and_none_outliv
     assert done and (done[0].claimed, done[0].done) == (2, 2)
     assert not _spare_waiting()
     assert not private_workdir.exists() or not list(private_workdir.rglob("batch.fifo"))
+
+
+def test_a_watcher_keeps_one_spare_sandbox_more_than_its_slots(queue: Queue, handlers, private_workdir: Path,
+                                                                require_tier) -> None:
+    """As many spares as the slots can take at once, plus one for a job that comes while those are
+    being replaced; none is left once the watcher stops."""
+    require_tier("process")
+    h = handlers(**{"n.py": "def handle(payload):\n    return 1\n"})
+    done: list[Any] = []
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", per_sandbox=5, concurrency=2, watch=True,
+                                         idle_exit=120))
+    t = threading.Thread(target=lambda: done.append(drainer.run()))
+    t.start()
+    try:
+        wait_for(lambda: _spares_waiting() >= 3, timeout=SLOW["process"], what="three spare sandboxes' runners")
+        assert _spares_waiting() == 3
+    finally:
+        drainer.stop(grace=0)
+        t.join(SLOW["process"])
+    assert done and not _spare_waiting()
+

@@ -116,7 +116,7 @@ def run(ctx: Context) -> Section:
     s.unit = "ms"
     s.notes.append(f"{n} jobs enqueued one at a time (exponential gaps, mean {GAP * 1000:.0f} ms) and {delayed} "
                    "delayed by 1-2 s, per repetition and tier, to one `drain --watch --per-sandbox 50 --concurrency "
-                   "2`. The watcher keeps two sandboxes started ahead (their batch runners waiting on a pipe), so a "
-                   "job's pickup is the NOTIFY, one claim and a write to that pipe; a job arriving while both "
-                   "spares are being replaced waits for one (the p99).")
+                   "2`. The watcher keeps three sandboxes started ahead (--concurrency + 1; their batch runners "
+                   "waiting on a pipe), so a job's pickup is the NOTIFY, one claim and a write to that pipe; a job "
+                   "arriving while all three are being replaced waits for one (the p99).")
     return s

@@ -46,8 +46,6 @@ RUNNER_NAME = "_fleetless_batch.py"
 FIFO_NAME = "batch.fifo"
 #: Seconds a spare's runner may take to open its pipe once a batch is handed to it.
 FEED_SECONDS = 10.0
-#: Sandboxes a watcher keeps started ahead.
-SPARES = 2
 #: Seconds the batch runner's watchdog allows past a job's timeout before it stops the sandbox.
 HARD_GRACE = 2.0
 #: Room for one job's record on the runner's stdout, beyond the job's own stdout.
@@ -150,8 +148,8 @@ _RESULT_JSON = json.JSONEncoder(allow_nan=False, ensure_ascii=False, separators=
 class _Spare:
     """Watch mode's sandboxes started ahead of their batches: each one's batch runner has started and
     waits on a named pipe in the workspace, so a job that arrives skips the sandbox's and
-    interpreter's start. SPARES of them, so that a job that comes while the one taken before is being
-    replaced still finds one ready."""
+    interpreter's start. The runner's ``spares`` of them (the drain's concurrency plus one), so that
+    a job that comes while as many as the slots took are being replaced still finds one ready."""
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
@@ -251,8 +249,10 @@ class Runner:
     #: kinds that had a handler when the drain started: one missing now was taken away by a
     #: deploy mid-drain, and its jobs are retried (not dead) so the new release can run them
     had_handler: frozenset[str] = frozenset()
-    #: Watch mode: keep one sandbox started ahead for a batch of up to this many jobs (0: never).
+    #: Watch mode: keep sandboxes started ahead for batches of up to this many jobs (0: never)...
     spare_jobs: int = 0
+    #: ... this many of them.
+    spares: int = 2
     #: Per-job mode: a job's sandbox is destroyed by this, beside the slot's next claim (None: inline).
     teardown: Teardown | None = None
     _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
@@ -330,12 +330,12 @@ class Runner:
         return replace(self.template, limits=replace(limits, stdout_bytes=per_job * self.spare_jobs + 65536))
 
     def prewarm(self) -> None:
-        """Start spare sandboxes in the background until SPARES are ready or starting."""
+        """Start spare sandboxes in the background until ``spares`` are ready or starting."""
         spare = self._spare
         with spare.lock:
             if not self.spare_jobs or spare.closed:
                 return
-            more = SPARES - len(spare.ready) - spare.starting
+            more = self.spares - len(spare.ready) - spare.starting
             spare.starting += max(more, 0)
         for _ in range(more):
             threading.Thread(target=self._start_spare, name="spare", daemon=True).start()

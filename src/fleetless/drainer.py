@@ -345,7 +345,9 @@ class Drainer:
                         teardown=self._teardown)
         self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
         if c.watch:  # a sandbox of the drain's own tier started ahead: a job that comes skips its start
-            self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox)
+            # as many as the slots can take at once, plus one for a job that comes while they are replaced
+            self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox,
+                                               spares=c.concurrency + 1)
             self._runners[c.sandbox].prewarm()
         running: dict[Future[_Result], _Unit] = {}
         if self._batched:
