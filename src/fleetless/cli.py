@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import click
 
@@ -18,14 +18,12 @@ from . import db, maintenance
 from ._units import format_size, parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .events import NullReporter, Reporter
+from .insights import Insights, age, printable
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json, validate_kind
 from .queue import MAX_ATTEMPTS_CEILING, JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
 from .sandbox import AUTO, Limits, SandboxUnavailable, available_backends
 from .sandbox import _hostuid as hostuid
-
-if TYPE_CHECKING:  # the read service is imported by the commands that read: a cron tick does not pay for it
-    from .insights import Insights
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,21 +55,7 @@ def _queue(ctx: click.Context, max_payload_bytes: int = MAX_PAYLOAD_BYTES) -> Qu
 
 
 def _insights(ctx: click.Context) -> Insights:
-    from .insights import Insights
-
     return Insights(_queue(ctx))
-
-
-def age(seconds: float | None) -> str:
-    from .insights import age as _age
-
-    return _age(seconds)
-
-
-def printable(text: str) -> str:
-    from .insights import printable as _printable
-
-    return _printable(text)
 
 
 def _echo_json(data: Any) -> None:
