@@ -452,16 +452,14 @@ class Runner:
             sbx.write("payload.json", job.payload_json)
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
             r = sbx.exec(argv, self.timeout_of(job))
-        except Exception as exc:
+        except BaseException as exc:
             sbx.kill()
             slot.detach()
+            if not isinstance(exc, Exception):
+                raise
             if slot.aborted:  # destroyed under it by the drainer's stop: not a broken sandbox
                 return job, self._stopped(None)
             raise SandboxBroken(str(exc)) from None
-        except BaseException:
-            sbx.kill()
-            slot.detach()
-            raise
         slot.detach()
         if teardown is None:
             sbx.kill()

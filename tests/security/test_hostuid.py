@@ -94,7 +94,6 @@ def test_a_range_that_is_not_uids_is_one_clear_line(monkeypatch: pytest.MonkeyPa
     assert _hostuid.configured_range() == UidRange(3_000_000_000, 3_000_000_009)
 
 
-
 @pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
 def test_a_range_of_exactly_concurrency_uids_is_enough_while_sandboxes_are_destroyed_beside_claims(
         tier: str, queue, handlers, sql, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
