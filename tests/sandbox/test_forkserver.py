@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
-from fleetless.sandbox import Limits
+from fleetless.sandbox import Limits, SandboxUnavailable
 from fleetless.sandbox.forkserver import client
 
 from proctools import pids_with, wait_for
@@ -383,3 +384,32 @@ def test_sigkill_of_the_drainer_kills_its_fork_server_and_every_process_of_its_j
     bases = [*layout.v1.values(), *([layout.unified] if layout.unified else [])]
     assert [e for base in bases if base.is_dir() for e in base.iterdir()
             if cgroups._owner_pid(e.name) == proc.pid] == []
+
+
+def test_a_pool_closed_while_it_makes_an_init_says_nothing_and_its_thread_ends(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The drain's end (close_all at exit) kills the server under an init the pool is making: that
+    init's failure is the close's doing, not a warning for the log, and the filling thread stops
+    instead of living on beside the next pool's."""
+    making, gate = threading.Event(), threading.Event()
+
+    class Slow:  # an Init whose server is closed under it, as at the drain's end
+        def __init__(self, key: object, root: object) -> None:
+            making.set()
+            gate.wait(10)
+            raise SandboxUnavailable("the fork server's job init failed: it exited")
+
+    monkeypatch.setattr(client, "Init", Slow)
+    pool = client.Pool(size=1)
+    key = client.ServerKey("/usr/bin/python3", "/nonexistent", False)
+    with pool._cond:
+        pool._roots[key] = lambda: client.RootSpec((), (), None)  # a key in use, with no init ready
+    pool.refill()
+    assert making.wait(10)
+    thread = pool._thread
+    assert thread is not None
+    pool.close()
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert "fork server pool" not in caplog.text

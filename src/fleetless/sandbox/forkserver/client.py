@@ -293,6 +293,7 @@ class Pool:
         self._roots: dict[ServerKey, Callable[[], RootSpec]] = {}
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._generation = 0  # one per close: a filling thread of an earlier one stops
 
     def take(self, key: ServerKey, root: Callable[[], RootSpec]) -> Init:
         stale: list[Init] = []
@@ -318,7 +319,8 @@ class Pool:
         waits for it, and the filling does not compete with its sandbox's set-up)."""
         with self._cond:
             if self._thread is None and not self._closed and self.size > 0:
-                self._thread = threading.Thread(target=self._fill, name="fleetless-forkserver-pool", daemon=True)
+                self._thread = threading.Thread(target=self._fill, args=(self._generation,),
+                                                name="fleetless-forkserver-pool", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
 
@@ -328,23 +330,29 @@ class Pool:
                 return key, root
         return None
 
-    def _fill(self) -> None:
+    def _gone(self, generation: int) -> bool:
+        return self._closed or self._generation != generation
+
+    def _fill(self, generation: int) -> None:
         while True:
             with self._cond:
-                while not self._closed and (want := self._want()) is None:
+                while not self._gone(generation) and (want := self._want()) is None:
                     self._cond.wait()  # until a job runs and :meth:`refill` says so
-                if self._closed or want is None:
+                if self._gone(generation) or want is None:
                     return
             key, root = want
             try:
                 init = Init(key, root)
             except (OSError, SandboxUnavailable) as exc:
+                with self._cond:
+                    if self._gone(generation):  # closed meanwhile (the drain ended): its server went too
+                        return
                 log.warning("fork server pool: %s", exc)
                 with self._cond:
                     self._cond.wait(timeout=5)
                 continue
             with self._cond:
-                if self._closed or key not in self._roots:
+                if self._gone(generation) or key not in self._roots:
                     init_to_drop: Init | None = init
                 else:
                     self._ready.setdefault(key, []).append(init)
@@ -360,6 +368,7 @@ class Pool:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            self._generation += 1
             ready = [i for inits in self._ready.values() for i in inits]
             self._ready.clear()
             self._roots.clear()
