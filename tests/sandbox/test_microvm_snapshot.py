@@ -307,3 +307,16 @@ def test_restores_turned_off_cold_boot_without_a_word(
     assert sbx.last_boot is not None and not sbx.last_boot.restored
     assert (res.exit_code, res.stdout) == (0, "ok\n"), res
     assert _fallback_lines(caplog) == []
+
+
+def test_a_snapshot_saved_on_another_cpu_is_not_restored(private_image: Path) -> None:
+    """Under KVM a guest sees the host's CPU: a snapshot taken on another CPU model (a cache
+    copied between hosts, a host moved to new hardware) cold-boots, saying why, instead of
+    resuming a kernel that may use features this CPU lacks."""
+    image = load_image(private_image)
+    binary = microvm._qemu_binary()
+    assert binary is not None
+    accel = microvm.accel(image)
+    assert isinstance(microvm_snapshot.find(image, binary, MEMORY // MiB, 1, accel), microvm_snapshot.Snapshot)
+    _edit_key(private_image, cpu="kvm:host:Another CPU:0123456789abcdef")
+    assert microvm_snapshot.find(image, binary, MEMORY // MiB, 1, accel) == "the host CPU changed since the snapshot"

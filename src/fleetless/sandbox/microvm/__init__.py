@@ -91,6 +91,11 @@ def _host_khz() -> int | None:
     return None
 
 
+def guest_cpu(accel: str) -> str:
+    """The ``-cpu`` model: the host's own under KVM, else QEMU's fullest emulated one."""
+    return "host" if accel == "kvm" else "max"
+
+
 def _qemu_binary() -> str | None:
     return os.environ.get("FLEETLESS_QEMU") or shutil.which("qemu-system-x86_64")
 
@@ -197,7 +202,7 @@ class _QemuEngine:
             cmdline.append(f"tsc_early_khz={khz}")
         argv = [
             self.binary, "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on",
-            "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+            "-accel", accel, "-cpu", guest_cpu(accel),
             "-m", f"{memory_mib}M", "-smp", str(cpus),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             "-kernel", str(self.image.kernel),

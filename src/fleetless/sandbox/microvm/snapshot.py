@@ -56,8 +56,9 @@ __all__ = ["DEFAULT_MEMORY_MIB", "MAX_CHANNEL_BYTES", "Snapshot", "build_snapsho
            "restore", "say_once", "snapshot_dir", "usable"]
 
 #: Bumped whenever what a snapshot holds changes (2: saved from a running VM, so that a copy
-#: resumes by itself once its state is loaded; format 1 was saved paused and needed a ``cont``).
-SNAPSHOT_FORMAT = 2
+#: resumes by itself once its state is loaded; format 1 was saved paused and needed a ``cont``;
+#: 3: its key names the guest CPU).
+SNAPSHOT_FORMAT = 3
 #: The shape ``build-image`` snapshots: the default ``Limits`` (512 MiB, 1 vCPU).
 DEFAULT_MEMORY_MIB = 512
 #: Handlers + workspace bytes the restored agent takes over its serial channel; more cold-boots.
@@ -124,6 +125,32 @@ def _runner_source() -> bytes:
     return _RUNNER.read_bytes()
 
 
+def guest_cpu_identity(accel: str) -> str:
+    """The CPU a snapshot's guest saw. Under TCG, QEMU's emulated model (its version is keyed
+    apart); under KVM (``-cpu host``) the host's model and flags: a copy restored on another CPU
+    would find features gone that its kernel and programs already chose to use."""
+    from fleetless.sandbox import microvm
+
+    model = microvm.guest_cpu(accel)
+    if model != "host":
+        return f"{accel}:{model}"
+    name = flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                field, _, value = line.partition(":")
+                field = field.strip()
+                if field == "model name" and not name:
+                    name = value.strip()
+                elif field == "flags" and not flags:
+                    flags = value.strip()
+                if name and flags:
+                    break
+    except OSError:
+        pass
+    return f"{accel}:host:{name}:{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
 def snapshot_key(image: ImageInfo, binary: str, memory_mib: int, cpus: int,
                  accel: str) -> dict[str, Any]:
     """What a snapshot must match to be restored."""
@@ -131,13 +158,14 @@ def snapshot_key(image: ImageInfo, binary: str, memory_mib: int, cpus: int,
         f"{_file_hash(image.kernel)}:{_file_hash(image.initramfs)}".encode()).hexdigest()
     return {"format": SNAPSHOT_FORMAT, "qemu": qemu_version(binary), "image": image_hash,
             "runner": hashlib.sha256(_runner_source() + _TEMPLATE_INIT).hexdigest(),
-            "accel": accel, "memory_mib": memory_mib, "cpus": cpus}
+            "accel": accel, "cpu": guest_cpu_identity(accel), "memory_mib": memory_mib, "cpus": cpus}
 
 
 _KEY_WORDS = {"format": "the snapshot format changed", "qemu": "QEMU version changed",
               "image": "the image changed since the snapshot",
               "runner": "the guest runner changed since the snapshot",
-              "accel": "the accelerator changed", "memory_mib": "RAM size differs",
+              "accel": "the accelerator changed", "cpu": "the host CPU changed since the snapshot",
+              "memory_mib": "RAM size differs",
               "cpus": "vCPU count differs"}
 
 
