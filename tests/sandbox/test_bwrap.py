@@ -488,6 +488,36 @@ def test_drainers_share_one_etc_copy_and_a_stale_one_is_swept_after_its_grace(tm
     assert sweep() == sorted([shared.name, bpf.parent.name, stale_new.name])
 
 
+def test_an_in_place_edit_inside_a_copied_directory_makes_a_new_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sandbox's ``/etc`` copies whole directories (``/etc/ssl/certs``, ``/etc/ld.so.conf.d``):
+    a file edited in place inside one (a CA appended to the bundle) changes no directory's mtime,
+    yet the next copy holds the edit; a copy whose sources did not change is reused."""
+    from fleetless.sandbox import _workspace
+
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(tmp_path / "work"))
+    monkeypatch.setattr(_workspace, "BELOW_TTL", 0.0)  # else looked at again after 10 s
+    source = tmp_path / "certs"
+    (source / "deeper").mkdir(parents=True)
+    bundle = source / "deeper" / "bundle.crt"
+    bundle.write_text("first CA\n")
+    (source / "link.pem").symlink_to(bundle)
+
+    def copy() -> Path:
+        return _workspace.cached_copy("etc-test", "key", _workspace.signature([str(source)]),
+                                      lambda d: shutil.copytree(source, d / "certs", symlinks=True))
+
+    first = copy()
+    assert copy() == first
+    mtimes = (source.stat().st_mtime_ns, (source / "deeper").stat().st_mtime_ns)
+    with open(bundle, "a") as f:
+        f.write("second CA\n")
+    assert (source.stat().st_mtime_ns, (source / "deeper").stat().st_mtime_ns) == mtimes
+    second = copy()
+    assert second != first
+    assert (second / "certs" / "deeper" / "bundle.crt").read_text() == "first CA\nsecond CA\n"
+
+
 def test_a_work_directory_others_may_write_or_a_planted_copy_is_never_shared(tmp_path: Path) -> None:
     """A shared copy is used only from a work directory of the drainer's own user that no one else
     may write, and only if it is a real directory of that user: else the drainer makes its own

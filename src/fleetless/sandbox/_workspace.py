@@ -248,16 +248,51 @@ _old_copies: list[Path] = []
 _shared: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 
 
+#: How long what lies below a signed directory is taken as unchanged (scanning /etc/alternatives and
+#: /etc/ssl/certs costs ~0.8 ms, too much for every bwrap job; once per drainer start is not enough
+#: for a drainer that runs for hours)
+BELOW_TTL = 10.0
+_below: dict[str, tuple[float, tuple[tuple[str, int, int, int], ...]]] = {}
+
+
 def signature(paths: list[str]) -> Signature:
-    """What these files are now (size, mode, mtime), to notice that one changed."""
-    out = []
+    """What these files are now (size, mode, mtime), to notice that one changed. A directory's
+    own mtime changes when an entry is added, removed or renamed over, not when a file inside is
+    edited in place: for a directory, the directories and regular files below it are signed too
+    (symlinks not followed: a copy keeps them as links), looked at again after ``BELOW_TTL``."""
+    out: list[tuple[str, int, int, int]] = []
+    now = time.monotonic()
     for p in paths:
         try:
             st = os.stat(p)
         except OSError:
             continue
         out.append((p, st.st_size, st.st_mode, st.st_mtime_ns))
+        if stat.S_ISDIR(st.st_mode):
+            seen = _below.get(p)
+            if seen is None or now - seen[0] >= BELOW_TTL:
+                below: list[tuple[str, int, int, int]] = []
+                _sign_below(p, below)
+                seen = _below[p] = (now, tuple(below))
+            out += seen[1]
     return tuple(out)
+
+
+def _sign_below(folder: str, out: list[tuple[str, int, int, int]]) -> None:
+    try:
+        with os.scandir(folder) as it:
+            entries = [(e.name, e) for e in it if not e.is_symlink()]
+    except OSError:
+        return
+    for _, entry in sorted(entries, key=lambda pair: pair[0]):
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+            out.append((entry.path, st.st_size, st.st_mode, st.st_mtime_ns))
+        if stat.S_ISDIR(st.st_mode):
+            _sign_below(entry.path, out)
 
 
 def cached_copy(prefix: str, key: Hashable, sig: Signature, build: Callable[[Path], None]) -> Path:

@@ -85,7 +85,8 @@ def _etc_key(network: bool) -> tuple[bool, str, str]:
 def etc_dir(network: bool) -> Path:
     """The sandbox's ``/etc``: a copy of the few host files it needs plus a one-user passwd and
     group, bound read-only as a whole: one mount instead of a dozen, which is measurable per job.
-    Made again when one of the host files changes. Where jobs run as leased uids, that cannot
+    Made again when one of the host files changes (in place inside a copied directory too:
+    :func:`.._workspace.signature`). Where jobs run as leased uids, that cannot
     write the drainer's work directory, one copy serves every drainer of the host (``etc-shared-*``,
     :func:`.._workspace.shared_copy`): its ~700 symlinks took 0.2 s of every drain's start on a
     slow disk. Otherwise one per drainer process (``etc-<drainer pid>-*``, swept with it)."""
