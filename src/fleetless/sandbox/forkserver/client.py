@@ -331,7 +331,7 @@ class Pool:
         return None
 
     def _gone(self, generation: int) -> bool:
-        return self._closed or self._generation != generation
+        return self._generation != generation  # every close bumps it
 
     def _fill(self, generation: int) -> None:
         while True:
