@@ -249,7 +249,7 @@ _shared: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 
 
 #: How long what lies below a signed directory is taken as unchanged (scanning /etc/alternatives and
-#: /etc/ssl/certs costs ~0.8 ms, too much for every bwrap job; once per drainer start is not enough
+#: /etc/ssl/certs costs ~0.5 ms, too much for every bwrap job; once per drainer start is not enough
 #: for a drainer that runs for hours)
 BELOW_TTL = 10.0
 _below: dict[str, tuple[float, tuple[tuple[str, int, int, int], ...]]] = {}
