@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import psycopg
 from _common import scratch_db
-from bench_forkserver import BASELINE_DRAIN, HANDLER
+from bench_forkserver import BASELINE_DRAIN, json_handlers
 
 from fleetless import Queue
 from fleetless.sandbox import default_python
@@ -47,12 +47,7 @@ def main() -> None:
     rates: dict[str, list[float]] = {}
     cpus: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="fleetless-bench-") as tmp, scratch_db() as dsn:
-        Path(tmp).chmod(0o755)
-        hdir = Path(tmp) / "handlers"
-        hdir.mkdir()
-        hdir.chmod(0o755)
-        (hdir / "job.py").write_text(HANDLER)
-        (hdir / "job.py").chmod(0o644)
+        hdir = json_handlers(Path(tmp))
         q = Queue(dsn)
         q.init()
         for rep in range(a.reps):

@@ -71,6 +71,17 @@ def per_job(hdir: Path, payload: Path, tiers: list[str], runs: int) -> None:
               f"  [spread {spread(values)}]")
 
 
+def json_handlers(tmp: Path) -> Path:
+    """``tmp/handlers`` holding the json handler as ``job.py``, reachable by the job uids."""
+    tmp.chmod(0o755)
+    hdir = tmp / "handlers"
+    hdir.mkdir()
+    hdir.chmod(0o755)
+    (hdir / "job.py").write_text(HANDLER)
+    (hdir / "job.py").chmod(0o644)
+    return hdir
+
+
 #: A drain with another source tree's code (the baseline), timed inside its own process.
 BASELINE_DRAIN = """
 import sys, time
@@ -142,12 +153,7 @@ def main() -> None:
     for tier in ["forkserver", *tiers]:
         get_backend(tier).check()
     with tempfile.TemporaryDirectory(prefix="fleetless-bench-") as tmp:
-        Path(tmp).chmod(0o755)
-        hdir = Path(tmp) / "handlers"
-        hdir.mkdir()
-        hdir.chmod(0o755)
-        (hdir / "job.py").write_text(HANDLER)
-        (hdir / "job.py").chmod(0o644)
+        hdir = json_handlers(Path(tmp))
         payload = Path(tmp) / "payload.json"
         payload.write_text('{"n": 1}')
         payload.chmod(0o644)
