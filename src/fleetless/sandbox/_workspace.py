@@ -241,7 +241,9 @@ def sweep() -> int:
     return removed
 
 
-Signature = tuple[tuple[str, int, int, int], ...]
+#: A path signed: (path, size, mode, mtime in ns)
+Signed = tuple[str, int, int, int]
+Signature = tuple[Signed, ...]
 _copies_lock = threading.RLock()  # shared_copy falls back to cached_copy under it
 _copies: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 _old_copies: list[Path] = []
@@ -252,7 +254,7 @@ _shared: dict[tuple[str, Hashable], tuple[Signature, Path]] = {}
 #: /etc/ssl/certs costs ~0.5 ms, too much for every bwrap job; once per drainer start is not enough
 #: for a drainer that runs for hours)
 BELOW_TTL = 10.0
-_below: dict[str, tuple[float, tuple[tuple[str, int, int, int], ...]]] = {}
+_below: dict[str, tuple[float, Signature]] = {}
 
 
 def signature(paths: list[str]) -> Signature:
@@ -260,7 +262,7 @@ def signature(paths: list[str]) -> Signature:
     own mtime changes when an entry is added, removed or renamed over, not when a file inside is
     edited in place: for a directory, the directories and regular files below it are signed too
     (symlinks not followed: a copy keeps them as links), looked at again after ``BELOW_TTL``."""
-    out: list[tuple[str, int, int, int]] = []
+    out: list[Signed] = []
     now = time.monotonic()
     for p in paths:
         try:
@@ -271,20 +273,20 @@ def signature(paths: list[str]) -> Signature:
         if stat.S_ISDIR(st.st_mode):
             seen = _below.get(p)
             if seen is None or now - seen[0] >= BELOW_TTL:
-                below: list[tuple[str, int, int, int]] = []
+                below: list[Signed] = []
                 _sign_below(p, below)
                 seen = _below[p] = (now, tuple(below))
             out += seen[1]
     return tuple(out)
 
 
-def _sign_below(folder: str, out: list[tuple[str, int, int, int]]) -> None:
+def _sign_below(folder: str, out: list[Signed]) -> None:
     try:
         with os.scandir(folder) as it:
-            entries = [(e.name, e) for e in it if not e.is_symlink()]
+            entries = sorted((e for e in it if not e.is_symlink()), key=lambda e: e.name)
     except OSError:
         return
-    for _, entry in sorted(entries, key=lambda pair: pair[0]):
+    for entry in entries:
         try:
             st = entry.stat(follow_symlinks=False)
         except OSError:
