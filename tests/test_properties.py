@@ -302,7 +302,8 @@ def one_error_line(r: subprocess.CompletedProcess[str]) -> None:
     assert len(lines) == 1 and lines[0].startswith("fleetless: error: "), r.stderr
 
 
-argv_text = st.text(st.characters(exclude_characters="\x00"), max_size=40)  # argv cannot carry NUL
+# argv cannot carry NUL nor a lone surrogate (not encodable; newer Hypothesis draws them unless told)
+argv_text = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)), max_size=40)
 
 
 @fuzz(25)
