@@ -104,6 +104,23 @@ def test_create_limit_attach_kill_remove() -> None:
 
 
 @needs_cgroups
+def test_remove_kills_a_process_still_in_the_groups_then_removes_every_group() -> None:
+    """``remove`` first tries the groups as if empty (the usual case, nothing to list): a group
+    still holding a process refuses, and then what is in it is killed before every group goes."""
+    cg = cgroups.JobCgroup(None, None, None)
+    made = list(cg.dirs)
+    p = subprocess.Popen(["sleep", "300"])
+    try:
+        cg.attach(p.pid)
+        assert cg.remove()
+        assert p.wait(5) == -signal.SIGKILL
+        assert made and not any(d.exists() for d in made)
+    finally:
+        p.kill()
+        p.wait()
+
+
+@needs_cgroups
 def test_children_inherit_and_all_die() -> None:
     cg = cgroups.JobCgroup(None, None, None)
     try:

@@ -93,12 +93,13 @@ class JobCgroup:
             if self._version is not None:
                 self._groups = self._version.create(self.caps, self.kill_via, self._mk)
                 self.kill_via = self._groups.kill_via
-            self.set_limits(memory_bytes, pids, cpus)
+            if (memory_bytes, pids, cpus) != (None, None, None):  # a new group has no cap yet
+                self.set_limits(memory_bytes, pids, cpus)
         except BaseException:
             self.remove()
             raise
-        self._oom_before = self.oom_kills()
-        self._pids_before = self.pids_max_events()
+        self._oom_before = 0  # a new group's counters
+        self._pids_before = 0
 
     def _mk(self, base: Path) -> Path:
         path = base / self.name
@@ -185,6 +186,12 @@ class JobCgroup:
         """Kill whatever is left and remove every group. True if all are gone. Never raises."""
         if not self.dirs:
             return True
+        # Every process of the job is in every group: when the first group is empty and goes, so
+        # do the others (nothing to kill, nothing to list).
+        if rmdir(self.dirs[0]):
+            self.dirs = [d for d in self.dirs[1:] if not rmdir(d)]
+            if not self.dirs:
+                return True
         if self.pids():
             self.kill()
         deadline = time.monotonic() + wait_seconds
