@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -169,6 +170,40 @@ def test_aborting_a_batch_releases_every_job_without_a_result(handlers: Callable
     assert summary(outcomes) == [(1, "done", "a"), (2, "release", "released: the drainer stopped before the job "
                                                                     "finished"),
                                  (3, "release", "released: the drainer stopped before the job finished")]
+
+
+def test_teardown_destroys_with_at_most_limit_threads_kept_for_the_drain_and_gone_after_close() -> None:
+    from fleetless.batch import Teardown
+
+    class Fake:
+        name = "fake"
+
+        def __init__(self) -> None:
+            self.killed = threading.Event()
+
+        def kill(self) -> None:
+            time.sleep(0.001)
+            self.killed.set()
+
+    def teardown_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "teardown"}
+
+    before = teardown_threads()
+    teardown = Teardown(2)
+    seen: set[threading.Thread] = set()
+    fakes = [Fake() for _ in range(40)]
+    for fake in fakes:
+        teardown.hand_over(fake)  # type: ignore[arg-type]
+        seen |= teardown_threads() - before
+    teardown.close()
+    assert all(f.killed.is_set() for f in fakes) and (teardown.finished, teardown.failure) == (40, None)
+    assert 1 <= len(seen) <= 2  # reused, not one per sandbox
+    for thread in seen:
+        thread.join(5)
+        assert not thread.is_alive()
+    late = Fake()
+    teardown.hand_over(late)  # type: ignore[arg-type]  # after close: inline
+    assert late.killed.is_set()
 
 
 def test_a_teardown_whose_thread_cannot_start_destroys_inline_and_keeps_its_count(

@@ -171,7 +171,8 @@ class Teardown:
 
     A slot hands its sandbox over once the job has ended (every tier's ``exec`` returns when the
     job's tree is dead) and its output is read, and goes on to its outcome and next claim while a
-    thread of its own removes what is left (cgroups, workspace, the uid lease). Up to ``limit``
+    teardown thread (up to ``limit`` of them, kept until :meth:`close`) removes what is left
+    (cgroups, workspace, the uid lease). Up to ``limit``
     (the drain's concurrency) are destroyed at once; a slot that finds ``limit`` still going blocks,
     as if it killed its own. A slot whose next sandbox cannot be made tries again while sandboxes
     handed over keep being destroyed (:meth:`freed_since`: a job uid may be held by one). :meth:`close`
@@ -180,8 +181,13 @@ class Teardown:
     is kept in ``failure``: a later job is refused a sandbox with it, and the drain ends with it."""
 
     def __init__(self, limit: int) -> None:
-        self._room = threading.BoundedSemaphore(max(limit, 1))
-        self._cond = threading.Condition()
+        self._limit = max(limit, 1)
+        self._room = threading.BoundedSemaphore(self._limit)
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # a sandbox destroyed
+        self._work = threading.Condition(lock)  # a sandbox handed over, or closed
+        self._queue: list[Sandbox] = []  # handed over, not taken by a thread yet
+        self._threads = 0  # started, not exited: up to limit, each destroying one sandbox at a time
         self._pending = 0  # handed over, not destroyed yet
         self._finished = 0  # destroyed so far, by the threads
         self._closed = False
@@ -190,17 +196,38 @@ class Teardown:
     def hand_over(self, sbx: Sandbox) -> None:
         self._room.acquire()
         with self._cond:
-            if not self._closed:
-                worker = threading.Thread(target=self._destroy_counted, args=(sbx,), name="teardown", daemon=True)
+            if not self._closed and self._has_thread():
                 self._pending += 1
-                try:
-                    worker.start()  # a thread that does not start has nothing queued: inline below
-                    return
-                except RuntimeError as exc:
-                    self._pending -= 1
-                    log.debug("teardown thread: %s", exc)
-        self._room.release()
+                self._queue.append(sbx)
+                self._work.notify()
+                return
+        self._room.release()  # no thread could start: inline
         self._destroy(sbx)
+
+    def _has_thread(self) -> bool:
+        """(Holding the lock.) Start one more thread while fewer than ``limit`` run: a sandbox handed
+        over holds a permit until destroyed, so ``limit`` threads always have one free. The threads
+        stay (a thread started per sandbox cost its slot about a millisecond a job: the start waits
+        for the new thread to run). False when none runs and none can start."""
+        if self._threads < self._limit:
+            worker = threading.Thread(target=self._serve, name="teardown", daemon=True)
+            try:
+                worker.start()
+                self._threads += 1
+            except RuntimeError as exc:
+                log.debug("teardown thread: %s", exc)
+        return self._threads > 0
+
+    def _serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    if self._closed:
+                        self._threads -= 1
+                        return
+                    self._work.wait()
+                sbx = self._queue.pop(0)
+            self._destroy_counted(sbx)
 
     def _destroy(self, sbx: Sandbox) -> None:
         try:
@@ -235,6 +262,7 @@ class Teardown:
         """Return when every sandbox handed over is destroyed; destroy later ones inline."""
         with self._cond:
             self._closed = True
+            self._work.notify_all()  # the threads exit once nothing is left to take
             self._cond.wait_for(lambda: self._pending == 0)
 
 
