@@ -98,20 +98,32 @@ def needed() -> bool:
 
 def lock_dir() -> Path:
     """``$FLEETLESS_RUN_DIR/job-uids`` (default ``/run/fleetless/job-uids``), created root-only."""
-    base = Path(os.environ.get(RUN_DIR_ENV) or "/run/fleetless")
-    path = base / "job-uids"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return path
+    path = os.path.join(os.environ.get(RUN_DIR_ENV) or "/run/fleetless", "job-uids")
+    try:
+        os.mkdir(path, 0o700)  # once per job: the usual answer, "exists", in one system call
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Path(path)
+
+
+#: ``_mapped``'s answers: a user namespace's id maps are written once, before anything runs in it.
+_maps: dict[tuple[str, UidRange], bool] = {}
 
 
 def _mapped(path: str, ids: UidRange) -> bool:
     """Whether every id of ``ids`` exists in this process's user namespace (``/proc/self/uid_map``)."""
+    known = _maps.get((path, ids))
+    if known is not None:
+        return known
     try:
         with open(path) as f:
             rows = [tuple(int(n) for n in line.split()) for line in f if line.strip()]
     except OSError:
         return True
-    return any(inside <= ids.first and ids.last < inside + count for inside, _, count in rows)
+    known = _maps[(path, ids)] = any(inside <= ids.first and ids.last < inside + count for inside, _, count in rows)
+    return known
 
 
 def _in_use(uid: int) -> bool:
@@ -186,7 +198,7 @@ def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
         )
     folder = folder if folder is not None else lock_dir()
     for uid in range(ids.first, ids.last + 1):
-        fd = os.open(folder / str(uid), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(f"{folder}/{uid}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

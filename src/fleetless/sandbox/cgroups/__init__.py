@@ -115,7 +115,7 @@ class JobCgroup:
             self._version.set_memory(g.memory, memory_bytes, self.caps.memsw)
             self.memory_bytes = memory_bytes
         if g.pids is not None:
-            write(g.pids / "pids.max", "max" if pids is None else str(pids))
+            write(f"{g.pids}/pids.max", "max" if pids is None else str(pids))
             self.pids_max = pids
         if g.cpu is not None and self._version is not None:
             self._version.set_cpu(g.cpu, -1 if cpus is None else max(1000, int(cpus * CFS_PERIOD_US)))
@@ -125,7 +125,7 @@ class JobCgroup:
     def procs_files(self) -> list[str]:
         """The ``cgroup.procs`` files a process writes its pid to in order to join (for a
         ``preexec_fn``: ``os.write(fd, b"0")`` to each; its children inherit the groups)."""
-        return [str(d / "cgroup.procs") for d in self.dirs]
+        return [f"{d}/cgroup.procs" for d in self.dirs]
 
     def attach(self, pid: int) -> None:
         for f in self.procs_files():
@@ -139,11 +139,11 @@ class JobCgroup:
         d = self._groups.memory
         if d is None or self._version is None:
             return 0
-        return _counter(read(d / self._version.OOM_EVENTS), "oom_kill")
+        return _counter(read(f"{d}/{self._version.OOM_EVENTS}"), "oom_kill")
 
     def pids_max_events(self) -> int:
         d = self._groups.pids
-        return 0 if d is None else _counter(read(d / "pids.events"), "max")
+        return 0 if d is None else _counter(read(f"{d}/pids.events"), "max")
 
     def mark(self) -> None:
         """Start counting OOM kills and refused forks from now (e.g. before each exec)."""

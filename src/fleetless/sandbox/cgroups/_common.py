@@ -150,7 +150,7 @@ def rmdir(path: Path) -> bool:
 
 # A per-job drain reads and writes about twenty control files per job: plain fd calls, not text
 # file objects (which cost several times the system calls' own time).
-def read(path: Path) -> str:
+def read(path: str | Path) -> str:
     """A control file's text, or "" when it cannot be read (the group is gone)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -167,7 +167,7 @@ def read(path: Path) -> str:
         os.close(fd)
 
 
-def write(path: Path, value: str) -> None:
+def write(path: str | Path, value: str) -> None:
     """Write a control file (one ``write``: the kernel parses each write on its own)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)  # open(path, "w")'s
     try:
@@ -182,7 +182,7 @@ def pids_of(dirs: list[Path]) -> set[int]:
     """Every pid listed in these groups' ``cgroup.procs``."""
     out: set[int] = set()
     for d in dirs:
-        for line in read(d / "cgroup.procs").split():
+        for line in read(f"{d}/cgroup.procs").split():
             out.add(int(line))
     return out
 

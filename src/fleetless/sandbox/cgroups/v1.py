@@ -61,13 +61,13 @@ def set_memory(d: Path, memory_bytes: int | None, memsw: bool) -> None:
     order = ["memory.limit_in_bytes", "memsw"] if memory_bytes is not None else ["memsw", "memory.limit_in_bytes"]
     for name in order:
         if name != "memsw":
-            write(d / name, value)
+            write(f"{d}/{name}", value)
         elif memsw:
             with contextlib.suppress(OSError):  # no swapping around the limit
-                write(d / "memory.memsw.limit_in_bytes", value)
+                write(f"{d}/memory.memsw.limit_in_bytes", value)
 
 
 def set_cpu(d: Path, quota: int) -> None:
     """A CFS quota per period (``-1``: unlimited)."""
-    write(d / "cpu.cfs_period_us", str(CFS_PERIOD_US))
-    write(d / "cpu.cfs_quota_us", str(quota))
+    write(f"{d}/cpu.cfs_period_us", str(CFS_PERIOD_US))
+    write(f"{d}/cpu.cfs_quota_us", str(quota))

@@ -73,9 +73,9 @@ def create(caps: CgroupCaps, kill_via: str | None, mk: Callable[[Path], Path]) -
 
 def set_memory(d: Path, memory_bytes: int | None, memsw: bool) -> None:
     """Cap memory (swap is off for the group from its creation)."""
-    write(d / "memory.max", "max" if memory_bytes is None else str(memory_bytes))
+    write(f"{d}/memory.max", "max" if memory_bytes is None else str(memory_bytes))
 
 
 def set_cpu(d: Path, quota: int) -> None:
     """A CFS quota per period (``-1``: unlimited)."""
-    write(d / "cpu.max", f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
+    write(f"{d}/cpu.max", f"{'max' if quota < 0 else quota} {CFS_PERIOD_US}")
