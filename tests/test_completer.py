@@ -304,3 +304,46 @@ def test_close_raises_what_failed_beside_its_write_rather_than_hide_it(
         c.close(beside=beside)
     beside.close()
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 12)]
+
+
+def _prepared(queue: Queue) -> set[str]:
+    """The statements fleetless prepared on ``queue``'s own session (that session's view only)."""
+    assert queue._conn is not None
+    return {r[0] for r in queue._conn.execute(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'fleetless%'").fetchall()}
+
+
+def test_a_queue_on_its_own_session_finishes_and_claims_with_statements_prepared_once(
+        queue: Queue, sql: Callable[..., list[Any]]) -> None:
+    """On a server session of its own, the per-job finish and claim travel as EXECUTEs of
+    statements prepared once per session (the server skips parsing them again), with the same rows
+    written; a new session (after a reconnect) prepares them again."""
+    ids = queue.enqueue_many([("k", {"n": i}) for i in range(5)])
+    (job,) = claim_all(queue, 1)
+    _, (job,) = queue.finish_then_claim([(job, Outcome("done", result="r0"))], 1, ttl=60)
+    assert _prepared(queue) == {"fleetless_finish_done", "fleetless_claim"}
+    _, (job,) = queue.finish_then_claim([(job, Outcome("fail", error="boom", delay=3600))], 1, ttl=60)
+    assert _prepared(queue) == {"fleetless_finish_done", "fleetless_finish_many", "fleetless_claim"}
+    assert queue._conn is not None
+    queue._conn.close()  # the next call opens a new session: nothing is prepared there yet
+    written, (job,) = queue.finish_then_claim([(job, Outcome("done", result="r2"))], 1, ttl=60)
+    assert written == {ids[2]: "done"} and job.id == ids[3]
+    assert _prepared(queue) == {"fleetless_finish_done", "fleetless_claim"}
+    assert sql("SELECT id, status, attempts, result, last_error FROM fleetless.jobs ORDER BY id") == [
+        (ids[0], "done", 1, "r0", None), (ids[1], "pending", 1, None, "boom"), (ids[2], "done", 1, "r2", None),
+        (ids[3], "running", 1, None, None), (ids[4], "pending", 0, None, None)]
+    assert sql("SELECT job_id, outcome FROM fleetless.job_attempts ORDER BY id") == [
+        (ids[0], "done"), (ids[1], "retry"), (ids[2], "done")]
+
+
+def test_a_prepared_claim_keeps_a_fractional_timeout_in_the_lease(queue: Queue) -> None:
+    """The prepared claim's parameters have the types the literal one had: a 0.5 s default timeout
+    makes a lease of grace + 0.5 s, not a rounded one."""
+    queue.enqueue_many([("k", {}), ("k", {}), ("k", {})])
+    (job,) = claim_all(queue, 1)
+    for _ in range(2):  # the first run prepares it, the second runs the prepared statement again
+        _, claimed = queue.finish_then_claim([(job, Outcome("done"))], 1, default_timeout=0.5, ttl=900,
+                                             lease_grace=60)
+        (job,) = claimed
+        assert job.lease_seconds is not None and abs(job.lease_seconds - 60.5) < 0.2
+    assert "fleetless_claim" in _prepared(queue)

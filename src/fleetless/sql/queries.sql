@@ -114,7 +114,7 @@ SET status = 'running',
                                       j.attempts + 1)
                         ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
-        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s::float8), %(ttl)s::float8) + %(grace)s::float8)
 -- The ids as one array (an InitPlan run once), not IN (subquery): the planner then reaches each
 -- row by its primary key instead of hashing a scan of the whole table (a 2,000-row claim: 0.8x).
 WHERE j.id = ANY(ARRAY(
@@ -557,7 +557,7 @@ SELECT id, 'done' FROM finished;
 -- the reaper takes its batch back as before.
 UPDATE {schema}.jobs AS j
 SET lease_expires_at = now() + make_interval(
-        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s::float8), %(ttl)s::float8) + %(grace)s::float8)
 -- The claims as in cancel_requested: held ids and the drain's distinct tokens (a running row with
 -- one of its tokens is a claim it holds), so the fence is still the claim token and the status.
 WHERE j.id = ANY(%(ids)s::bigint[]) AND j.claim_token = ANY(%(tokens)s::uuid[]) AND j.status = 'running'
@@ -593,7 +593,7 @@ SET status = 'running',
                                       j.attempts + 1)
                         ELSE j.max_attempts END,
     lease_expires_at = now() + make_interval(
-        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s::float8), %(ttl)s::float8) + %(grace)s::float8)
 -- (ids as one array: see claim)
 WHERE j.id = ANY(ARRAY(
   SELECT id FROM {schema}.jobs
@@ -662,7 +662,7 @@ WITH t AS (
                                         j.attempts + 1)
                           ELSE j.max_attempts END,
       lease_expires_at = t.at + make_interval(
-          secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s), %(ttl)s) + %(grace)s)
+          secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s::float8), %(ttl)s::float8) + %(grace)s::float8)
   FROM t
   WHERE j.id IN (
     SELECT id FROM {schema}.jobs
