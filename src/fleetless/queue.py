@@ -6,7 +6,6 @@ import contextlib
 import datetime as dt
 import itertools
 import json
-import logging
 import os
 import random
 import re
@@ -39,8 +38,6 @@ if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool  # imported by the app that passes one, not here
 
     from .kinds import KindSettings
-
-log = logging.getLogger("fleetless.queue")
 
 __all__ = ["DuplicateJob", "JobNotFound", "Queue"]
 
@@ -156,10 +153,9 @@ class Queue:
         self._owns_conn = self._dsn is not None
         self._checked: psycopg.Connection[Any] | None = None  # the own connection _preparable looked at
         self._may_prepare = False
-        #: ``EXECUTE`` texts of the statements prepared by name on the own session (see
-        #: :meth:`_executes`); None: the statement could not be prepared, it travels whole.
+        #: ``EXECUTE`` texts of the statements prepared by name on the own session (:meth:`_executes`).
         self._executes_on: psycopg.Connection[Any] | None = None
-        self._execute_texts: dict[str, str | None] = {}
+        self._execute_texts: dict[str, str] = {}
         self._lock = threading.RLock()
         self.max_payload_bytes = max_payload_bytes
         #: The NOTIFY channel of this schema: every enqueue notifies it in its own transaction.
@@ -224,18 +220,12 @@ class Queue:
             return query
         if self._executes_on is not conn:  # another session: nothing of the last one is prepared here
             self._executes_on, self._execute_texts = conn, {}
-        if name not in self._execute_texts:
+        text = self._execute_texts.get(name)
+        if text is None:
             positional, params = _positional(query)
-            try:
-                conn.execute(f"PREPARE fleetless_{name} AS {positional}")
-                args = ", ".join(f"%({p})s" for p in params)
-                self._execute_texts[name] = f"EXECUTE fleetless_{name}({args})"
-            except psycopg.OperationalError:
-                raise
-            except psycopg.Error as exc:  # never expected; the query as it is still works
-                log.warning("cannot prepare %s, sending it whole: %s", name, exc)
-                self._execute_texts[name] = None
-        return self._execute_texts[name] or query
+            conn.execute(f"PREPARE fleetless_{name} AS {positional}")  # errors: the caller's boundary
+            text = self._execute_texts[name] = f"EXECUTE fleetless_{name}({', '.join(f'%({p})s' for p in params)})"
+        return text
 
     def _run(
         self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None,
@@ -840,6 +830,7 @@ class Queue:
         assert seconds is not None
         statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
         return self.prune_batch(dict.fromkeys(statuses, seconds))
+
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
