@@ -153,8 +153,7 @@ class Queue:
         self._owns_conn = self._dsn is not None
         self._checked: psycopg.Connection[Any] | None = None  # the own connection _preparable looked at
         self._may_prepare = False
-        #: ``EXECUTE`` texts of the statements prepared by name on the own session (:meth:`_executes`).
-        self._executes_on: psycopg.Connection[Any] | None = None
+        #: ``EXECUTE`` texts of the statements prepared by name on ``_checked``'s session (:meth:`_executes`).
         self._execute_texts: dict[str, str] = {}
         self._lock = threading.RLock()
         self.max_payload_bytes = max_payload_bytes
@@ -202,9 +201,9 @@ class Queue:
         pool's, which may go through a transaction pooler)."""
         if conn is not self._conn or not self._owns_conn:
             return False
-        if self._checked is not conn:
+        if self._checked is not conn:  # another session: nothing of the last one is prepared on it
             self._may_prepare = db.prepare_on_request(conn)
-            self._checked = conn
+            self._checked, self._execute_texts = conn, {}
         return self._may_prepare
 
     def _executes(self, conn: psycopg.Connection[Any], name: str) -> str:
@@ -218,8 +217,6 @@ class Queue:
         query = self._q[name]
         if not self._preparable(conn):
             return query
-        if self._executes_on is not conn:  # another session: nothing of the last one is prepared here
-            self._executes_on, self._execute_texts = conn, {}
         text = self._execute_texts.get(name)
         if text is None:
             positional, params = _positional(query)
