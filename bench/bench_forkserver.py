@@ -13,7 +13,9 @@ ratios. Target: forkserver >= 4x each of today's tiers. The issue's baseline is 
 were when it was filed: ``--baseline-tree DIR`` (a source tree, for example a worktree of the
 commit before the fork server, ``git worktree add /tmp/base d1bbc85^``, then ``/tmp/base/src``)
 also drains each of --tiers with that tree's code (its own process, the drain alone timed), in
-the same repetitions.
+the same repetitions. Each repetition also runs the case ``forkserver sandboxes only``: the same
+number of create + write + exec + kill of the json handler on --concurrency threads, with no
+database and no drainer, which is the ceiling a forkserver drain cannot pass on this host.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -101,15 +104,50 @@ print(elapsed)
 """
 
 
+def sandboxes_only(hdir: Path, jobs: int, concurrency: int) -> float:
+    """jobs/s of ``jobs`` forkserver sandboxes (create, write, exec, kill) on ``concurrency``
+    threads: a drain's sandbox work without its claims, finishes and bookkeeping."""
+    template = Template(handlers_dir=hdir, limits=LIMITS, python=default_python())
+    left = [jobs]
+    lock = threading.Lock()
+    failed: list[str] = []
+
+    def worker() -> None:
+        while not failed:
+            with lock:
+                if left[0] <= 0:
+                    return
+                left[0] -= 1
+            with get_backend("forkserver").create(template, 120) as sbx:
+                sbx.write("payload.json", '{"n": 1}')
+                r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py", f"{sbx.workspace_path}/payload.json"], 120)
+            if not r.ok:
+                failed.append(str(r))
+
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    t = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - t
+    if failed:
+        raise SystemExit(f"forkserver sandboxes only: a job failed: {failed[0]}")
+    return jobs / elapsed
+
+
 def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int, baseline: str | None) -> None:
     results: dict[str, list[float]] = {}
-    cases = ["forkserver", *tiers] + [f"{t} (baseline)" for t in tiers if baseline]
+    cases = ["forkserver", *tiers] + [f"{t} (baseline)" for t in tiers if baseline] + ["forkserver sandboxes only"]
     with scratch_db() as dsn:
         q = Queue(dsn)
         q.init()
         for rep in range(reps):
             for case in cases:
                 tier = case.split()[0]
+                if case.endswith("sandboxes only"):
+                    results.setdefault(case, []).append(sandboxes_only(hdir, jobs, concurrency))
+                    continue
                 with psycopg.connect(dsn, autocommit=True) as c:
                     c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
                 q.enqueue_many(("job", {"n": 1}) for _ in range(jobs))
@@ -134,7 +172,7 @@ def drains(hdir: Path, tiers: list[str], jobs: int, reps: int, concurrency: int,
     fork = median(results["forkserver"])
     print(f"\nper-job drain of {jobs} json jobs, concurrency {concurrency}, {reps} rep(s): median jobs/s")
     for name, values in results.items():
-        print(f"  {name:18s} {median(values):8.1f} jobs/s  forkserver x{fork / median(values):5.2f} of it"
+        print(f"  {name:26s} {median(values):8.1f} jobs/s  forkserver x{fork / median(values):5.2f} of it"
               f"  [spread {spread(values)}]")
 
 
