@@ -118,9 +118,14 @@ def sandboxes_only(hdir: Path, jobs: int, concurrency: int) -> float:
                 if left[0] <= 0:
                     return
                 left[0] -= 1
-            with get_backend("forkserver").create(template, 120) as sbx:
-                sbx.write("payload.json", '{"n": 1}')
-                r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py", f"{sbx.workspace_path}/payload.json"], 120)
+            try:
+                with get_backend("forkserver").create(template, 120) as sbx:
+                    sbx.write("payload.json", '{"n": 1}')
+                    r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py", f"{sbx.workspace_path}/payload.json"],
+                                 120)
+            except Exception as exc:  # a thread's exception would otherwise only shorten the run
+                failed.append(f"{type(exc).__name__}: {exc}")
+                return
             if not r.ok:
                 failed.append(str(r))
 
