@@ -42,6 +42,16 @@ HANDLER = "import json, pathlib, sys\nprint(json.loads(pathlib.Path(sys.argv[1])
 LIMITS = Limits(memory_bytes=256 * 1024 * 1024)
 
 
+def one_job(template: Template, tier: str) -> None:
+    """Create a sandbox of ``tier``, write the payload, run the json handler, kill it; a failed job
+    ends the run (``SystemExit``)."""
+    with get_backend(tier).create(template, 120) as sbx:
+        sbx.write("payload.json", '{"n": 1}')
+        r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py", f"{sbx.workspace_path}/payload.json"], 120)
+    if not r.ok or r.stdout.strip() != "1":
+        raise SystemExit(f"{tier}: job failed: {r}")
+
+
 def per_job(hdir: Path, payload: Path, tiers: list[str], runs: int) -> None:
     python = default_python()
     template = Template(handlers_dir=hdir, limits=LIMITS, python=python)  # every tier: the bare one's
@@ -49,15 +59,8 @@ def per_job(hdir: Path, payload: Path, tiers: list[str], runs: int) -> None:
     def bare() -> None:
         subprocess.run([python, str(hdir / "job.py"), str(payload)], check=True, capture_output=True)
 
-    def one(tier: str) -> None:
-        with get_backend(tier).create(template, 120) as sbx:
-            sbx.write("payload.json", '{"n": 1}')
-            r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py", f"{sbx.workspace_path}/payload.json"], 120)
-        if not r.ok or r.stdout.strip() != "1":
-            raise SystemExit(f"{tier}: job failed: {r}")
-
     names = ["forkserver", *tiers]
-    one("forkserver")  # the server's start is once per drainer, not per job
+    one_job(template, "forkserver")  # the server's start is once per drainer, not per job
     results: dict[str, list[float]] = {"bare python": [], **{t: [] for t in names}}
     for _ in range(runs):  # interleaved, so noise spreads over all of them
         t = time.perf_counter()
@@ -65,7 +68,7 @@ def per_job(hdir: Path, payload: Path, tiers: list[str], runs: int) -> None:
         results["bare python"].append(time.perf_counter() - t)
         for tier in names:
             t = time.perf_counter()
-            one(tier)
+            one_job(template, tier)
             results[tier].append(time.perf_counter() - t)
     base = median(results["bare python"])
     print(f"\nper job: create + write + exec + kill of the json handler, median of {runs} (python: {python})")
@@ -119,15 +122,10 @@ def sandboxes_only(hdir: Path, jobs: int, concurrency: int) -> float:
                     return
                 left[0] -= 1
             try:
-                with get_backend("forkserver").create(template, 120) as sbx:
-                    sbx.write("payload.json", '{"n": 1}')
-                    r = sbx.exec([sbx.python, f"{sbx.handlers_path}/job.py", f"{sbx.workspace_path}/payload.json"],
-                                 120)
-            except Exception as exc:  # a thread's exception would otherwise only shorten the run
+                one_job(template, "forkserver")
+            except BaseException as exc:  # a thread's exception (SystemExit too) would only shorten the run
                 failed.append(f"{type(exc).__name__}: {exc}")
                 return
-            if not r.ok:
-                failed.append(str(r))
 
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
     t = time.perf_counter()
@@ -137,7 +135,7 @@ def sandboxes_only(hdir: Path, jobs: int, concurrency: int) -> float:
         thread.join()
     elapsed = time.perf_counter() - t
     if failed:
-        raise SystemExit(f"forkserver sandboxes only: a job failed: {failed[0]}")
+        raise SystemExit(f"forkserver sandboxes only: {failed[0]}")
     return jobs / elapsed
 
 
