@@ -25,6 +25,17 @@ def test_unreachable_database_is_one_line(fleetless) -> None:
     one_line_error(r, "cannot connect to the database")
 
 
+@pytest.mark.parametrize("dsn", [
+    "postgresql//app:hunter2-secret@127.0.0.1/app",  # a URL missing its colon: libpq quotes it back
+    "host=127.0.0.1 password=hunter2-secret dbname=app bogus=1",
+    "postgresql://app:hunter2-secret@127.0.0.1:5432:x/app",
+])
+def test_a_mistyped_database_url_is_never_printed_with_its_password(fleetless, dsn: str) -> None:
+    r = fleetless("status", dsn=dsn)
+    assert r.returncode != 0 and "hunter2" not in r.stderr + r.stdout, r.stderr
+    assert r.stderr.startswith("fleetless: error: "), r.stderr
+
+
 def test_init_enqueue_show_status_jobs(dsn: str, queue: Queue, fleetless, sql) -> None:
     assert "up to date" in fleetless("init", dsn=dsn).stdout
     r = fleetless("enqueue", "report", '{"month": "2026-11"}', "--max-attempts", "5", "--delay", "5m",

@@ -60,6 +60,16 @@ def test_job_output_is_escaped_for_terminals_and_pages() -> None:
     assert html_text(None) == ""
 
 
+def test_text_that_reorders_or_breaks_lines_invisibly_is_shown_escaped() -> None:
+    # U+202E (right-to-left override) and U+2066 (left-to-right isolate) make a terminal show a
+    # line in another order than it is stored; U+2028 breaks it where no newline is; a tag
+    # character and a zero-width space hide text. Ordinary letters and emoji pass unchanged.
+    evil = "invoice\u202efdp.exe\u2066x\u2069\u2028fake line\u200b\U000e0041"
+    assert printable(evil) == "invoice\\u202efdp.exe\\u2066x\\u2069\\u2028fake line\\u200b\\U000e0041"
+    assert printable("café 日本 👍 tab\there\nnext") == "café 日本 👍 tab\there\nnext"
+    assert "\u202e" not in html_text("a\u202eb")
+
+
 def test_ages_and_sizes_read_as_an_operator_expects() -> None:
     assert [age(s) for s in (None, -3, 4.2, 90, 7200, 129600)] == ["-", "0.0s", "4.2s", "1.5m", "2.0h", "1.5d"]
     assert [size(n) for n in (None, 0, 512, 1536, 64 * 1024 * 1024, 3 * 1024**4)] == \

@@ -324,3 +324,38 @@ def test_fleetless_serve_answers_on_loopback_only_by_default_on_a_fresh_install(
     logged = [json.loads(line) for line in proc.stderr.read().decode().splitlines()]  # --log-format json: all JSON
     assert logged[0]["event"] == "serve_started" and logged[0]["url"] == f"http://127.0.0.1:{port}/ops/fleetless/"
     assert logged[0]["read_only"] is True
+
+
+def test_the_flash_box_shows_only_what_the_dashboard_itself_said(queue: Queue, sql: Any) -> None:
+    # A link made elsewhere must not put its own words on a real job page ("contact support at…").
+    done = queue.enqueue("report", {})
+    (job,) = queue.claim(1)
+    queue.complete(job, "ok")
+    client = TestClient(create_app(queue, token=TOKEN))
+    forged = client.get(f"/jobs/{done}?problem=Call+support+at+555-0100&done=Your+account+is+locked").text
+    assert "555-0100" not in forged and "locked" not in forged
+    signed_in = client.post("/login", data={"token": TOKEN}, follow_redirects=False)
+    assert signed_in.status_code == 303
+    page = client.get(f"/jobs/{done}").text
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', page)
+    assert csrf is not None
+    # Retrying a done job is refused; the dashboard's own, signed, message is shown.
+    refused = client.post(f"/jobs/{done}/retry", data={"csrf": csrf.group(1)})
+    assert refused.status_code == 200 and "sig=" in str(refused.url)
+    assert "only dead or cancelled jobs can be retried" in refused.text and 'id="flash"' in refused.text
+    tampered = str(refused.url).replace("problem=", "problem=Call+555-0100+")
+    assert "555-0100" not in client.get(tampered).text
+    ok = client.post(f"/jobs/{_dead_job(queue)}/retry", data={"csrf": csrf.group(1)})
+    assert "retry: ok" in ok.text
+
+
+def test_signing_out_needs_the_sessions_csrf_token(queue: Queue) -> None:
+    client = TestClient(create_app(queue, token=TOKEN))
+    client.post("/login", data={"token": TOKEN}, follow_redirects=False)
+    assert client.post("/logout", follow_redirects=False).status_code == 403
+    assert client.post("/logout", data={"csrf": "guess"}, follow_redirects=False).status_code == 403
+    assert "sign out" in client.get("/").text  # still signed in
+    csrf = re.search(r'name="csrf" value="([0-9a-f]+)"', client.get("/").text)
+    assert csrf is not None
+    out = client.post("/logout", data={"csrf": csrf.group(1)}, follow_redirects=False)
+    assert out.status_code == 303 and f"{COOKIE}=" in out.headers["set-cookie"]

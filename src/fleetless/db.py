@@ -62,8 +62,19 @@ class DuplicateValue(ValueNotStorable):
     """A unique index refused the row (a job key already held, ...)."""
 
 
+_URL_PASSWORD = re.compile(r"([\w.%+-]+):([^@\s\"'/]+)@")
+_CONNINFO_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s\"]+)", re.IGNORECASE)
+
+
+def redacted(text: str) -> str:
+    """``text`` with any password a DSN in it carries (``user:secret@host`` in a URL, mistyped or
+    not, and ``password=secret`` in conninfo) shown as ``***``: the driver's errors quote the
+    connection string they could not parse, and those lines reach terminals and logs."""
+    return _CONNINFO_PASSWORD.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", text))
+
+
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return redacted((str(exc).strip().splitlines() or [type(exc).__name__])[0])
 
 
 @contextmanager

@@ -37,14 +37,29 @@ __all__ = [
 
 # -- presentation --------------------------------------------------------------------------------
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# C0 and C1 controls but tab and newline; and the invisible format characters that reorder or
+# hide text (bidi embeddings, overrides and isolates, zero-width and soft-hyphen characters, tag
+# characters) or break lines where a terminal does not (U+2028, U+2029, U+0085).
+_CONTROL = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u00ad\u061c\u115f\u1160\u180e\u200b-\u200f\u2028-\u202e"
+    "\u2060-\u206f\u3164\ufeff\ufff9-\ufffb\U000e0000-\U000e007f]"
+)
 
 
 def printable(text: str) -> str:
     """A job's own output (result, last_error) made safe for the operator's terminal: control
-    characters other than tab and newline are shown as \\xNN, so escape sequences cannot retitle,
-    clear or recolour it, write its clipboard, or hide text behind a carriage return."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    characters other than tab and newline are shown as \\xNN, and invisible format characters
+    (bidi overrides such as U+202E and U+2066, zero-width characters, U+2028) as \\uNNNN, so job
+    output cannot retitle, clear or recolour the terminal, write its clipboard, hide text behind a
+    carriage return, or show text in another order than it is stored."""
+    return _CONTROL.sub(_escaped, text)
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def html_text(text: object) -> str:

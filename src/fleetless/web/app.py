@@ -29,6 +29,7 @@ from . import pages
 __all__ = ["COOKIE", "Auth", "create_app"]
 
 COOKIE = "fleetless_session"
+ACTIONS = ("retry", "cancel", "run-now")
 
 
 class Auth:
@@ -62,6 +63,11 @@ class Auth:
     def csrf_for(self, nonce: str) -> str:
         return self._mac("csrf:" + nonce)
 
+    def flash_mac(self, job_id: int, text: str) -> str:
+        """Signs a message the dashboard itself put in a redirect's ``?problem=``, so that a link
+        made elsewhere cannot show its own text in the box on a real job page."""
+        return self._mac(f"flash:{job_id}:{text}")[:32] if self.token is not None else ""
+
     def check_password(self, given: str) -> bool:
         return self.token is not None and hmac.compare_digest(given.encode(), self.token.encode())
 
@@ -83,7 +89,8 @@ def create_app(
         return str(request.scope.get("root_path", "")).rstrip("/")
 
     def html(request: Request, title: str, body: str, status_code: int = 200) -> HTMLResponse:
-        page = pages.layout(title, body, root=root(request), signed_in=auth.session_nonce(request) is not None,
+        nonce = auth.session_nonce(request)
+        page = pages.layout(title, body, root=root(request), csrf=auth.csrf_for(nonce) if nonce else None,
                             writable=auth.writable)
         return HTMLResponse(page, status_code=status_code, headers={
             "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; "
@@ -127,11 +134,10 @@ def create_app(
         except ValueError as exc:
             return bad_request(request, exc)
         nonce = auth.session_nonce(request)
-        flash = request.query_params.get("done")
-        problem = request.query_params.get("problem")
+        flash = _flash(request, job_id)
         body = pages.job_page(row, history, root=root(request), csrf=auth.csrf_for(nonce) if nonce else None,
-                              writable=auth.writable, flash=problem or (f"{flash}: ok" if flash else None),
-                              flash_bad=problem is not None)
+                              writable=auth.writable, flash=flash[0] if flash else None,
+                              flash_bad=flash is not None and flash[1])
         return html(request, f"job {job_id}", body)
 
     async def schedules(request: Request) -> Response:
@@ -164,7 +170,10 @@ def create_app(
             except ValueError as exc:
                 if via_bearer:
                     return JSONResponse({"error": str(exc)}, status_code=409)
-                return RedirectResponse(f"{root(request)}/jobs/{job_id}?problem={_q(str(exc))}", status_code=303)
+                text = str(exc)
+                return RedirectResponse(
+                    f"{root(request)}/jobs/{job_id}?problem={_q(text)}&sig={auth.flash_mac(job_id, text)}",
+                    status_code=303)
             if via_bearer:
                 row = await run_in_threadpool(queue.get, job_id)
                 return JSONResponse({"id": job_id, "action": name, "status": row["status"]})
@@ -191,7 +200,24 @@ def create_app(
                             secure=request.url.scheme == "https", path=(root(request) or "/"))
         return response
 
+    def _flash(request: Request, job_id: int) -> tuple[str, bool] | None:
+        """The box above a job page after an action: only the names of the dashboard's own actions
+        for ``?done=``, and for ``?problem=`` only text this dashboard signed for this job."""
+        done = request.query_params.get("done")
+        if done in ACTIONS:
+            return f"{done}: ok", False
+        problem = request.query_params.get("problem")
+        given = request.query_params.get("sig", "")
+        if problem and auth.writable and hmac.compare_digest(given, auth.flash_mac(job_id, problem)):
+            return problem, True
+        return None
+
     async def logout(request: Request) -> Response:
+        nonce = auth.session_nonce(request)
+        if nonce is not None:
+            form = await request.form()
+            if not hmac.compare_digest(str(form.get("csrf", "")), auth.csrf_for(nonce)):
+                return _refuse(request, 403, "missing or wrong CSRF token: reload the page and try again")
         response = RedirectResponse(f"{root(request)}/", status_code=303)
         response.delete_cookie(COOKIE, path=(root(request) or "/"))
         return response

@@ -35,11 +35,14 @@ pre{background:#fff;border:1px solid #e0e0e0;padding:.6em;overflow:auto;max-heig
 """
 
 
-def layout(title: str, body: str, *, root: str, signed_in: bool, writable: bool) -> str:
+def layout(title: str, body: str, *, root: str, csrf: str | None, writable: bool) -> str:
+    """The page around ``body``; ``csrf`` is the signed-in session's token (None: not signed in),
+    which the sign-out form carries like every other form that changes something."""
     who = ""
     if writable:
-        who = (f'<form class="inline who" method="post" action="{root}/logout"><button>sign out</button></form>'
-               if signed_in else f'<a class="who" href="{root}/login">sign in for actions</a>')
+        who = (f'<form class="inline who" method="post" action="{root}/logout">'
+               f'<input type="hidden" name="csrf" value="{e(csrf)}"><button>sign out</button></form>'
+               if csrf is not None else f'<a class="who" href="{root}/login">sign in for actions</a>')
     else:
         who = '<span class="who muted">read-only</span>'
     return (
