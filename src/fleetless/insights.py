@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from .attempt_totals import DURATION_BUCKETS, FOLD_LOCK, bucket_params
 from .failure import HEAD_CHARS, error_head, exception_line, summarize_failure
 from .job import Status
 from .queue import JobNotFound, Queue
@@ -137,10 +138,6 @@ def _paged(rows: list[T], number: int, size: int) -> Page[T]:
 
 # -- reading -------------------------------------------------------------------------------------
 
-#: Upper bounds (seconds) of the job-duration histogram, from a sub-second job to a long one.
-DURATION_BUCKETS: tuple[float, ...] = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
-
-
 @dataclass(frozen=True)
 class Overview:
     """What the dashboard's first page shows."""
@@ -171,8 +168,6 @@ class MetricsSnapshot:
 #: ``fold_attempt_totals`` in queries.sql for why this margin makes the fold exact.
 FOLD_MARGIN_SECONDS = 600
 FOLD_BATCH = 200_000
-#: The advisory lock a fold tries and a delete that adds to the totals itself waits for.
-FOLD_LOCK = 0x666C6D6574
 
 
 class Insights:
@@ -328,10 +323,6 @@ class Insights:
             rows = self.queue.query("attempt_totals", {"after": after, **bucket_params(bounds)}, prepare=False)
             if not rows or rows[0]["mark"] == after:
                 return rows
-
-
-def bucket_params(bounds: list[float]) -> dict[str, list[float]]:
-    return {"bounds": bounds, "negated": [-b for b in reversed(bounds)]}
 
 
 __all__ += ["FOLD_LOCK", "HEAD_CHARS", "PAGE_SIZE", "JobNotFound", "bucket_params"]

@@ -21,6 +21,7 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from . import db
+from .attempt_totals import DURATION_BUCKETS, FOLD_LOCK, bucket_params
 from .job import (
     MAX_PAYLOAD_BYTES,
     Job,
@@ -709,8 +710,6 @@ class Queue:
         """Run ``delete`` or ``prune_batch``, which add the deleted jobs' not yet folded attempts
         to /metrics' running totals, after the fold's lock in the same transaction (see
         ``fold_lock``): deleting jobs never lowers the attempt counters."""
-        from .insights import DURATION_BUCKETS, FOLD_LOCK, bucket_params
-
         params = {**params, **bucket_params([float(b) for b in DURATION_BUCKETS])}
         with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
               c.cursor(row_factory=dict_row) as cur):
