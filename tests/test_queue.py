@@ -444,3 +444,25 @@ def test_queue_reads_database_url_and_fleetless_schema_as_the_cli_does(
     monkeypatch.delenv("DATABASE_URL")
     with pytest.raises(ValueError, match="DATABASE_URL"):
         Queue()
+
+
+def test_enqueue_many_into_many_queues_splits_its_notify_under_the_payload_limit(queue: Queue, dsn: str,
+                                                                                  sql) -> None:
+    """150 queues of 60-character names are 9,150 bytes of names: over NOTIFY's 8,000-byte payload
+    limit in one payload, which failed the whole enqueue_many on 61e842d. Now the queues go out as
+    several payloads, each under the limit, and every queue is named in one of them."""
+    names = [f"q{i:03d}-" + "x" * 55 for i in range(150)]
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute(f'LISTEN "{queue.channel}"')
+    ids = queue.enqueue_many([{"kind": "k", "payload": {}, "queue": name} for name in names])
+    assert len(ids) == 150
+    assert sql("SELECT count(DISTINCT queue) FROM fleetless.jobs WHERE status = 'pending'") == [(150,)]
+    queue.enqueue("k", {}, queue="last")
+    heard = []
+    for note in listener.notifies(timeout=30):
+        if note.payload == "last":
+            break
+        heard.append(note.payload)
+    listener.close()
+    assert len(heard) == 2 and all(len(p.encode()) < 8000 for p in heard)
+    assert sorted(",".join(heard).split(",")) == names

@@ -449,7 +449,7 @@ class Queue:
                         r["id"] = self._enqueue_keyed(c, r)
                 ids.extend(r["id"] for r in rows)
                 queues.update(r["queue"] for r in rows)
-            cur.execute(self._q["notify"], {"channel": self.channel, "queues": ",".join(sorted(queues))})
+            cur.execute(self._q["notify"], {"channel": self.channel, "payloads": notify_payloads(queues)})
         return ids
 
     # -- the drainer's side ------------------------------------------------------------------
@@ -842,6 +842,22 @@ def _positional(query: str) -> tuple[str, tuple[str, ...]]:
         return f"${names.index(m.group(1)) + 1}"
 
     return _PLACEHOLDER.sub(number, query).replace("%%", "%"), tuple(names)
+
+
+#: A NOTIFY payload must be shorter than 8,000 bytes (PostgreSQL's limit).
+NOTIFY_PAYLOAD_BYTES = 7999
+
+
+def notify_payloads(queues: Iterable[str], limit: int = NOTIFY_PAYLOAD_BYTES) -> list[str]:
+    """The queues as comma-separated payloads of at most ``limit`` bytes each, in name order
+    (queue names are ASCII and at most 64 characters: each fits in one payload)."""
+    payloads: list[str] = []
+    for name in sorted(set(queues)):
+        if payloads and len(payloads[-1]) + 1 + len(name) <= limit:
+            payloads[-1] += "," + name
+        else:
+            payloads.append(name)
+    return payloads
 
 
 def _claim_params(

@@ -53,8 +53,10 @@ SELECT id, false FROM {schema}.jobs
 WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 1 FROM job);
 
 -- name: notify
--- enqueue_many's one NOTIFY, after its COPY, in its transaction (payload: the queues, comma-separated).
-SELECT pg_notify(%(channel)s, %(queues)s);
+-- enqueue_many's NOTIFYs, after its COPY, in its transaction (each payload: queues, comma-separated).
+-- A payload must stay under 8,000 bytes, so many queues go out as several payloads
+-- (queue.notify_payloads), all in this one statement.
+SELECT count(pg_notify(%(channel)s, payload)) FROM unnest(%(payloads)s::text[]) AS payload;
 
 -- name: server_encoding
 -- init refuses a database whose text is not UTF-8: under LATIN1 a job's non-Latin-1 output
