@@ -134,8 +134,9 @@ def test_a_claim_is_one_statement_unless_a_kind_has_a_limit(dsn: str, queue: Que
     CountingCursor.statements.clear()
     claimed = drainer._claim(10)
     assert sorted(j.kind for j in claimed) == ["b"]  # 'a' is at its limit: 2 of its jobs still run
-    # the probe for due limited kinds, the kind's lock and limited claim, then the others' claim
-    assert len(CountingCursor.statements) == 4
+    # the probe for due limited kinds, the kind's bounded lock wait, its row lock and limited claim,
+    # then the others' claim
+    assert len(CountingCursor.statements) == 5
     conn.close()
 
 

@@ -160,8 +160,8 @@ def test_listen_needs_a_session_and_a_transaction_pooler_is_named(bouncer: poole
 
 
 def test_a_kinds_concurrency_limit_holds_through_the_pooler(pooled: str, fleetless, handlers, sql) -> None:
-    # The limited claim is a transaction of two statements under a transaction-scoped advisory lock:
-    # a transaction pooler keeps both on one server connection, and the lock ends with it.
+    # The limited claim is one transaction (lock_timeout, the kind's row lock, the claim): a
+    # transaction pooler keeps it on one server connection, and the row lock ends with it.
     h = handlers(**{"one.py": "import time; time.sleep(0.2)", "free.py": "print('ok')"})
     (h / "fleetless.toml").write_text("[kinds.one]\nconcurrency = 1\nrate = '100/s'\n")
     for kind in ("one", "one", "one", "free", "free"):

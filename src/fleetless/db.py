@@ -18,6 +18,7 @@ __all__ = [
     "DatabaseError",
     "DatabaseUnavailable",
     "DuplicateValue",
+    "LockTimeout",
     "PoolerError",
     "SchemaNotInitialised",
     "ValueNotStorable",
@@ -62,6 +63,10 @@ class DuplicateValue(ValueNotStorable):
     """A unique index refused the row (a job key already held, ...)."""
 
 
+class LockTimeout(DatabaseError):
+    """A lock wait bounded by ``lock_timeout`` ran out: another session holds the row or table."""
+
+
 _URL_PASSWORD = re.compile(r"([\w.%+-]+):([^@\s\"'/]+)@")
 _CONNINFO_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s\"]+)", re.IGNORECASE)
 
@@ -83,6 +88,8 @@ def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
     ``wrap_exceptions``): callers above ``db`` and ``queue`` never see the driver."""
     try:
         yield
+    except psycopg.errors.LockNotAvailable as exc:  # an OperationalError, but not an outage
+        raise LockTimeout(f"lock wait timed out: {_first_line(exc)}") from exc
     except psycopg.OperationalError as exc:  # includes terminated backends and admin shutdown
         raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:

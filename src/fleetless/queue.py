@@ -6,6 +6,7 @@ import contextlib
 import datetime as dt
 import itertools
 import json
+import logging
 import os
 import random
 import re
@@ -35,6 +36,8 @@ from .job import (
 from .periodic import Schedule
 from .retry import MAX_ERROR_CHARS
 
+log = logging.getLogger("fleetless.queue")
+
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool  # imported by the app that passes one, not here
 
@@ -54,6 +57,8 @@ MAX_ATTEMPTS_CEILING = 1000
 DEFAULT_MAX_ATTEMPTS = 3
 #: Every this-many-th release of a job in a row is charged as a failed attempt (see ``release``).
 MAX_RELEASES = 5
+#: How long a limited kind's claim waits for its kind_limits row before skipping the kind this pass.
+KIND_LOCK_TIMEOUT = 2.0
 _PG_INT = 2**31 - 1
 
 
@@ -481,8 +486,8 @@ class Queue:
         applied to jobs enqueued without one, its batch_size used instead of ``n`` in one_kind
         mode. Without a kind that sets ``concurrency`` or ``rate`` this is one statement. Kinds
         that do are claimed first, each in a short transaction of its own under the kind's
-        advisory lock, within their limits counted in the table (every drainer's running rows and
-        recent starts); then the other kinds with one statement, as without limits."""
+        kind_limits row lock (a bounded wait), within their limits counted in the table (every
+        drainer's running rows and recent starts); then the other kinds with one statement, as without limits."""
         if n <= 0:
             return []
         kinds = kinds or {}
@@ -507,14 +512,27 @@ class Queue:
         return got + _jobs(self._run("claim", {**params, "n": n - len(got)}))
 
     def _claim_limited(self, kind: str, ks: KindSettings, params: dict[str, Any]) -> list[Job]:
-        """One limited kind's claim: its lock, then its jobs within its limits, one transaction."""
-        with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
-              c.cursor(row_factory=dict_row) as cur):
-            cur.execute(self._q["kind_limit_lock"], {"scope": f"fleetless.kind_limit.{self.schema}", "kind": kind})
-            cur.execute(self._q["claim_limited"], {
-                **params, "kind": kind, "concurrency": ks.concurrency,
-                "rate": ks.rate.count if ks.rate else None, "window": ks.rate.seconds if ks.rate else None})
-            return _jobs(cur.fetchall())
+        """One limited kind's claim: its row lock, then its jobs within its limits, one transaction.
+        The lock wait is bounded (KIND_LOCK_TIMEOUT): when it runs out the kind is skipped this
+        pass (nothing claimed), so a claim never hangs behind whoever holds the row."""
+        try:
+            with db.errors_translated(self.schema), self._connection() as c:
+                own = c.autocommit  # the block is a transaction of its own, not part of the caller's
+                with db.atomic(c), c.cursor(row_factory=dict_row) as cur:
+                    cur.execute(self._q["kind_limit_wait"], {"timeout": f"{KIND_LOCK_TIMEOUT * 1000:.0f}ms"})
+                    before = cur.fetchone()
+                    cur.execute(self._q["kind_limit_lock"], {"kind": kind})
+                    cur.execute(self._q["claim_limited"], {
+                        **params, "kind": kind, "concurrency": ks.concurrency,
+                        "rate": ks.rate.count if ks.rate else None, "window": ks.rate.seconds if ks.rate else None})
+                    jobs = _jobs(cur.fetchall())
+                    if not own:  # the caller's transaction goes on: its lock_timeout as it was
+                        cur.execute(self._q["kind_limit_unwait"], {"old": before["old"] if before else "0"})
+                    return jobs
+        except db.LockTimeout:
+            log.warning("kind %r: its limit row stayed locked for %g s; skipping it this pass", kind,
+                        KIND_LOCK_TIMEOUT)
+            return []
 
     def claimed_with(self, token: uuid.UUID) -> list[Job]:
         """The jobs a claim with this token took and still holds."""

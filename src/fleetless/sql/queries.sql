@@ -623,16 +623,29 @@ WHERE EXISTS (
   WHERE j.kind = k.kind AND j.status = 'pending' AND j.run_after <= now()
     AND (%(queues)s::text[] IS NULL OR j.queue = ANY(%(queues)s::text[])));
 
+-- name: kind_limit_wait
+-- A limited kind's claim, first statement: bound how long it waits for the kind's row (lock_timeout,
+-- this transaction only; `old` is what to put back after, for a caller's own transaction). A wait
+-- that runs out skips the kind this pass: a claim never hangs on a lock, and a drain that waits
+-- still honours SIGTERM within the bound (issue 25 item 7).
+SELECT current_setting('lock_timeout') AS old, set_config('lock_timeout', %(timeout)s, true);
+
 -- name: kind_limit_lock
--- A limited kind's claim, first statement: the kind's transaction-scoped advisory lock (key: the
--- schema's scope and the kind), so that claims of this kind by all drainers on all hosts take
--- turns. It is its own statement because under READ COMMITTED each statement reads a snapshot
--- taken when it starts: claim_limited, which follows, then sees every running row and start that
--- the previous holder committed. Locked inside one statement, the count could miss them.
-SELECT pg_advisory_xact_lock(hashtext(%(scope)s), hashtext(%(kind)s));
+-- A limited kind's claim, second statement: lock the kind's kind_limits row (inserted the first
+-- time; a no-op update of an existing row is the lock), so that claims of this kind by all drainers
+-- on all hosts take turns. A row of fleetless's own table: only roles with rights on it can hold it.
+-- It is its own statement because under READ COMMITTED each statement reads a snapshot taken when
+-- it starts: claim_limited, which follows, then sees every running row and start that the previous
+-- holder committed. Locked inside one statement, the count could miss them.
+INSERT INTO {schema}.kind_limits AS k (kind) VALUES (%(kind)s)
+ON CONFLICT (kind) DO UPDATE SET kind = k.kind;
+
+-- name: kind_limit_unwait
+-- A limited kind's claim, last statement: lock_timeout back to what it was (kind_limit_wait).
+SELECT set_config('lock_timeout', %(old)s, true);
 
 -- name: claim_limited
--- A limited kind's claim, under kind_limit_lock: up to n due jobs of the kind, no more than its
+-- A limited kind's claim, under kind_limit_lock (its kind_limits row): up to n due jobs of the kind, no more than its
 -- concurrency minus its running rows (every drainer's, from the table) and its rate minus the
 -- starts in the window before now (kind_starts). The starts it makes are logged at one clock time
 -- (also the jobs' started_at, so job_attempts shows them), later than every start the previous

@@ -1,0 +1,111 @@
+"""Issue 25 item 7: no advisory locks. Every lock fleetless waits for is a row or a table of its own
+schema, which only roles with rights on it can take, and every wait is bounded. A role that can
+only connect (the attacker here) can no longer stall a drain, a watcher or `init`. Every
+assertion reads the tables."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+
+pytestmark = pytest.mark.usefixtures("private_workdir")
+
+#: Generous bounds on waits for an outcome (never a measured timing).
+BOUND = 60
+
+
+@pytest.fixture
+def outsider(dsn: str) -> Iterator[str]:
+    """The DSN of a new role with LOGIN and nothing else: the database's default CONNECT (PUBLIC)."""
+    role = f"fleetless_t_outsider_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = role
+    try:
+        yield psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def settings(folder: Path, text: str) -> Path:
+    (folder / "fleetless.toml").write_text(text)
+    return folder
+
+
+def drain_cli(dsn: str, h: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`fleetless drain` as cron runs it, bounded: a drain that hangs on a lock fails the test."""
+    return subprocess.run([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
+                           "--sandbox", "process", *args],
+                          env={**os.environ, "DATABASE_URL": dsn},
+                          capture_output=True, text=True, timeout=BOUND)
+
+
+@pytest.mark.parametrize("statement", [
+    "SELECT kind FROM fleetless.kind_limits FOR UPDATE",
+    "LOCK TABLE fleetless.kind_limits IN ACCESS EXCLUSIVE MODE",
+    "LOCK TABLE fleetless.migrations IN ACCESS EXCLUSIVE MODE",
+    "SELECT 1 FROM fleetless.jobs FOR UPDATE",
+])
+def test_a_connect_only_role_cannot_lock_fleetless_tables(queue: Queue, outsider: str, statement: str) -> None:
+    with psycopg.connect(outsider) as c, pytest.raises(psycopg.errors.InsufficientPrivilege):
+        c.execute(statement)
+
+
+def test_the_old_advisory_kind_limit_key_no_longer_stalls_a_limited_claim(
+        dsn: str, queue: Queue, outsider: str, sql, handlers) -> None:
+    # On 61e842d the claim waited for pg_advisory_xact_lock(hashtext(scope), hashtext(kind)): an
+    # outsider holding that key hung the drain (SIGTERM ignored) until it let go.
+    h = settings(handlers(**{"limited.py": "print('ok')"}), "[kinds.limited]\nconcurrency = 1\n")
+    queue.enqueue("limited", {})
+    with psycopg.connect(outsider, autocommit=True) as attacker:
+        attacker.execute("SELECT pg_advisory_lock(hashtext('fleetless.kind_limit.fleetless'), hashtext('limited'))")
+        out = drain_cli(dsn, h)
+        assert out.returncode == 0, out.stderr
+    assert sql("SELECT kind, status FROM fleetless.jobs") == [("limited", "done")]
+
+
+def test_a_held_kind_row_skips_that_kind_for_the_pass_instead_of_hanging(
+        dsn: str, queue: Queue, sql, handlers, caplog: pytest.LogCaptureFixture) -> None:
+    # Whoever holds a kind's row (only a role with rights on kind_limits can): a limited claim waits
+    # for it at most KIND_LOCK_TIMEOUT, then leaves that kind for the next pass; other kinds run.
+    h = settings(handlers(**{"limited.py": "print('ok')", "free.py": "print('ok')"}),
+                 "[kinds.limited]\nconcurrency = 1\n")
+    limited, free = queue.enqueue("limited", {}), queue.enqueue("free", {})
+    sql("INSERT INTO fleetless.kind_limits (kind) VALUES ('limited') ON CONFLICT DO NOTHING")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(dsn) as c:
+            c.execute("SELECT kind FROM fleetless.kind_limits WHERE kind = 'limited' FOR UPDATE")
+            holding.set()
+            release.wait(BOUND)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(BOUND)
+        summary = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process")).run()
+    finally:
+        release.set()
+        holder.join(BOUND)
+    assert summary.done == 1
+    assert sql("SELECT id, status FROM fleetless.jobs ORDER BY id") == [(limited, "pending"), (free, "done")]
+    assert "skipping it this pass" in caplog.text
+    # the row is free again: the next pass claims the kind
+    assert Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process")).run().done == 1
+    assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", limited) == [("done",)]
+
