@@ -645,8 +645,8 @@ ON CONFLICT (kind) DO UPDATE SET kind = k.kind;
 SELECT set_config('lock_timeout', %(old)s, true);
 
 -- name: claim_limited
--- A limited kind's claim, under kind_limit_lock (its kind_limits row): up to n due jobs of the kind, no more than its
--- concurrency minus its running rows (every drainer's, from the table) and its rate minus the
+-- A limited kind's claim, under kind_limit_lock (its kind_limits row): up to n due jobs of the
+-- kind, no more than its concurrency minus its running rows (every drainer's, from the table) and its rate minus the
 -- starts in the window before now (kind_starts). The starts it makes are logged at one clock time
 -- (also the jobs' started_at, so job_attempts shows them), later than every start the previous
 -- lock holder logged; so no window of the rate's length ever holds more than its count. Rows the
