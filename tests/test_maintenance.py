@@ -3,6 +3,7 @@ them at its start and on its maintenance timer."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import threading
@@ -13,6 +14,7 @@ import pytest
 from fleetless import Queue, Status
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.maintenance import Maintainer, Settings, pruner, reaper, retention, sweeper
+from fleetless.periodic import Schedule
 from fleetless.sandbox import get_backend
 
 from proctools import wait_for
@@ -157,3 +159,51 @@ def test_cli_prune_by_status_and_reap_use_the_units(dsn: str, queue: Queue, flee
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("done", 3)]
     r = fleetless("prune", "--status", "running", dsn=dsn)
     assert r.returncode == 1 and r.stderr.strip().startswith("fleetless: error: cannot prune status 'running'")
+
+
+def test_a_failing_maintenance_unit_is_logged_and_the_drain_and_its_jobs_go_on(
+        queue: Queue, sql, handlers, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 26.3: on 61e842d an error in one unit (here the database refuses every scheduler
+    insert) ended the drain with exit 3 and released the jobs it was running. Now each unit's
+    error is a warning, the other units and the running job go on, and the drain ends normally."""
+    go = tmp_path / "go"
+    h = handlers(**{"wait.py": f"""
+        import os, time
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.02)
+    """})
+    sql("CREATE OR REPLACE FUNCTION fleetless.test_refuse() RETURNS trigger LANGUAGE plpgsql AS"
+        " $$BEGIN RAISE EXCEPTION 'refused by the test'; END$$")
+    sql("CREATE TRIGGER test_refuse BEFORE INSERT ON fleetless.schedule_ticks"
+        " FOR EACH STATEMENT EXECUTE FUNCTION fleetless.test_refuse()")
+    try:
+        queue.add_schedule(Schedule(name="every-minute", cron="* * * * *", kind="tick", payload={}))
+        sql("UPDATE fleetless.schedules SET created_at = now() - interval '3 minutes'")
+        queue.enqueue("wait", {})
+        config = DrainConfig(handlers_dir=h, concurrency=1, maintenance=Settings(interval=0.2))
+        drainer = Drainer(queue, config)
+        outcome: list[object] = []
+        thread = threading.Thread(target=lambda: outcome.append(drainer.run()))
+        with caplog.at_level(logging.WARNING, logger="fleetless.maintenance"):
+            thread.start()
+            try:
+                wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE kind = 'wait'") == [("running",)],
+                         what="the waiting job to run")
+                # a pass on the timer while the job runs: the scheduler fails again, the reaper still works
+                sql("INSERT INTO fleetless.jobs (kind, payload, status, attempts, claim_token, locked_at,"
+                    " lease_expires_at) VALUES ('other', '{}', 'running', 1, gen_random_uuid(), now(),"
+                    " now() - interval '1 second')")
+                wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE kind = 'other'") == [("pending",)],
+                         what="the expired claim to be reaped mid-drain")
+            finally:
+                go.touch()
+                thread.join(timeout=60)
+    finally:
+        sql("DROP TRIGGER IF EXISTS test_refuse ON fleetless.schedule_ticks")
+        sql("DROP FUNCTION IF EXISTS fleetless.test_refuse()")
+        sql("DELETE FROM fleetless.schedules")
+    assert outcome == [drainer.summary] and drainer.summary.done == 1
+    assert sql("SELECT status FROM fleetless.jobs WHERE kind = 'wait'") == [("done",)]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'tick'") == [(0,)]
+    failures = [r.getMessage() for r in caplog.records if "the scheduler failed" in r.getMessage()]
+    assert len(failures) >= 2 and "refused by the test" in failures[0]

@@ -8,12 +8,15 @@ import json
 import threading
 from zoneinfo import ZoneInfo
 
+import psycopg
 import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer, DrainError
 from fleetless.maintenance import scheduler
 from fleetless.periodic import Schedule, occurrences
+
+from proctools import wait_for
 
 UTC = dt.UTC
 PARIS = ZoneInfo("Europe/Paris")
@@ -177,3 +180,59 @@ def test_schedules_declared_in_the_settings_file_are_stored_by_a_drain(queue: Qu
     with pytest.raises(DrainError, match=r"\[schedules.x\]: invalid cron expression"):
         Drainer(queue, DrainConfig(handlers_dir=h)).run()
     assert [s.name for s, _, _ in queue.schedules()[0]] == ["nightly"]
+
+
+def test_a_schedule_removed_while_a_pass_runs_is_skipped_and_the_others_are_enqueued(
+        dsn: str, queue: Queue, sql) -> None:
+    """The race of issue 26.3, forced: a pass reads the schedules, then another session removes one
+    of them (its DELETE not yet committed) and the pass's insert of that schedule's ticks must wait
+    for it. On 61e842d the pass then died of a foreign-key violation on schedule_ticks and enqueued
+    nothing (a drain: exit 3). Now the removed schedule is left out and the other one's ticks are
+    enqueued."""
+    created = dt.datetime.now(UTC) - dt.timedelta(minutes=3, seconds=30)
+    add(queue, sql, created, name="gone", cron="* * * * *", kind="gone")
+    add(queue, sql, created, name="kept", cron="* * * * *", kind="kept")
+    remover = psycopg.connect(dsn)
+    results: list[scheduler.Result] = []
+    errors: list[BaseException] = []
+
+    def one_pass() -> None:
+        q = Queue(dsn)
+        try:
+            results.append(scheduler.run_once(q))
+        except BaseException as exc:  # the test reports it
+            errors.append(exc)
+        finally:
+            q.close()
+
+    try:
+        remover.execute("SELECT pg_advisory_lock(4711)")
+        # The pass is held after its read of the schedules: the first of its enqueued jobs ...
+        with psycopg.connect(dsn, autocommit=True) as c:
+            c.execute("CREATE OR REPLACE FUNCTION fleetless.test_hold() RETURNS trigger LANGUAGE plpgsql AS"
+                      " $$BEGIN PERFORM pg_advisory_lock(4711); PERFORM pg_advisory_unlock(4711);"
+                      " RETURN NEW; END$$")
+            c.execute("CREATE TRIGGER test_hold BEFORE INSERT ON fleetless.schedule_ticks"
+                      " FOR EACH STATEMENT EXECUTE FUNCTION fleetless.test_hold()")
+        thread = threading.Thread(target=one_pass)
+        thread.start()
+        wait_for(lambda: sql("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+                             " WHERE a.datname = current_database() AND l.locktype = 'advisory'"
+                             " AND l.objid = 4711 AND NOT l.granted") == [(1,)], what="the pass to reach its insert")
+        remover.execute("DELETE FROM fleetless.schedules WHERE name = 'gone'")  # not committed yet
+        remover.execute("SELECT pg_advisory_unlock(4711)")
+        wait_for(lambda: sql("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+                             " WHERE a.datname = current_database() AND l.locktype = 'transactionid'"
+                             " AND NOT l.granted") == [(1,)] or not thread.is_alive(),
+                 what="the pass to wait for the removal")
+        remover.commit()
+        thread.join(timeout=60)
+    finally:
+        remover.close()
+        sql("DROP TRIGGER IF EXISTS test_hold ON fleetless.schedule_ticks")
+        sql("DROP FUNCTION IF EXISTS fleetless.test_hold()")
+    assert errors == []
+    kept = sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'kept'")[0][0]
+    assert kept in (3, 4) and results[0].enqueued == kept  # 3.5 minutes hold 3 or 4 minute ticks
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'gone'") == [(0,)]
+    assert sql("SELECT DISTINCT schedule FROM fleetless.schedule_ticks") == [("kept",)]

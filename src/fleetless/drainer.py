@@ -207,7 +207,8 @@ class Drainer:
         self._reached_db = False  # "cannot connect" until a call succeeded, "lost" after
         self._unrunnable: dict[str, str] = {}  # kind -> why its handler cannot start here
         self._handlers_dir = config.handlers_dir
-        self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db)
+        self._maintainer = maintenance.Maintainer(queue, self._backend, config.maintenance, guard=self._db,
+                                                  fatal=(DrainError,))
         self._batched = config.per_sandbox > 1
         self._wake = threading.Event()  # set by a finished unit, a NOTIFY, the completer's failure, or stop()
         self._completer = self._new_completer()

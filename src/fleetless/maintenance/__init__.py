@@ -9,11 +9,13 @@ whenever ``interval`` has passed, for drains that run long.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from .. import db
 from ..queue import Queue
 from ..sandbox import Sandbox
 from . import pruner, reaper, retention, scheduler, sweeper
@@ -21,6 +23,7 @@ from . import pruner, reaper, retention, scheduler, sweeper
 __all__ = ["Maintainer", "Report", "Settings", "pruner", "reaper", "retention", "scheduler", "sweeper"]
 
 T = TypeVar("T")
+log = logging.getLogger("fleetless.maintenance")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Report:
     swept: sweeper.Result = field(default_factory=sweeper.Result)
     pruned: pruner.Result = field(default_factory=pruner.Result)
     scheduled: scheduler.Result = field(default_factory=scheduler.Result)
+    failed: list[str] = field(default_factory=list)  # the units that failed (each logged), in order
 
 
 def _direct(call: Callable[[], Any]) -> Any:
@@ -58,8 +62,11 @@ class Maintainer:
     a database restart); the default calls it as it is."""
 
     def __init__(self, queue: Queue, backend: type[Sandbox], settings: Settings = Settings(),
-                 guard: Callable[[Callable[[], Any]], Any] = _direct) -> None:
+                 guard: Callable[[Callable[[], Any]], Any] = _direct,
+                 fatal: tuple[type[BaseException], ...] = ()) -> None:
+        """``fatal``: the errors ``guard`` raises when it gives up, which end the drain."""
         self.queue = queue
+        self._fatal: tuple[type[BaseException], ...] = (*fatal, ConnectionError, db.SchemaNotInitialised, OSError)
         self.settings = settings
         self._sweeper = sweeper.Settings(backend)
         self._guard = guard
@@ -74,11 +81,29 @@ class Maintainer:
         s = self.settings
         self._last = time.monotonic()
         report = Report()
-        report.reaped = self._guard(lambda: reaper.run_once(self.queue, s.reaper))
-        report.swept = sweeper.run_once(self._sweeper)
-        report.pruned = self._guard(lambda: retention.run_once(self.queue, s.retention))
-        report.scheduled = self._guard(lambda: scheduler.run_once(self.queue, s.scheduler))
+        report.reaped = self._unit(report, "reaper", lambda: self._guard(lambda: reaper.run_once(self.queue, s.reaper)),
+                                   reaper.Result())
+        report.swept = self._unit(report, "sweeper", lambda: sweeper.run_once(self._sweeper), sweeper.Result())
+        report.pruned = self._unit(report, "retention",
+                                   lambda: self._guard(lambda: retention.run_once(self.queue, s.retention)),
+                                   pruner.Result())
+        report.scheduled = self._unit(report, "scheduler",
+                                      lambda: self._guard(lambda: scheduler.run_once(self.queue, s.scheduler)),
+                                      scheduler.Result())
         return report
+
+    def _unit(self, report: Report, name: str, call: Callable[[], T], nothing: T) -> T:
+        """One unit's pass; on an error that need not end the drain, a warning and ``nothing``."""
+        try:
+            return call()
+        except self._fatal:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            log.warning("maintenance: the %s failed (%s: %s); the drain goes on", name, type(exc).__name__, first)
+            log.debug("maintenance unit %s failed", name, exc_info=True)
+            report.failed.append(name)
+            return nothing
 
     def run_due(self) -> Report | None:
         """A pass if ``interval`` has passed since the last one (or none ran yet), else None."""

@@ -881,9 +881,15 @@ ORDER BY s.name;
 -- becomes exactly one job however many drainers race. The job is due at its tick. Occurrences
 -- older than the catch-up window are never enqueued again, so their rows are dropped here too.
 -- A schedule without max_attempts (NULL) enqueues as enqueue without one: 3, and the claim applies
--- the kind's.
+-- the kind's. Only schedules that still exist get ticks: FOR KEY SHARE waits for a concurrent
+-- schedule_remove and then leaves its schedule out (instead of a foreign-key violation that lost
+-- every other schedule's ticks and crashed the drain), and keeps the rest from being removed
+-- until this commits.
 WITH due AS (
-  SELECT * FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[]) AS d(schedule, tick)
+  SELECT d.schedule, d.tick
+  FROM unnest(%(names)s::text[], %(ticks)s::timestamptz[]) AS d(schedule, tick)
+  JOIN {schema}.schedules s ON s.name = d.schedule
+  FOR KEY SHARE OF s
 ), won AS (
   INSERT INTO {schema}.schedule_ticks (schedule, tick)
   SELECT schedule, tick FROM due
