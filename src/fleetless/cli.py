@@ -134,16 +134,23 @@ def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool
 
 
 @cli.command()
+@click.option("--recount", is_flag=True,
+              help="Also rebuild the job counts that status and /metrics read from the jobs table "
+                   "(holds off job writes while it counts).")
 @json_option
 @click.pass_context
-def init(ctx: click.Context, as_json: bool) -> None:
+def init(ctx: click.Context, recount: bool, as_json: bool) -> None:
     """Create or upgrade the schema (idempotent)."""
     q = _queue(ctx)
     applied = q.init()
+    wrong = q.recount() if recount else None
     if as_json:
-        _echo_json({"schema": q.schema, "applied": applied})
+        _echo_json({"schema": q.schema, "applied": applied}
+                   | ({} if wrong is None else {"recounted": True, "wrong": wrong}))
         return
     click.echo(f"schema {q.schema}: " + (f"applied migrations {applied}" if applied else "up to date"))
+    if wrong is not None:
+        click.echo(f"job counts rebuilt: {wrong} of them were wrong")
 
 
 @cli.command()

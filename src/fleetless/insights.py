@@ -254,6 +254,7 @@ class Insights:
         """The first page's figures; the tables of kinds, queues and running jobs are paged."""
         for number in (running_page, kinds_page, queues_page):
             _check_page(number, size)
+        self.queue.compact_counts()
         counts = self.queue.query("insight_counts", {})
         by_status = {s.value: 0 for s in Status}
         by_kind: dict[str, dict[str, int]] = {}
@@ -284,6 +285,7 @@ class Insights:
         kind and outcome with its duration histogram, from the attempt history's running totals."""
         bounds = [float(b) for b in DURATION_BUCKETS]
         self._fold(bounds)
+        self.queue.compact_counts()
         counts = self.queue.query("insight_counts", {})
         oldest = self.queue.query("insight_oldest_due_by_queue", {})
         finished: dict[tuple[str, str], int] = {}

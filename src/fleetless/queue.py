@@ -810,8 +810,24 @@ class Queue:
             _job_id(before)
         return self._run("list", {"status": status, "kind": kind, "queue": queue, "limit": limit, "before": before})
 
+    def compact_counts(self) -> None:
+        """Fold job_counts' rows into one per (queue, kind, status) (``compact_counts`` in
+        queries.sql); the reads of the counts call it first, so they sum a few rows."""
+        self._run("compact_counts", {})
+
+    def recount(self) -> int:
+        """Make job_counts again from the jobs table, holding off job writes meanwhile (``fleetless
+        init --recount``). Returns how many (queue, kind, status) counts were wrong."""
+        with db.errors_translated(self.schema), self._connection() as c, c.transaction(), c.cursor() as cur:
+            cur.execute(self._q["recount_lock"])
+            cur.execute(self._q["lock_jobs_share"])
+            cur.execute(self._q["recount"])
+            row = cur.fetchone()
+        return int(row[0]) if row else 0
+
     def stats(self) -> dict[str, Any]:
         """Counts by status and by kind, the oldest due job's wait, and when the next is due."""
+        self.compact_counts()
         counts = self._run("counts", {})
         by_status = {s.value: 0 for s in Status}
         by_kind: dict[str, dict[str, int]] = {}

@@ -402,15 +402,60 @@ ORDER BY id DESC
 LIMIT %(limit)s;
 
 -- name: counts
-SELECT kind, status, count(*) AS n FROM {schema}.jobs GROUP BY kind, status ORDER BY kind, status;
+-- From job_counts (kept by the triggers of migration 016), never by counting the jobs table.
+SELECT kind, status, sum(n)::bigint AS n FROM {schema}.job_counts
+GROUP BY kind, status HAVING sum(n) <> 0 ORDER BY kind, status;
+
+-- name: compact_counts
+-- Folds job_counts' rows (one per job-changing statement since the last fold) into one row per
+-- (queue, kind, status), so that reading the counts stays a scan of a few rows. One folder at a
+-- time (a try-lock: a second one folds nothing rather than wait); recount waits for the lock, so
+-- a fold's new rows are never left beside a recount's. Readers see the rows before or after it
+-- commits, which sum to the same counts.
+WITH gone AS (
+  DELETE FROM {schema}.job_counts
+  WHERE (SELECT pg_try_advisory_xact_lock(hashtext('{schema}.job_counts')))
+  RETURNING queue, kind, status, n
+)
+INSERT INTO {schema}.job_counts (queue, kind, status, n)
+SELECT queue, kind, status, sum(n) FROM gone GROUP BY queue, kind, status HAVING sum(n) <> 0;
+
+-- name: recount_lock
+-- `fleetless init --recount`, first statement: wait for a fold in progress and hold off others
+-- (their lock), so a fold's rows are never left beside the recount's.
+SELECT pg_advisory_xact_lock(hashtext('{schema}.job_counts'));
+
+-- name: lock_jobs_share
+-- Then hold off every job write until the recount commits (SHARE waits for the writers in flight
+-- and blocks new ones; reads go on), so no change is missed or counted twice.
+LOCK TABLE {schema}.jobs IN SHARE MODE;
+
+-- name: recount
+-- `fleetless init --recount`, under recount_lock and LOCK TABLE jobs IN SHARE MODE: job_counts
+-- made again from the jobs table (repairs counts a trigger did not see, e.g. after the triggers
+-- were disabled by hand). Returns how many rows of job_counts were wrong (keys whose sum differed).
+WITH truth AS (
+  SELECT queue, kind, status, count(*) AS n FROM {schema}.jobs GROUP BY queue, kind, status
+), kept AS (
+  SELECT queue, kind, status, sum(n) AS n FROM {schema}.job_counts GROUP BY queue, kind, status
+), gone AS (
+  DELETE FROM {schema}.job_counts
+), made AS (
+  INSERT INTO {schema}.job_counts (queue, kind, status, n) SELECT queue, kind, status, n FROM truth
+)
+SELECT count(*) AS wrong FROM truth t FULL JOIN kept k USING (queue, kind, status)
+WHERE COALESCE(t.n, 0) <> COALESCE(k.n, 0);
 
 -- name: pending_times
--- Oldest due-and-waiting job and the next one due, from the seed's partial index.
-SELECT extract(epoch FROM now() - min(run_after) FILTER (WHERE run_after <= now()))::float8
-         AS oldest_due_age_seconds,
-       extract(epoch FROM min(run_after) FILTER (WHERE run_after > now()) - now())::float8
+-- Oldest due-and-waiting job and the next one due: two first rows of the partial index on
+-- run_after (an aggregate with FILTER would read every pending row: 1M of them at scale).
+SELECT extract(epoch FROM now() - o.run_after)::float8 AS oldest_due_age_seconds,
+       extract(epoch FROM (SELECT min(run_after) FROM {schema}.jobs
+                           WHERE status = 'pending' AND run_after > now()) - now())::float8
          AS next_due_in_seconds
-FROM {schema}.jobs WHERE status = 'pending';
+FROM (SELECT 1) AS one
+LEFT JOIN (SELECT min(run_after) AS run_after FROM {schema}.jobs WHERE status = 'pending') AS o
+  ON o.run_after <= now();
 
 -- name: prune_batch
 -- The pruner (retention at every drain, and `fleetless prune`): finished jobs older than the age
@@ -721,23 +766,26 @@ WHERE status = 'pending' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues
 -- The read service (fleetless.insights): what the CLI's reports, the dashboard and /metrics show.
 
 -- name: insight_counts
--- Jobs by queue, kind and status for the live ones (pending, running: few, read through their
--- partial indexes), by kind and status for the finished ones (queue NULL): those are most of the
--- table, and (kind, status) is counted from jobs_kind_status_idx alone (an index-only scan),
--- without reading the rows. 1M finished rows: about twice a bare count(*) (bench/bench_metrics.py).
-SELECT queue, kind, status, count(*) AS n FROM {schema}.jobs WHERE status = 'pending' GROUP BY queue, kind, status
-UNION ALL
-SELECT queue, kind, status, count(*) FROM {schema}.jobs WHERE status = 'running' GROUP BY queue, kind, status
-UNION ALL
-SELECT NULL, kind, status, count(*) FROM {schema}.jobs
-WHERE status IN ('done', 'dead', 'cancelled') GROUP BY kind, status;
+-- Jobs by queue, kind and status for the live ones (pending, running), by kind and status for the
+-- finished ones (queue NULL), as before; read from job_counts (migration 016), a few rows whatever
+-- the table's size, never from the jobs table.
+SELECT CASE WHEN status IN ('pending', 'running') THEN queue END AS queue, kind, status,
+       sum(n)::bigint AS n
+FROM {schema}.job_counts
+GROUP BY 1, kind, status HAVING sum(n) <> 0;
 
 -- name: insight_oldest_due_by_queue
 -- How long the oldest due job of each queue has waited (a drainer is not keeping up, or not
--- running). Reads only pending rows, through the claim's partial index.
-SELECT queue, extract(epoch FROM now() - min(run_after))::float8 AS age_seconds
-FROM {schema}.jobs WHERE status = 'pending' AND run_after <= now()
-GROUP BY queue ORDER BY queue;
+-- running). The queues with pending jobs come from job_counts; each one's oldest is the first row
+-- of its part of the pending index on (queue, run_after): a few index reads per queue, not a read
+-- of every due job (1M at scale).
+SELECT q.queue, extract(epoch FROM now() - m.run_after)::float8 AS age_seconds
+FROM (SELECT queue FROM {schema}.job_counts WHERE status = 'pending'
+      GROUP BY queue HAVING sum(n) > 0) AS q
+CROSS JOIN LATERAL (SELECT min(run_after) AS run_after FROM {schema}.jobs
+                    WHERE status = 'pending' AND queue = q.queue) AS m
+WHERE m.run_after <= now()
+ORDER BY q.queue;
 
 -- name: insight_running
 -- What runs now, longest first, with the drainer holding it (claimed_by, tier), a page at a time
