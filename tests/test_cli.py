@@ -164,6 +164,11 @@ def test_drain_defaults_to_auto_and_says_which_tier_it_chose_and_why(dsn: str, q
     assert r.returncode == 0, r.stderr
     tier, note = choose_tier("auto")
     assert tier == ("bwrap" if _bwrap_works() else "process")
+    # The usual choice is news only with -v; a fall-back to the process tier is always a warning.
+    if tier == "bwrap":
+        assert note not in r.stderr, r.stderr
+        queue.enqueue("ok", {})
+        r = fleetless("-v", "drain", "--handlers", str(h), dsn=dsn, env={"FLEETLESS_SANDBOX": ""})
     assert r.stderr.splitlines()[0] == f"fleetless: {note}"
     assert r.stdout.strip().startswith("drained: claimed 1, done 1,")
     explicit = fleetless("drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,8 +59,16 @@ def _insights(ctx: click.Context) -> Insights:
     return Insights(_queue(ctx))
 
 
+def _json_value(value: Any) -> Any:
+    """Timestamps as ISO 8601 (``2026-12-04T05:01:02.5+00:00``, what every JSON reader parses);
+    anything else JSON has no type for as its text."""
+    if isinstance(value, (dt.datetime, dt.date, dt.time)):
+        return value.isoformat()
+    return str(value)
+
+
 def _echo_json(data: Any) -> None:
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(data, indent=2, default=_json_value))
 
 
 def _duration(_: click.Context | None, param: click.Parameter | None, value: str | None) -> float | None:
@@ -247,7 +256,7 @@ def drain_options(f: F) -> F:
         click.option("--ttl", callback=_duration, default="900", show_default=True,
                      help="Sandbox lifetime; hard upper bound on a job."),
         click.option("--lease-grace", callback=_duration, default="60", show_default=True,
-                     help="Lease = timeout + this; past it the reaper returns the claim."),
+                     help="Lease = timeout + this (at least 3 s); past it the reaper returns the claim."),
         click.option("--shutdown-grace", callback=_duration, default="30", show_default=True,
                      help="On SIGTERM, running jobs get this long before their claims are returned."),
         click.option("--backoff-base", callback=_duration, default="60", show_default=True,
@@ -347,7 +356,9 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
         os.environ[hostuid.ENV] = kw["job_uids"]
     drainer = Drainer(_queue(ctx), config)
     if drainer.tier_note:  # a log record, so --log-format json keeps stderr all JSON
-        logging.getLogger("fleetless.cli").warning("%s", drainer.tier_note)
+        # Which tier auto chose is news only when it is not the one the docs lead with.
+        level = logging.WARNING if drainer.config.sandbox == "process" else logging.INFO
+        logging.getLogger("fleetless.cli").log(level, "%s", drainer.tier_note)
     drainer.install_signal_handlers()
     drainer.reporter = _reporter(ctx, drainer.config.sandbox)
     summary = drainer.run()
@@ -355,6 +366,8 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
         _echo_json(dataclasses.asdict(summary))
     else:
         click.echo(summary.line())
+    if drainer.signalled == signal.SIGINT:
+        sys.exit(130)  # the shell's convention for Ctrl-C, after the jobs were wound down
 
 
 @cli.command()
@@ -759,10 +772,49 @@ def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...],
         click.echo(f"drain with it: FLEETLESS_CACHE={path} fleetless drain --sandbox microvm ...")
 
 
+#: The group's options that take a value, accepted after the command too (``fleetless status
+#: --database-url …``) unless that command has an option of the same name.
+_GLOBAL_WITH_VALUE = ("--database-url", "--schema")
+
+
+def _global_options_first(args: list[str]) -> list[str]:
+    """``args`` with the group's ``--database-url``/``--schema`` moved in front of the command when
+    given after it, as users of git, psql and kubectl type them. Nothing after ``--`` moves."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):  # the group's own options before the command
+        i += 2 if args[i] in _GLOBAL_WITH_VALUE else 1
+    if i >= len(args) or args[i] not in cli.commands:
+        return args
+    command = cli.commands[args[i]]
+    own = {o for p in command.params for o in getattr(p, "opts", [])}
+    front, rest, j = args[:i], [args[i]], i + 1
+    while j < len(args):
+        a = args[j]
+        if a == "--":
+            rest.extend(args[j:])
+            break
+        name = a.partition("=")[0]
+        if name in _GLOBAL_WITH_VALUE and name not in own:
+            if "=" in a:
+                front.append(a)
+            else:
+                front.extend(args[j:j + 2])
+                j += 1
+        else:
+            rest.append(a)
+        j += 1
+    return front + rest
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click's parsing, but every error is a single line on stderr."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:  # bare `fleetless`: the help, not an error line; 2 as for any usage mistake
+        with click.Context(cli, info_name="fleetless") as ctx:
+            click.echo(cli.get_help(ctx))
+        sys.exit(2)
     try:
-        cli.main(args=argv, prog_name="fleetless", standalone_mode=False)
+        cli.main(args=_global_options_first(args), prog_name="fleetless", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.Abort:

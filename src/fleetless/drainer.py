@@ -203,6 +203,7 @@ class Drainer:
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
         self._stop_at: float | None = None  # monotonic time after which running jobs are aborted
+        self.signalled: int | None = None  # the first SIGTERM/SIGINT that stopped this drain
         self._fatal: str | None = None
         self._reached_db = False  # "cannot connect" until a call succeeded, "lost" after
         self._unrunnable: dict[str, str] = {}  # kind -> why its handler cannot start here
@@ -279,6 +280,7 @@ class Drainer:
         """SIGTERM/SIGINT: stop claiming and wind down; a second one aborts at once."""
 
         def handler(signum: int, frame: FrameType | None) -> None:
+            self.signalled = self.signalled or signum
             if self._stop_at is None:
                 log.warning("%s: stopping; running jobs get %g s", signal.Signals(signum).name,
                             self.config.shutdown_grace)
@@ -326,6 +328,9 @@ class Drainer:
             declared = kinds.load_schedules(self._handlers_dir)
             self._load_kind_tiers()
             self._had_handler = handlers.kinds(self._handlers_dir)
+            for kind in sorted(set(self._kinds) - self._had_handler):
+                log.warning("fleetless.toml: [kinds.%s] names no handler in %s (misspelt?): its settings"
+                            " apply to nothing", kind, self._handlers_dir)
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError, OSError) as exc:
             raise DrainError(str(exc)) from None
         if declared:  # periodic jobs declared in fleetless.toml: stored (or updated) in the table

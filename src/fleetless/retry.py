@@ -15,7 +15,9 @@ MAX_DELAY_OPTION = 365 * 86400.0
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff plus jitter: ``2**attempt * base + uniform(0, max_jitter)`` seconds.
+    """Exponential backoff plus jitter: ``2**attempt * base + uniform(0, j)`` seconds, where
+    ``j = min(max_jitter, backoff / 4)``: the jitter scales with the backoff, so a short base
+    (``1s``) retries in about 2 s, not up to 30 s later.
 
     With the defaults a job failing its 1st attempt waits 2 min (+0-30 s), its 2nd 4 min, ...;
     jitter keeps a batch failing on the same dependency from retrying in lockstep.
@@ -37,4 +39,4 @@ class RetryPolicy:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
         exp = min(attempt, 60)  # 2**60 minutes is already forever; avoid float overflow
         backoff = min((2.0**exp) * self.base_seconds, self.max_delay_seconds)
-        return backoff + random.uniform(0, self.max_jitter_seconds)
+        return backoff + random.uniform(0, min(self.max_jitter_seconds, backoff / 4))

@@ -1,0 +1,83 @@
+"""What a user of git, psql or any other Unix tool expects of fleetless's command line: help on a
+bare command, options in any order, Ctrl-C's exit status, ISO timestamps, quiet success."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue, RetryPolicy
+
+from proctools import wait_for
+
+
+def test_bare_fleetless_prints_its_help_not_an_error(fleetless: Any) -> None:
+    r = fleetless()
+    assert r.returncode == 2
+    assert "Usage: fleetless" in r.stdout and "drain" in r.stdout and "fleetless: error" not in r.stderr + r.stdout
+
+
+def test_the_database_and_schema_options_work_after_the_command(dsn: str, queue: Queue, fleetless: Any) -> None:
+    queue.enqueue("report", {})
+    for args in (["status", "--json", "--database-url", dsn], ["status", f"--database-url={dsn}", "--json"],
+                 ["status", "--json", "--database-url", dsn, "--schema", "fleetless"]):
+        r = fleetless(*args)
+        assert r.returncode == 0, (args, r.stderr)
+        assert json.loads(r.stdout)["by_status"]["pending"] == 1
+    wrong = fleetless("status", "--schema", "nosuch", "--database-url", dsn)
+    assert wrong.returncode == 1 and "schema nosuch is not initialised" in wrong.stderr
+
+
+def test_json_timestamps_are_iso_8601_with_a_t(dsn: str, queue: Queue, fleetless: Any) -> None:
+    job_id = queue.enqueue("report", {})
+    shown = json.loads(fleetless("show", str(job_id), "--json", dsn=dsn).stdout)
+    assert "T" in shown["created_at"] and " " not in shown["created_at"], shown["created_at"]
+
+
+def test_lease_graces_help_states_its_floor(fleetless: Any) -> None:
+    assert "at least 3 s" in " ".join(fleetless("drain", "--help").stdout.split())
+
+
+def test_ctrl_c_winds_the_drain_down_and_exits_130(dsn: str, queue: Queue, handlers: Any, sql: Any,
+                                                 tmp_path: Path) -> None:
+    started = tmp_path / "started"
+    h = handlers(**{"long.py": f"""
+        import time
+        open({str(started)!r}, "w").close()
+        time.sleep(600)
+    """})
+    job_id = queue.enqueue("long", {})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--shutdown-grace", "1"],
+        env={**os.environ, "DATABASE_URL": dsn}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(started.exists, timeout=30, what="the job to start")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "1 released" in out
+    assert sql("SELECT status, attempts FROM fleetless.jobs WHERE id = %s", job_id) == [("pending", 0)]
+
+
+def test_a_drain_on_the_usual_tier_says_nothing_about_it_but_a_misspelt_kind_is_warned_of(
+        dsn: str, queue: Queue, handlers: Any, fleetless: Any) -> None:
+    h = handlers(**{"report.py": "print('ok')",
+                    "fleetless.toml": "[kinds.reprot]\ntimeout = \"5s\"\n"})
+    queue.enqueue("report", {})
+    r = fleetless("drain", "--handlers", str(h), dsn=dsn, env={"FLEETLESS_SANDBOX": ""})
+    assert r.returncode == 0, r.stderr
+    assert "(auto: it can create namespaces" not in r.stderr
+    assert "[kinds.reprot] names no handler" in r.stderr and "misspelt" in r.stderr
+
+
+@pytest.mark.parametrize(("base", "most"), [(1.0, 2.5), (60.0, 150.0), (0.0, 0.0)])
+def test_retry_jitter_scales_with_a_short_backoff(base: float, most: float) -> None:
+    policy = RetryPolicy(base_seconds=base, max_jitter_seconds=30)
+    delays = [policy.delay(1) for _ in range(500)]
+    assert all(2 * base <= d <= most for d in delays), (min(delays), max(delays))
