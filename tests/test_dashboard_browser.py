@@ -118,6 +118,19 @@ def test_retry_a_dead_job_from_the_browser_with_the_token(queue: Queue, sql: Any
     assert "drain-host-1:4242" in page.inner_text("#running") and "bwrap" in page.inner_text("#running")
     assert page.locator("#per-minute").count() == 1
     assert (page.inner_text("#attempts-done"), page.inner_text("#attempts-failed")) == ("3", "1")
+    # "By queue" counts every status (finished ones too), also of a queue with nothing pending.
+    table = page.evaluate("""() => [...document.querySelectorAll('#by-queue tr')].map(
+        r => [...r.cells].map(c => c.innerText))""")
+    header, rows = table[0], {r[0]: dict(zip(table[0][1:], map(int, r[1:]), strict=True)) for r in table[1:]}
+    assert header[0] == "queue" and set(rows) == {"default", "media"}
+    assert sum(r["done"] for r in rows.values()) == 3 and sum(r["dead"] for r in rows.values()) == 1
+    assert sum(r["pending"] for r in rows.values()) == 4 and sum(r["running"] for r in rows.values()) == 1
+    # The chart does not squeeze a few minutes' activity into a sliver at its right edge: each bar
+    # is at least 1/30 of its width (the quiet minutes before the first activity are left out).
+    bars = page.evaluate("() => [...document.querySelectorAll('#per-minute rect[fill=\"#43a047\"]')]"
+                         ".map(r => r.getBBox().width)")
+    chart = page.locator("#per-minute").bounding_box()
+    assert chart is not None and bars and min(bars) >= chart["width"] / 30 - 1, (bars, chart)
     page.screenshot(path=str(screenshots / "overview.png"), full_page=True)
 
     page.click("#count-dead")
@@ -143,6 +156,22 @@ def test_retry_a_dead_job_from_the_browser_with_the_token(queue: Queue, sql: Any
     with urllib.request.urlopen(url + "/metrics", timeout=60) as answer:  # the same server's /metrics
         assert answer.status == 200 and b'fleetless_jobs{kind="send-email",queue="default",status="pending"} 1.0' in \
             answer.read()
+
+
+def test_the_schedules_page_keeps_a_cron_expression_on_one_line(queue: Queue, serve: Callable[..., str],
+                                                                 browser: Any) -> None:
+    from fleetless.periodic import Schedule
+
+    queue.add_schedule(Schedule(name="every-minute", cron="* * * * *", kind="ping",
+                                payload={"a": "long payload " * 8}))
+    page = browser.new_page(viewport={"width": 700, "height": 600})
+    page.goto(serve(None) + "/schedules")
+    cron = page.locator("#schedules td:nth-child(2) code")
+    assert cron.inner_text() == "* * * * *"
+    line = page.evaluate("() => parseFloat(getComputedStyle(document.querySelector('#schedules td code')).lineHeight)"
+                         " || 20")
+    box = cron.bounding_box()
+    assert box is not None and box["height"] < 1.5 * line, (box, line)
 
 
 def test_without_a_token_the_browser_cannot_act(queue: Queue, sql: Any, serve: Callable[..., str],

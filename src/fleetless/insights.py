@@ -145,7 +145,7 @@ class Overview:
     total: int
     by_status: dict[str, int]
     by_kind: Page[tuple[str, dict[str, int]]]  # (kind, counts by status), by name
-    by_queue: Page[tuple[str, dict[str, int]]]  # pending and running jobs only, by name
+    by_queue: Page[tuple[str, dict[str, int]]]  # every status, by name
     oldest_due_age_seconds: float | None
     next_due_in_seconds: float | None
     running: Page[dict[str, Any]]
@@ -263,9 +263,8 @@ class Insights:
             by_status[r["status"]] += r["n"]
             kind = by_kind.setdefault(r["kind"], {})
             kind[r["status"]] = kind.get(r["status"], 0) + r["n"]
-            if r["queue"] is not None:  # pending and running only: see insight_counts
-                q = by_queue.setdefault(r["queue"], {})
-                q[r["status"]] = q.get(r["status"], 0) + r["n"]
+        for r in self.queue.query("insight_counts_by_queue", {}):
+            by_queue.setdefault(r["queue"], {})[r["status"]] = int(r["n"])
         stats = self.queue.query("pending_times", {})[0]
         return Overview(
             total=sum(by_status.values()),

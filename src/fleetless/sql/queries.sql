@@ -774,6 +774,13 @@ SELECT CASE WHEN status IN ('pending', 'running') THEN queue END AS queue, kind,
 FROM {schema}.job_counts
 GROUP BY 1, kind, status HAVING sum(n) <> 0;
 
+-- name: insight_counts_by_queue
+-- The dashboard's "By queue" table: every status of every queue that has jobs (finished ones too),
+-- from job_counts: a few rows whatever the table's size.
+SELECT queue, status, sum(n)::bigint AS n
+FROM {schema}.job_counts
+GROUP BY queue, status HAVING sum(n) <> 0;
+
 -- name: insight_oldest_due_by_queue
 -- How long the oldest due job of each queue has waited (a drainer is not keeping up, or not
 -- running). The queues with pending jobs come from job_counts; each one's oldest is the first row

@@ -32,6 +32,7 @@ pre{background:#fff;border:1px solid #e0e0e0;padding:.6em;overflow:auto;max-heig
 .err{color:#c62828}.pager{margin:.2em 0 .8em}.muted{color:#777}form.inline{display:inline}button{margin-right:.4em}
 .flash{background:#e8f5e9;border:1px solid #a5d6a7;padding:.4em .8em;margin-bottom:.8em}
 .flash.bad{background:#ffebee;border-color:#ef9a9a}
+code{white-space:nowrap}
 """
 
 
@@ -83,8 +84,17 @@ def _pager(page: Page[Any], href: str, query: Mapping[str, str], param: str, ide
     return f'<p class="pager">{" · ".join(links)}</p>'
 
 
+#: The chart shows at least this many minutes, however recent the first activity.
+CHART_MIN_MINUTES = 30
+
+
 def _chart(per_minute: Sequence[Mapping[str, Any]]) -> str:
-    """Attempts done (green) and failed (red) per minute as stacked bars in inline SVG."""
+    """Attempts done (green) and failed (red) per minute as stacked bars in inline SVG. The quiet
+    minutes before the window's first activity are left out (down to CHART_MIN_MINUTES), so that
+    a queue that started a few minutes ago fills the chart instead of a sliver at its right edge."""
+    busy = [i for i, m in enumerate(per_minute) if m["done"] or m["failed"]]
+    start = min(busy[0], max(len(per_minute) - CHART_MIN_MINUTES, 0)) if busy else 0
+    per_minute = per_minute[start:]
     if not per_minute:
         return ""
     width, height, bar = 720, 120, 720 / len(per_minute)
