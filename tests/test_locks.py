@@ -6,6 +6,8 @@ assertion reads the tables."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +20,8 @@ import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
+
+from proctools import wait_for
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
 
@@ -59,6 +63,9 @@ def drain_cli(dsn: str, h: Path, *args: str) -> subprocess.CompletedProcess[str]
     "LOCK TABLE fleetless.kind_limits IN ACCESS EXCLUSIVE MODE",
     "LOCK TABLE fleetless.migrations IN ACCESS EXCLUSIVE MODE",
     "SELECT 1 FROM fleetless.jobs FOR UPDATE",
+    "SELECT 1 FROM fleetless.watchers FOR UPDATE",
+    "LOCK TABLE fleetless.watchers IN ACCESS EXCLUSIVE MODE",
+    "INSERT INTO fleetless.watchers VALUES ('*', 'x', now() + interval '1 year', 1e9)",
 ])
 def test_a_connect_only_role_cannot_lock_fleetless_tables(queue: Queue, outsider: str, statement: str) -> None:
     with psycopg.connect(outsider) as c, pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -109,3 +116,65 @@ def test_a_held_kind_row_skips_that_kind_for_the_pass_instead_of_hanging(
     assert Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process")).run().done == 1
     assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", limited) == [("done",)]
 
+
+
+def watcher(dsn: str, h: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox",
+                             "process", "--watch", *args], env={**os.environ, "DATABASE_URL": dsn},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def stop(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.terminate()
+    return proc.communicate(timeout=BOUND)
+
+
+def test_the_old_advisory_watcher_key_no_longer_makes_cron_ticks_exit(
+        dsn: str, queue: Queue, outsider: str, sql, handlers) -> None:
+    # On 61e842d an outsider holding the watcher's advisory key made every tick exit 0 with "a
+    # watcher is already draining these queues" and no job ever ran.
+    h = handlers(**{"k.py": "print('ok')"})
+    job = queue.enqueue("k", {})
+    with psycopg.connect(outsider, autocommit=True) as attacker:
+        attacker.execute("SELECT pg_advisory_lock(hashtext('fleetless:fleetless:*'))")
+        out = drain_cli(dsn, h, "--watch", "--idle-exit", "1s")
+    assert out.returncode == 0, out.stderr
+    assert "already draining" not in out.stdout + out.stderr
+    assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)]
+
+
+def test_a_stopped_watcher_is_taken_over_by_a_cron_tick_after_its_lease(dsn: str, queue: Queue, sql,
+                                                                         handlers) -> None:
+    # Issue 26 item 6: a SIGSTOPped watcher held its session lock forever and every tick exited.
+    # Now its heartbeat ages; once older than its lease the next tick drains, and the stopped
+    # watcher, resumed, finds the row taken over and exits without claiming.
+    h = handlers(**{"k.py": "print('ok')"})
+    w = watcher(dsn, h, "--watch-lease", "3s")
+    try:
+        holder = f"{socket.gethostname()}:{w.pid}:"
+        wait_for(lambda: sql("SELECT count(*) FROM fleetless.watchers WHERE holder LIKE %s", holder + "%") == [(1,)],
+                 BOUND, "the watcher's row")
+        first = queue.enqueue("k", {})
+        wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", first) == [("done",)], BOUND,
+                 "the live watcher to run the first job")
+        tick = drain_cli(dsn, h, "--watch", "--idle-exit", "1s")
+        assert "a watcher is already draining these queues" in tick.stdout + tick.stderr  # it is alive
+        os.kill(w.pid, signal.SIGSTOP)
+        second = queue.enqueue("k", {})
+        wait_for(lambda: sql("SELECT heartbeat_at < now() - make_interval(secs => lease_seconds)"
+                             " FROM fleetless.watchers") == [(True,)], BOUND, "the stopped watcher's lease to run out")
+        tick = drain_cli(dsn, h, "--watch", "--idle-exit", "1s")
+        assert tick.returncode == 0, tick.stderr
+        assert "already draining" not in tick.stdout + tick.stderr
+        assert sql("SELECT status, attempts FROM fleetless.jobs WHERE id = %s", second) == [("done", 1)]
+        (by,) = sql("SELECT claimed_by FROM fleetless.jobs WHERE id = %s", second)[0]
+        assert not str(by).endswith(f":{w.pid}")  # the tick ran it, not the stopped watcher
+        os.kill(w.pid, signal.SIGCONT)  # resumed: its next heartbeat finds the row taken over
+        assert w.wait(BOUND) == 0
+        _, err = w.communicate(timeout=BOUND)
+        assert "another watcher took over" in err
+    finally:
+        stop(w)
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 2)]

@@ -1,4 +1,4 @@
-"""Watch mode's wait strategy: one watcher per queue set (a session advisory lock), woken by the
+"""Watch mode's wait strategy: one watcher per queue set (its row of the watchers table), woken by the
 NOTIFY of committed enqueues only, and riding out a lost connection."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_one_watcher_per_queue_set(queue: Queue) -> None:
     assert other.acquire()  # another set of queues has its own watcher
     first.close()
     again = watcher(queue)
-    assert again.acquire()  # the lock ended with the first watcher's session
+    assert again.acquire()  # the first watcher freed its row as it closed
     again.close()
     other.close()
 
@@ -51,11 +51,12 @@ def test_committed_enqueues_wake_the_watcher_and_rolled_back_ones_do_not(queue: 
 def test_a_lost_connection_is_ridden_out(queue: Queue, dsn: str, sql: Callable[..., list[Any]]) -> None:
     w = watcher(queue)
     assert w.acquire()
-    sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
-        " AND datname = current_database()")
+    sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE (query LIKE 'LISTEN%%'"
+        " OR query LIKE '%%fleetless.watchers%%') AND pid <> pg_backend_pid() AND datname = current_database()")
     wait_for(w.wake.is_set, what="the wake-up after reconnecting")  # it looks once: it may have missed some
     w.wake.clear()
-    wait_for(lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+    wait_for(lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE (query LIKE 'LISTEN%%'"
+                         " OR query LIKE '%%fleetless.watchers%%') AND pid <> pg_backend_pid()"
                          " AND datname = current_database()") == [(1,)], what="the new LISTEN")
     queue.enqueue("k", {}, queue="after")
     wait_for(lambda: w.heard[-1:] == ["after"], what="a notification on the new connection")

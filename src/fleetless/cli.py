@@ -249,6 +249,9 @@ def drain_options(f: F) -> F:
                      help="After draining, wait for new jobs (NOTIFY) and due times instead of exiting."),
         click.option("--idle-exit", callback=_duration, default=None,
                      help="With --watch: exit after this long with nothing to do (e.g. 60s)."),
+        click.option("--watch-lease", callback=_duration, default=None,
+                     help="With --watch: a cron tick takes these queues over from a watcher whose heartbeat"
+                          " is older than this (stopped or hung) [default: 30s]."),
         click.option("--concurrency", type=int, default=None, help="Jobs at once [default: CPU count]."),
         click.option("--max-runtime", callback=_duration, help="Stop claiming after this long."),
         click.option("--timeout", callback=_duration, default="600", show_default=True,
@@ -311,6 +314,7 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
         retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
         sandbox=kw["sandbox"], limits=limits, pass_env=tuple(kw["pass_env"]), python=kw["python"],
         per_sandbox=kw["per_sandbox"], watch=kw["watch"], idle_exit=kw["idle_exit"],
+        watch_lease=kw["watch_lease"],
         maintenance=maintenance.Settings(
             retention=maintenance.retention.Settings(
                 done=kw["keep_done"], cancelled=kw["keep_cancelled"], dead=kw["keep_dead"],

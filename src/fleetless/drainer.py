@@ -64,6 +64,8 @@ MIN_LEASE_GRACE = 3.0
 #: timestamps can hold when added to now().
 MAX_SECONDS = 10 * 365 * 86400.0
 MAX_BATCH = 10_000
+#: The shortest --watch-lease: the watcher renews its heartbeat every third of it.
+MIN_WATCH_LEASE = 3.0
 MAX_CONCURRENCY = 4096
 
 
@@ -101,6 +103,7 @@ class DrainConfig:
     per_sandbox: int = 1  # batch mode above 1: up to this many claimed jobs of one kind per sandbox
     watch: bool = False  # wait for work (NOTIFY, next due time) instead of exiting when idle
     idle_exit: float | None = None  # watch mode: exit after this long with nothing to do (None: never)
+    watch_lease: float | None = None  # watch mode: a cron tick takes over a watcher silent this long
     flush_size: int = 500  # batch mode: a write starts once this many outcomes wait
     flush_interval: float = 0.05  # batch mode: an outcome waits at most this long to be written
 
@@ -111,6 +114,10 @@ class DrainConfig:
             raise ValueError("--idle-exit must be positive")
         if self.idle_exit is not None and not self.watch:
             raise ValueError("--idle-exit needs --watch")
+        if self.watch_lease is not None and not self.watch:
+            raise ValueError("--watch-lease needs --watch")
+        if self.watch_lease is not None and not MIN_WATCH_LEASE <= self.watch_lease <= MAX_SECONDS:
+            raise ValueError(f"--watch-lease must be from {MIN_WATCH_LEASE:g} s to {MAX_SECONDS / 86400:.0f} days")
         # Every value is checked here, before anything is claimed: a value PostgreSQL cannot add
         # to now() would otherwise surface as an error in the middle of a drain.
         for name, most in (("batch", MAX_BATCH), ("concurrency", MAX_CONCURRENCY)):
@@ -341,7 +348,7 @@ class Drainer:
             from .watch import Watcher  # only watch mode pays for it (the cron tick's import time)
 
             self._watcher = Watcher(self.queue.conninfo, schema=self.queue.schema, channel=self.queue.channel,
-                                    queues=c.queues, wake=self._wake)
+                                    queues=c.queues, wake=self._wake, lease=c.watch_lease)
             if not self._db(self._watcher.acquire):
                 self._watcher = None
                 self.summary.watching_elsewhere = True
@@ -442,6 +449,8 @@ class Drainer:
                         next_beat = min(next_beat, time.monotonic() + self._lease_beat(self._ahead))
                     short = len(self._ahead) < want
             watching = self._watcher is not None and not self._watcher.lost and claiming
+            if self._watcher is not None:
+                self._watcher.alive()  # the loop turns: the heartbeat goes on (a hung loop stops it)
             now = time.monotonic()
             if running or not short:
                 idle_since = None
@@ -457,7 +466,7 @@ class Drainer:
                 idle_left = None if c.idle_exit is None else idle_since + c.idle_exit - now
                 if idle_left is not None and idle_left <= 0:
                     break
-                pause = sleep_for(self._db(self._next_due), idle_left)
+                pause = sleep_for(self._db(self._next_due), idle_left, cap=self._watch_cap())
                 if budget_end is not None:
                     pause = min(pause, max(budget_end - now, 0.0))
             else:
@@ -566,6 +575,10 @@ class Drainer:
         timeout = max([c.timeout, *(k.timeout for k in self._kinds.values() if k.timeout)])
         ttl = max([c.ttl, *(k.ttl for k in self._kinds.values() if k.ttl)])
         return timeout, ttl
+
+    def _watch_cap(self) -> float:
+        """The longest sleep of a watching loop: it turns at least once per heartbeat."""
+        return self._watcher.beat_every if self._watcher is not None else 60.0
 
     def _next_due(self) -> float | None:
         due = self.queue.next_due(self.config.queues, sorted(self._unrunnable))

@@ -1,26 +1,34 @@
 """Watch mode's wait strategy: wake the drain loop when work arrives, without an always-on fleet.
 
-A :class:`Watcher` has a connection of its own that holds the watcher lock of its schema and
-queues (a session advisory lock) and LISTENs on the channel every enqueue NOTIFYs inside its
-transaction. A thread sets the drain loop's ``wake`` event on every notification for its queues
+A :class:`Watcher` has a connection of its own that holds its set of queues' row of the
+``watchers`` table (holder, heartbeat, lease) and LISTENs on the channel every enqueue NOTIFYs
+inside its transaction. It renews the heartbeat every few seconds, while the drain loop shows it
+is turning (:meth:`Watcher.alive`); a cron tick takes the row over once the heartbeat is older
+than the lease, so a stopped or hung watcher stalls its queues for at most the lease (issue 26
+item 6). A row of fleetless's own table, not an advisory lock: a role that can merely connect
+cannot hold it (issue 25 item 7). A thread sets the drain loop's ``wake`` event on every notification for its queues
 (a rolled-back enqueue sends none). The drain loop sleeps on that event, at most until the next
 pending job is due (``Queue.next_due``), so a delayed job starts at its time without polling.
 
 Working with cron: run ``fleetless drain --watch --idle-exit 60s`` from the cron tick. When a
-watcher already holds the lock, the new one exits after that one query; when the watcher has been
+live watcher holds the row, the new one exits after that one query; when the watcher has been
 idle for ``--idle-exit`` it exits and the next tick starts another. Plain drains (no ``--watch``)
 take no lock and can run beside a watcher: claims use SKIP LOCKED.
 
-A lost connection is ridden out: the thread reconnects (backing off to 5 s), takes the lock
-again, LISTENs again and wakes the loop (notifications sent meanwhile were missed, so the loop
-claims once). If another watcher took the lock in the meantime, this one reports ``lost`` and
-the drain ends as soon as it holds no job.
+A lost connection is ridden out: the thread reconnects (backing off to 5 s), takes the row
+again (it is still the holder), LISTENs again and wakes the loop (notifications sent meanwhile
+were missed, so the loop claims once). If another watcher took the row over in the meantime (or
+at a heartbeat), this one reports ``lost`` and the drain ends as soon as it holds no job.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
+import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,31 +37,51 @@ from psycopg import sql
 
 from . import db
 
-__all__ = ["Watcher"]
+__all__ = ["DEFAULT_LEASE", "MIN_LEASE", "Watcher", "beat_interval"]
 
 log = logging.getLogger("fleetless.watch")
+
+#: How long a watcher's heartbeat stays good (drain --watch-lease): a cron tick takes its queues
+#: over once the heartbeat is older.
+DEFAULT_LEASE = 30.0
+MIN_LEASE = 3.0
+
+
+def beat_interval(lease: float) -> float:
+    """How often a watcher renews its heartbeat: a few times per lease, at least every 5 s."""
+    return min(5.0, lease / 3)
 
 
 class Watcher:
     def __init__(self, conninfo: str, *, schema: str, channel: str, queues: Sequence[str] | None,
-                 wake: threading.Event) -> None:
+                 wake: threading.Event, lease: float | None = None) -> None:
         self.conninfo = conninfo
         self.schema = schema
         self.channel = channel
         self.queues = frozenset(queues) if queues else None
-        self.key = f"fleetless:{schema}:{','.join(sorted(self.queues)) if self.queues else '*'}"
+        self.set_name = ",".join(sorted(self.queues)) if self.queues else "*"  # its row in watchers
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.lease = lease or DEFAULT_LEASE
+        self.beat_every = beat_interval(self.lease)
         self.wake = wake
-        self.lost = False  # another watcher took the lock while our connection was away
+        self.lost = False  # another watcher took the row over (this one's heartbeat had expired)
         self.heard: list[str] = []  # payloads of the notifications that woke the loop (the latest 100)
         self._q = db.queries(schema)
         self._conn: psycopg.Connection[Any] | None = None
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._loop_seen = time.monotonic()
+        self._next_beat = 0.0
+
+    def alive(self) -> None:
+        """The drain loop turned: the heartbeat goes on. A loop that stops turning (hung) stops
+        it, and after the lease a cron tick takes the queues over."""
+        self._loop_seen = time.monotonic()
 
     def acquire(self) -> bool:
-        """Connect, take the watcher lock and LISTEN. False (and nothing held) when another
-        watcher holds the lock. PoolerError when the connection goes through a transaction
-        pooler, where neither LISTEN nor a session lock works."""
+        """Connect, take the set's row and LISTEN. False (and nothing held) when another live
+        watcher holds the row. PoolerError when the connection goes through a transaction
+        pooler, where LISTEN does not work."""
         db.require_session(self.conninfo, why="watch mode (LISTEN and the watcher lock)")
         conn = self._connect()
         if conn is None:
@@ -63,15 +91,24 @@ class Watcher:
         self._thread.start()
         return True
 
+    def _params(self) -> dict[str, Any]:
+        return {"queues": self.set_name, "holder": self.holder, "lease": self.lease}
+
     def _connect(self) -> psycopg.Connection[Any] | None:
         conn = db.connect(self.conninfo, autocommit=True)
         try:
-            row = conn.execute(self._q["watcher_lock"], {"key": self.key}).fetchone()
-            if not row or not row[0]:
-                conn.close()
-                return None
-            listen = self._q["listen"].replace("{channel}", sql.Identifier(self.channel).as_string(conn))
-            conn.execute(listen.encode())
+            with db.errors_translated(self.schema):
+                conn.execute(self._q["watcher_lock_timeout"])
+                try:
+                    row = conn.execute(self._q["watcher_take"], self._params()).fetchone()
+                except db.LockTimeout:  # someone with rights on the table holds the row: not ours
+                    row = None
+                if not row or not row[0]:
+                    conn.close()
+                    return None
+                self._next_beat = time.monotonic() + self.beat_every
+                listen = self._q["listen"].replace("{channel}", sql.Identifier(self.channel).as_string(conn))
+                conn.execute(listen.encode())
         except BaseException:
             conn.close()
             raise
@@ -103,15 +140,14 @@ class Watcher:
             delay = 0.2
 
     def _watch_once(self, conn: psycopg.Connection[Any] | None) -> psycopg.Connection[Any] | None:
-        """Connect when there is no connection, then pass on about a second of notifications.
-        None: another watcher took the lock while the database was away (this one stops)."""
+        """Connect when there is no connection, then pass on about a second of notifications and
+        renew the heartbeat when it is due. None: another watcher took the row over (this one
+        stops)."""
         if conn is None:
             conn = self._connect()
             if conn is None:
-                log.warning("another watcher took over queue(s) %s while the database was away",
-                            self.key.rsplit(":", 1)[1])
-                self.lost = True
-                self.wake.set()
+                log.warning("another watcher took over queue(s) %s while the database was away", self.set_name)
+                self._lose()
                 return None
             self._conn = conn
             self.wake.set()  # notifications sent while we were away were missed: look once
@@ -121,13 +157,36 @@ class Watcher:
                 self.wake.set()
             if self._closing.is_set():
                 break
+        now = time.monotonic()
+        if now >= self._next_beat and now - self._loop_seen < self.lease:
+            try:
+                with db.errors_translated(self.schema):
+                    row = conn.execute(self._q["watcher_beat"], self._params()).fetchone()
+            except db.LockTimeout:
+                return conn  # the row is held by someone with rights on it: try again next second
+            self._next_beat = now + self.beat_every
+            if not row:
+                log.warning("another watcher took over queue(s) %s: this one's heartbeat was older than its"
+                            " lease (%g s)", self.set_name, self.lease)
+                self._lose()
+                return None
         return conn
 
+    def _lose(self) -> None:
+        self.lost = True
+        self.wake.set()
+
     def close(self) -> None:
-        """Stop listening and free the lock (it ends with the session)."""
+        """Stop listening and free the row, so the next cron tick need not wait for the lease."""
         self._closing.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         conn, self._conn = self._conn, None
         if conn is not None:
-            conn.close()
+            try:
+                with db.errors_translated(self.schema):
+                    conn.execute(self._q["watcher_release"], self._params())
+            except db.DatabaseError as exc:  # the lease frees it anyway
+                log.debug("watcher row not released: %s", exc)
+            finally:
+                conn.close()

@@ -748,11 +748,33 @@ SELECT * FROM claimed;
 -- Watch mode: enqueue NOTIFYs this channel ({channel}: the queue's, quoted) in its transaction.
 LISTEN {channel};
 
--- name: watcher_lock
--- Watch mode: one watcher per schema and set of queues. A session lock, held by the watcher's own
--- listening connection, so it ends with that session (a watcher that dies frees it at once). The
--- cron tick that finds it taken exits after this one query.
-SELECT pg_try_advisory_lock(hashtext(%(key)s)) AS got;
+-- name: watcher_take
+-- Watch mode: one watcher per schema and set of queues, the row of the set in watchers. Taken
+-- when free, when this watcher holds it already (a reconnect), or when the holder's heartbeat is
+-- older than the lease it declared (it is stopped, hung or gone). A row (not an advisory key):
+-- only roles with rights on the table can hold it. The cron tick that finds it held exits after
+-- this one query. No row returned: another watcher is alive.
+INSERT INTO {schema}.watchers AS w (queues, holder, heartbeat_at, lease_seconds)
+VALUES (%(queues)s, %(holder)s, now(), %(lease)s)
+ON CONFLICT (queues) DO UPDATE
+SET holder = EXCLUDED.holder, heartbeat_at = EXCLUDED.heartbeat_at, lease_seconds = EXCLUDED.lease_seconds
+WHERE w.holder = EXCLUDED.holder OR w.heartbeat_at < now() - make_interval(secs => w.lease_seconds)
+RETURNING true AS got;
+
+-- name: watcher_beat
+-- Watch mode: the holder renews its heartbeat every few seconds. No row: another watcher took the
+-- set over (this one's heartbeat had expired); this one then stops claiming.
+UPDATE {schema}.watchers SET heartbeat_at = now()
+WHERE queues = %(queues)s AND holder = %(holder)s
+RETURNING true AS held;
+
+-- name: watcher_release
+-- Watch mode: a watcher that exits frees its set at once (the next tick need not wait a lease).
+DELETE FROM {schema}.watchers WHERE queues = %(queues)s AND holder = %(holder)s;
+
+-- name: watcher_lock_timeout
+-- The watcher's own connection: whoever holds a row it writes, it waits at most this long.
+SET lock_timeout = '2s';
 
 -- name: next_due
 -- Watch mode sleeps until the next pending job of its queues is due (not a poll every second);
