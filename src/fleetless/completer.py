@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
@@ -201,6 +201,24 @@ class Completer:
                     log.warning("job %d: could not give its claim back (%s); it runs again after its lease",
                                 job.id, _first_line(exc))
         return written, released
+
+    def claimed_again(self, held: Sequence[Job]) -> None:
+        """A claim whose reply was lost took back ``held``. A buffered outcome of one of those jobs
+        under another (older) claim was written by that lost statement: the claim could take the
+        job only once the outcome had made it pending again. Its old token matches nothing now, so
+        writing it again would call it fenced out; it is counted as written (pending) instead and
+        leaves the buffer. Outcomes are told apart by (job id, claim token), never by id alone."""
+        taken = {job.id: job.claim_token for job in held}
+        with self._flushing, self._cond:
+            ours = [(j, o) for j, o in self._buffer if taken.get(j.id, j.claim_token) != j.claim_token]
+            if not ours:
+                return
+            self._buffer = [(j, o) for j, o in self._buffer if taken.get(j.id, j.claim_token) == j.claim_token]
+            if not self._buffer:
+                self._first_at = None
+        for job, _ in ours:
+            log.info("job %d: its outcome was written by the statement whose reply was lost", job.id)
+        self._count(ours, {job.id: Status.PENDING for job, _ in ours})
 
     def _take(self, limit: int | None = None) -> list[tuple[Job, Outcome]]:
         """The buffered outcomes, or the ``limit`` oldest of them (the rest keep their wait: the

@@ -611,6 +611,7 @@ class Drainer:
                 if held:
                     log.warning("took back %d job(s) from a claim whose reply was lost", len(held))
                     if with_outcomes:
+                        self._completer.claimed_again(held)
                         self._completer.flush()
                     return held
             if with_outcomes:

@@ -5,19 +5,25 @@ find what the lost attempt did instead of doing it again or calling it someone e
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from pgproxy import pg_proxy
 
 from fleetless import Queue, Status
+from fleetless.completer import Completer
 from fleetless.db import DatabaseUnavailable
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.job import Outcome
+from fleetless.retry import RetryPolicy
 
 CLAIM = b"attempts = j.attempts + 1"  # in the claim statement only
 COMPLETE = b"SET status = 'done'"
 FAIL = b"max_attempts AND NOT"
 RELEASE = b"times in a row; charged"
-FINISH = b"e->>5 AS error"  # in the completer's finishes only (finish_many, and finish_done for all-done)
+FINISH = b"e->>5 AS error"
+#: The per-job finish with a claim once prepared (its first use sends a PREPARE with FINISH's text)
+EXECUTED_FINISH = b"EXECUTE fleetless_finish_many("
 
 
 def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: Queue, handlers, sql) -> None:
@@ -116,3 +122,60 @@ def test_a_per_job_outcome_written_with_a_claim_whose_reply_is_lost_is_recognise
     assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 1, "ok\n")]
     assert sql("SELECT outcome, count(*) FROM fleetless.job_attempts GROUP BY 1") == [("done", 1)]
     assert (summary.done, summary.fenced_out) == (1, 0), summary
+
+
+def test_a_lost_finish_whose_job_the_same_statement_claimed_again_is_counted_as_written(
+        dsn: str, queue: Queue, sql) -> None:
+    """Issue 26.9, the drainer's steps (Drainer._claim) one by one: a per-job slot writes its failed
+    job's outcome (a retry due at once) with its next claim, that claim takes the same job again,
+    and the reply is lost. The retry takes the claim back (the job, under the new token) and
+    flushes the outcome again, whose old token matches nothing now. On 61e842d it was counted and
+    logged as fenced out; it is the drainer's own write, counted as a retry."""
+    queue.enqueue("k", {}, max_attempts=3)
+    token = uuid.uuid4()
+    with pg_proxy(dsn) as proxy:
+        through = Queue(proxy.dsn)
+        (job,) = through.claim(1)
+        seen: list[Status | None] = []
+        completer = Completer(through, RetryPolicy(base_seconds=0, max_jitter_seconds=0),
+                              on_written=lambda _j, _o, status: seen.append(status))
+        completer.add(job, Outcome("fail", error="boom"))
+        proxy.drop_reply_to(EXECUTED_FINISH)
+        with pytest.raises(DatabaseUnavailable):
+            completer.flush_then_claim(lambda items: through.finish_then_claim(items, 1, token=token))
+        held = through.claimed_with(token)  # the retry, as the drainer's
+        assert [(j.id, j.attempts) for j in held] == [(job.id, 2)]
+        completer.claimed_again(held)
+        completer.flush()
+        through.close()
+    assert proxy.dropped == [EXECUTED_FINISH]
+    assert (completer.counts.retried, completer.counts.fenced_out) == (1, 0)
+    assert seen == [Status.PENDING] and completer.buffered == 0
+    assert sql("SELECT status, attempts, claim_token FROM fleetless.jobs") == [("running", 2, token)]
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts") == [(1, "retry")]
+
+
+def test_a_drain_counts_its_lost_finish_as_written_when_its_claim_took_the_job_again(
+        dsn: str, queue: Queue, handlers, sql, tmp_path) -> None:
+    """Issue 26.9 in a real per-job drain: the failed first attempt's outcome (a retry due at once)
+    goes out with the slot's next claim, which takes the same job again; that reply is lost. On
+    61e842d the drain counted a fenced-out outcome and no retry."""
+    marker = tmp_path / "failed-once"
+    h = handlers(**{"job.py": f"""
+        import os, sys
+        if not os.path.exists({str(marker)!r}):
+            open({str(marker)!r}, "w").close()
+            sys.exit(1)
+        print("ok")
+    """})
+    queue.enqueue("job", {}, max_attempts=2)
+    with pg_proxy(dsn) as proxy:
+        proxy.drop_reply_to(EXECUTED_FINISH)
+        through = Queue(proxy.dsn)
+        config = DrainConfig(handlers_dir=h, concurrency=1, retry=RetryPolicy(base_seconds=0, max_jitter_seconds=0))
+        summary = Drainer(through, config).run()
+        through.close()
+    assert proxy.dropped == [EXECUTED_FINISH]
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "ok\n")]
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "retry"), (2, "done")]
+    assert (summary.retried, summary.done, summary.fenced_out) == (1, 1, 0), summary
