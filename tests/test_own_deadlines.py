@@ -89,3 +89,42 @@ def test_a_job_dies_at_its_timeout_inside_its_lease_while_its_drainer_is_sigstop
     assert drain.returncode == 0, err
     ((status, error),) = sql("SELECT status, last_error FROM fleetless.jobs WHERE id = %s", job)
     assert status == "dead" and str(error).startswith("killed"), (status, error, out, err)
+
+
+#: A handle() that switches off everything the in-sandbox runner keeps it to its timeout with:
+#: the faulthandler watchdog and the SIGALRM timer (issue 25, item 5).
+HOSTILE = """import faulthandler, signal, time
+
+def handle(payload):
+    faulthandler.cancel_dump_traceback_later()
+    signal.signal(signal.SIGALRM, signal.SIG_IGN)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    if payload.get("hostile"):
+        time.sleep(3600)
+    return "ran"
+"""
+
+
+@pytest.mark.parametrize("tier,per_sandbox", [("process", 1), ("bwrap", 1), ("forkserver", 1), ("microvm", 1),
+                                              ("process", 3), ("bwrap", 3), ("forkserver", 3)])
+def test_a_handle_that_switches_off_its_own_timers_still_ends_at_its_timeout(
+        tier: str, per_sandbox: int, require_tier, dsn: str, queue: Queue, handlers, sql, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The timeout is enforced from outside the job's processes: the tier's own deadline for one
+    job, the drainer's pacer for a batch (whose later jobs go on in a fresh sandbox, uncharged)."""
+    require_tier(tier)
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(tmp_path / "work"))
+    kind = f"hostile-{uuid.uuid4().hex[:8]}"
+    h = handlers(**{f"{kind}.py": HOSTILE})
+    hostile = queue.enqueue(kind, {"hostile": True}, max_attempts=1)
+    innocent = [queue.enqueue(kind, {"n": n}, max_attempts=1) for n in range(per_sandbox - 1)]
+    drain = subprocess.run(
+        [sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox", tier,
+         "--timeout", "3", "--ttl", "120", "--concurrency", "1", "--per-sandbox", str(per_sandbox)],
+        env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, timeout=400)
+    assert drain.returncode == 0, drain.stderr
+    ((status, error),) = sql("SELECT status, last_error FROM fleetless.jobs WHERE id = %s", hostile)
+    assert status == "dead" and str(error).startswith("killed: timeout after 3 s"), (status, error, drain.stderr)
+    for job in innocent:  # run after it in a fresh sandbox, charged one attempt only
+        assert sql("SELECT status, attempts, result_json FROM fleetless.jobs WHERE id = %s", job) == [
+            ("done", 1, "ran")], drain.stderr

@@ -48,6 +48,13 @@ FIFO_NAME = "batch.fifo"
 FEED_SECONDS = 10.0
 #: Seconds the batch runner's watchdog allows past a job's timeout before it stops the sandbox.
 HARD_GRACE = 2.0
+#: Seconds past a batch job's timeout after which the drainer kills its sandbox from outside
+#: (:class:`_Pacer`): the runner's own timer and watchdog are inside the job's process, and a
+#: handle() can switch both off. Later than the runner's watchdog (timeout + HARD_GRACE + 1 s at
+#: most), which names a stuck C call. A module job alone in its sandbox is given its timeout plus
+#: HARD_GRACE as the exec's own deadline instead, which every tier enforces by itself (also while
+#: the drainer is stopped, inside the lease's grace).
+HOST_GRACE = HARD_GRACE + 3.0
 #: Room for one job's record on the runner's stdout, beyond the job's own stdout.
 RECORD_OVERHEAD = 8 * 1024
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
@@ -520,21 +527,27 @@ class Runner:
                 "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS})
             return f'{head[:-1]},"jobs":[{",".join(lines)}]}}'.encode()
 
+        timeouts = [self.timeout_of(j) for j in jobs]
         spare = self._take_spare(jobs)
         if spare is not None:
             sbx, result = spare
             if not slot.attach(sbx):
                 sbx.kill()
                 return [(j, self._stopped(None)) for j in jobs], None
+            pacer = None
             try:
                 host = sbx.host_workspace
                 assert host is not None
+                pacer = _Pacer(sbx, timeouts)
                 if _feed(host / FIFO_NAME, describe(sbx) + b"\n", result):
                     r = result.result()
-                    return self._parse(jobs, r.stdout), r
+                    got = self._parse(jobs, r.stdout)
+                    return got, _timed_out(r, got, timeouts, pacer)
             except Exception as exc:
                 raise SandboxBroken(str(exc)) from None
             finally:
+                if pacer is not None:
+                    pacer.stop()
                 sbx.kill()
                 slot.detach()
             # its runner was gone before it took the batch: nothing ran, start a sandbox of its own
@@ -544,20 +557,30 @@ class Runner:
             sbx = self._sandbox(template, slot, kind)
         except _Aborted:
             return [(j, self._stopped(None)) for j in jobs], None
+        pacer = None
         try:
             desc = describe(sbx)
             sbx.write(RUNNER_NAME, RUNNER.read_bytes())
             sbx.write("batch.json", desc)
             ws = sbx.workspace_path
-            r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], self.ttl_of(kind))
+            # The whole run is held to the sum of its jobs' deadlines by the tier itself (one job:
+            # its own, also while the drainer is stopped); each job to its own by the pacer.
+            bound = min(self.ttl_of(kind), timeouts[0] + HARD_GRACE if len(timeouts) == 1
+                        else sum(timeouts) + HOST_GRACE * len(timeouts))
+            if len(jobs) > 1 and sbx.streams_stdout:
+                pacer = _Pacer(sbx, timeouts)
+            r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], bound)
         except Exception as exc:
             if slot.aborted:  # destroyed under it by the drainer's stop: not a broken sandbox
                 return [(j, self._stopped(None)) for j in jobs], None
             raise SandboxBroken(str(exc)) from None
         finally:
+            if pacer is not None:
+                pacer.stop()
             sbx.kill()
             slot.detach()
-        return self._parse(jobs, r.stdout), r
+        got = self._parse(jobs, r.stdout)
+        return got, _timed_out(r, got, timeouts, pacer, bound)
 
     def _stopped(self, r: ExecResult | None) -> Outcome:
         return Outcome("release", error=RELEASED_STOPPING, run=describe_run(self.backend.name, r, "drainer stopped"))
@@ -604,6 +627,70 @@ class Runner:
 
 class _Aborted(Exception):
     pass
+
+
+class _Pacer:
+    """Keeps each job of a batch to its own deadline from the drainer's side: the runner writes one
+    record per job as it ends, so the job running is the one after the last record, started no
+    earlier than that record came. When it is still without a record ``HOST_GRACE`` seconds past
+    its timeout (its handle() switched off the runner's timer and watchdog, say), the sandbox is
+    destroyed; the run's result then names the timeout (:func:`_timed_out`) and the jobs after it
+    go on in a fresh sandbox, uncharged. A record's newline is all it counts: a job that writes
+    newlines on the channel gains at most its batch's later jobs' time (the blast radius of a
+    batch), never the run's bound."""
+
+    def __init__(self, sbx: Sandbox, timeouts: Sequence[float]) -> None:
+        self._sbx = sbx
+        self._timeouts = timeouts
+        self._cond = threading.Condition()
+        self._records = 0
+        self._since = time.monotonic()
+        self._stopped = False
+        self.overdue: int | None = None  # the job killed at its deadline
+        self._thread = threading.Thread(target=self._watch, name="pacer", daemon=True)
+        self._thread.start()
+        sbx.on_stdout = self._seen
+
+    def _seen(self, chunk: bytes) -> None:
+        n = chunk.count(b"\n")
+        if n:
+            with self._cond:
+                self._records += n
+                self._since = time.monotonic()
+                self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._stopped and self._records < len(self._timeouts):
+                left = self._since + self._timeouts[self._records] + HOST_GRACE - time.monotonic()
+                if left <= 0:
+                    self.overdue = self._records
+                    break
+                self._cond.wait(left)
+        if self.overdue is not None:
+            log.warning("a batch job outlived its timeout by %g s: destroying its sandbox", HOST_GRACE)
+            self._sbx.kill()
+
+    def stop(self) -> None:
+        self._sbx.on_stdout = None
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+
+def _timed_out(r: ExecResult, got: Sequence[object], timeouts: Sequence[float], pacer: _Pacer | None,
+               bound: float | None = None) -> ExecResult:
+    """The run's result, naming the timeout of the first job without a record when the drainer
+    (the pacer) or the tier (at the run's bound) killed it there, as the job's own timeout."""
+    i = len(got)
+    if i >= len(timeouts) or r.ok:
+        return r
+    if (pacer is not None and pacer.overdue == i) or (
+            bound is not None and r.killed is not None and r.killed.startswith("killed: timeout")):
+        return replace(r, killed=f"killed: timeout after {timeouts[i]:g} s")
+    return r
 
 
 def _feed(fifo: Path, data: bytes, result: Future[ExecResult]) -> bool:

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -108,6 +108,12 @@ class Sandbox(ABC):
     #: boot). The drainer adds it to every lease, so a live drainer's lease never expires under a
     #: running job; the teardown after a kill (a second or two) is what --lease-grace covers.
     overhead_seconds: ClassVar[float] = 0.0
+    #: Called with each chunk of the job's stdout as it arrives (on the exec's thread), when set,
+    #: also after the exec started (a watch-mode spare): the batch runner's one record per job, from
+    #: which the drainer kills a batch's job that outlives its deadline (``batch._Pacer``). The
+    #: microVM tier returns the guest's output at the end and never calls it (``streams_stdout``).
+    on_stdout: Callable[[bytes], None] | None = None
+    streams_stdout: ClassVar[bool] = True
     #: Paths as the job sees them.
     workspace_path: str
     handlers_path: str
@@ -183,6 +189,12 @@ class Sandbox(ABC):
         The job is killed at ``timeout_seconds`` (or the TTL) even if the calling thread or the
         whole drainer is stopped: the tier enforces it by itself, at most ``OWN_DEADLINE_SLACK``
         later."""
+
+    def stdout_seen(self, chunk: bytes) -> None:
+        """The exec's observer of stdout: passes ``chunk`` to :attr:`on_stdout` if one is set."""
+        seen = self.on_stdout
+        if seen is not None:
+            seen(chunk)
 
     @abstractmethod
     def kill(self) -> None:

@@ -22,7 +22,12 @@ STREAM_SMALL = 16384
 
 
 class Captured:
-    def __init__(self, stdout_cap: int, stderr_cap: int) -> None:
+    """``observer``, when given, sees each chunk of stdout as it arrives (the batch runner's
+    records, from which the drainer keeps each job of a batch to its own deadline)."""
+
+    def __init__(self, stdout_cap: int, stderr_cap: int,
+                 observer: Callable[[bytes], None] | None = None) -> None:
+        self._observer = observer
         self._out = bytearray()
         self._err = bytearray()
         self._out_cap = stdout_cap
@@ -30,6 +35,8 @@ class Captured:
         self.stdout_cut = False  # True once a byte of stdout was dropped
 
     def add_out(self, chunk: bytes) -> None:
+        if self._observer is not None:
+            self._observer(chunk)
         room = self._out_cap - len(self._out)
         if room > 0:
             self._out += chunk[:room]

@@ -498,7 +498,7 @@ class BwrapSandbox(Sandbox):
         except OSError as exc:
             self._terminate()
             raise SandboxUnavailable(f"cannot start bwrap: {exc}") from exc
-        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes)
+        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         try:
             hit = _capture.pump(proc.stdout, proc.stderr, captured, started + budget, self._terminate)
             try:

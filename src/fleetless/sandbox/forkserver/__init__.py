@@ -285,7 +285,7 @@ class ForkServerSandbox(Sandbox):
         finally:
             for fd in (out_w, err_w, status_w):
                 os.close(fd)
-        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes)
+        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         deadline = started + max(budget, 0)
         pidfd = init.pidfd
         with open(out_r, "rb", buffering=0) as out, open(err_r, "rb", buffering=0) as err:

@@ -493,6 +493,7 @@ class MicroVMSandbox(Sandbox):
     """One job, one VM. ``create``/``write`` stage in memory, ``exec`` boots."""
 
     name: ClassVar[str] = "microvm"
+    streams_stdout: ClassVar[bool] = False  # the guest's output comes back when the VM ends
     workspace_path = GUEST_WORKSPACE
     overhead_seconds: ClassVar[float] = BOOT_TIMEOUT + REPORT_GRACE  # a boot, then the report
     handlers_path = GUEST_HANDLERS

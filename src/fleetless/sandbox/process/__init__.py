@@ -283,7 +283,8 @@ class ProcessSandbox(Sandbox):
             os.close(status_r)
             self.kill()
             raise
-        captured = _capture.Captured(self._template.limits.stdout_bytes, self._template.limits.stderr_bytes)
+        limits = self._template.limits
+        captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         deadline = started + max(budget, 0)
         try:
             hit = _capture.pump(proc.stdout, proc.stderr, captured, deadline, self._stop_supervisor,
