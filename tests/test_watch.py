@@ -4,13 +4,14 @@ NOTIFY of committed enqueues only, and riding out a lost connection."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 
 from fleetless import Queue
-from fleetless.drainer import sleep_for
+from fleetless.drainer import DrainConfig, Drainer, sleep_for
 from fleetless.watch import Watcher
 
 from proctools import wait_for
@@ -69,3 +70,41 @@ def test_the_loop_sleeps_until_the_next_due_job_or_the_idle_exit() -> None:
     assert sleep_for(2.5, None) == 2.5
     assert sleep_for(-1.0, 10.0) == 0.0  # due already
     assert sleep_for(30.0, 4.0) == 4.0
+
+
+def test_a_watcher_waits_instead_of_spinning_on_a_due_job_another_transaction_holds(
+        queue: Queue, dsn: str, sql: Callable[..., list[Any]], handlers: Callable[..., Any]) -> None:
+    """Issue 26.5: a due job whose row another transaction has locked is due for next_due but not
+    claimable; on 61e842d the watcher claimed again at once, ~2,000 claims and commits a second.
+    Now it looks again after 50 ms, doubling up to 1 s: a handful of claims in the two seconds the
+    lock is held here (at most 30: a slower machine only claims less). Once the
+    lock goes, the job runs."""
+    h = handlers(**{"ok.py": "print('ok')"})
+    job = queue.enqueue("ok", {})
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, watch=True, concurrency=1))
+    claims: list[int] = []
+    claim = queue.claim
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        claims.append(1)
+        return claim(*args, **kwargs)
+
+    holder = psycopg.connect(dsn)
+    holder.execute("SELECT id FROM fleetless.jobs WHERE id = %s FOR UPDATE", (job,))
+    queue.claim = counted  # type: ignore[method-assign]
+    t = threading.Thread(target=drainer.run)
+    t.start()
+    try:
+        wait_for(lambda: len(claims) >= 2, what="the watcher to try the held job")
+        before = len(claims)
+        time.sleep(2.0)  # the window the claims are counted in (the rule is a rate, not a duration)
+        during = len(claims) - before
+        holder.rollback()
+        wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)],
+                 what="the job to run once its row is free")
+    finally:
+        holder.close()
+        drainer.stop(grace=0)
+        t.join(60)
+    assert not t.is_alive()
+    assert during <= 30, during

@@ -25,6 +25,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -57,6 +58,11 @@ CANCEL_POLL_SECONDS = 1.0
 #: Watch mode: how soon a drain looks again at due jobs it could not claim while a kind with a
 #: concurrency or rate limit is set (they wait for room, which another host's drain may free).
 LIMIT_POLL_SECONDS = 1.0
+#: Watch mode: a job that is due but that the claim just now could not take (another transaction
+#: holds its row: a claim in flight, an operator's open transaction) is looked at again after this
+#: long, doubling up to UNCLAIMABLE_MAX_SECONDS, instead of at once (a loop of claims and commits).
+UNCLAIMABLE_FIRST_SECONDS = 0.05
+UNCLAIMABLE_MAX_SECONDS = 1.0
 #: The least --lease-grace: the grace pays for creating the sandbox and for tearing it down and
 #: writing the outcome, so that a lease does not expire under a live drainer.
 MIN_LEASE_GRACE = 3.0
@@ -227,6 +233,7 @@ class Drainer:
         self._cancelled: set[_Claim] = set()  # claims an operator cancelled while this drain held them
         self._had_handler: frozenset[str] = frozenset()  # kinds with a handler when the drain started
         self._next_cancel_poll = 0.0
+        self._unclaimable = 0.0  # watch mode: the current wait for a due job the claim could not take
         self._ahead: list[Job] = []  # batch mode: the next batch, claimed while every slot runs
         self._teardown = Teardown(config.concurrency)  # a job's sandbox dies beside its slot's next claim
 
@@ -466,13 +473,13 @@ class Drainer:
                 idle_left = None if c.idle_exit is None else idle_since + c.idle_exit - now
                 if idle_left is not None and idle_left <= 0:
                     break
-                pause = sleep_for(self._db(self._next_due), idle_left, cap=self._watch_cap())
+                pause = sleep_for(self._db(partial(self._next_due, short)), idle_left, cap=self._watch_cap())
                 if budget_end is not None:
                     pause = min(pause, max(budget_end - now, 0.0))
             else:
                 pause = 0.25
                 if watching and len(running) < c.concurrency:
-                    pause = sleep_for(self._db(self._next_due), None, cap=0.25)
+                    pause = sleep_for(self._db(partial(self._next_due, short)), None, cap=0.25)
             if self._stop_at is not None and now >= self._stop_at:
                 self._abort(running.values())
             if running:
@@ -580,10 +587,16 @@ class Drainer:
         """The longest sleep of a watching loop: it turns at least once per heartbeat."""
         return self._watcher.beat_every if self._watcher is not None else 60.0
 
-    def _next_due(self) -> float | None:
+    def _next_due(self, short: bool) -> float | None:
+        """Seconds until the next job is due. ``short``: the claim just now took fewer jobs than it
+        asked for, so a job due now is one it could not take: waited for, longer each time."""
         due = self.queue.next_due(self.config.queues, sorted(self._unrunnable))
         if due is not None and due <= 0 and self._limited:
             return LIMIT_POLL_SECONDS  # due but not claimed: a limited kind waits for room
+        if due is not None and due <= 0 and short:
+            self._unclaimable = min(max(self._unclaimable * 2, UNCLAIMABLE_FIRST_SECONDS), UNCLAIMABLE_MAX_SECONDS)
+            return self._unclaimable
+        self._unclaimable = 0.0
         return due
 
     def _claim(self, n: int, *, one_kind: bool = False, with_outcomes: bool = False) -> list[Job]:
