@@ -207,3 +207,32 @@ def test_a_failing_maintenance_unit_is_logged_and_the_drain_and_its_jobs_go_on(
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'tick'") == [(0,)]
     failures = [r.getMessage() for r in caplog.records if "the scheduler failed" in r.getMessage()]
     assert len(failures) >= 2 and "refused by the test" in failures[0]
+
+
+def test_retention_runs_at_most_once_a_minute_per_database(queue: Queue, sql, dsn: str) -> None:
+    finished(queue, sql, "done", 30, days_ago=8)
+    other = Queue(dsn)  # another drain, on another connection
+    try:
+        assert retention.run_once(queue, retention.Settings(batch_size=10)).deleted == 10
+        assert retention.run_once(other, retention.Settings(batch_size=10)).deleted == 0  # not its turn
+        assert retention.run_once(other, retention.Settings(batch_size=10, every=None)).deleted == 10
+        sql("UPDATE fleetless.maintenance_runs SET last_at = now() - interval '61 seconds'")
+        assert retention.run_once(other, retention.Settings(batch_size=10)).deleted == 10
+    finally:
+        other.close()
+
+
+def test_retention_skips_rather_than_waits_for_a_metrics_fold(queue: Queue, sql, dsn: str) -> None:
+    import psycopg
+
+    from fleetless.attempt_totals import FOLD_LOCK
+
+    finished(queue, sql, "done", 3, days_ago=8)
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT pg_advisory_xact_lock(%s)", (FOLD_LOCK,))  # a fold in progress
+        done: list[int] = []
+        thread = threading.Thread(target=lambda: done.append(retention.run_once(queue).deleted))
+        thread.start()
+        thread.join(30)
+        assert done == [0]
+    assert retention.run_once(queue, retention.Settings(every=None)).deleted == 3

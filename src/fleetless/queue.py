@@ -644,7 +644,11 @@ class Queue:
         # Client-side binding is what lets two statements travel in one simple query, which the
         # server runs as one implicit transaction; psycopg quotes every value as a literal.
         with (db.errors_translated(self.schema), self._connection() as c, psycopg.ClientCursor(c) as cur):
-            cur.execute(self._executes(c, _finish_query(outcomes)) + ";\n" + self._executes(c, "claim"), params)
+            # A claim of named queues goes as its text, planned with its values each time: a prepared
+            # statement's generic plan cannot use the queue as an index condition ("queues IS NULL
+            # OR queue = ANY(queues)") and read every pending row of the other queues (issue 26).
+            claim_sql = self._executes(c, "claim") if params["queues"] is None else self._q["claim"]
+            cur.execute(self._executes(c, _finish_query(outcomes)) + ";\n" + claim_sql, params)
             finished = cur.fetchall()
             cur.nextset()
             names = [col.name for col in cur.description or ()]
@@ -724,16 +728,29 @@ class Queue:
             raise ValueError(f"job {job_id} is {status}; only done, dead or cancelled jobs can be deleted"
                              " (cancel it first)")
 
-    def _delete_folding(self, name: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def _delete_folding(self, name: str, params: dict[str, Any], *, wait: bool = True) -> list[dict[str, Any]]:
         """Run ``delete`` or ``prune_batch``, which add the deleted jobs' not yet folded attempts
         to /metrics' running totals, after the fold's lock in the same transaction (see
-        ``fold_lock``): deleting jobs never lowers the attempt counters."""
+        ``fold_lock``): deleting jobs never lowers the attempt counters. ``wait=False``: delete
+        nothing (an empty list) when a fold or another such delete holds the lock."""
         params = {**params, **bucket_params([float(b) for b in DURATION_BUCKETS])}
         with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
               c.cursor(row_factory=dict_row) as cur):
-            cur.execute(self._q["fold_lock"], {"lock": FOLD_LOCK})
+            if wait:
+                cur.execute(self._q["fold_lock"], {"lock": FOLD_LOCK})
+            else:
+                cur.execute(self._q["fold_try_lock"], {"lock": FOLD_LOCK})
+                got = cur.fetchone()
+                if not got or not got["got"]:
+                    return []
             cur.execute(self._q[name], params, prepare=False)
             return cur.fetchall()
+
+    def maintenance_turn(self, name: str, every: float) -> bool:
+        """Whether this caller runs the periodic task ``name`` now: True for the one caller, of any
+        number of drains on any hosts, that finds it last ran ``every`` seconds ago or more (the
+        run is recorded at once); the others do not wait."""
+        return bool(self._run("maintenance_turn", {"name": name, "every": float(every)}))
 
     def run_now(self, job_id: int) -> None:
         """Make a pending job due now (it keeps its attempts)."""
@@ -843,16 +860,17 @@ class Queue:
             "next_due_in_seconds": times["next_due_in_seconds"],
         }
 
-    def prune_batch(self, ages: Mapping[str, float], *, limit: int | None = None) -> int:
+    def prune_batch(self, ages: Mapping[str, float], *, limit: int | None = None, wait: bool = True) -> int:
         """Delete up to ``limit`` (None: all) finished jobs older than the age in seconds given
         for their status (``done``, ``cancelled``, ``dead``; a status not given is kept), oldest
-        first, with their attempt history. Returns how many."""
+        first, with their attempt history. Returns how many. ``wait=False``: none while a metrics
+        fold or another pruner holds the fold's lock, instead of waiting for it."""
         unknown = set(ages) - {"done", "cancelled", "dead"}
         if unknown:
             raise ValueError(f"cannot prune status {', '.join(sorted(unknown))}: only done, cancelled, dead")
         params: dict[str, Any] = {s: _as_float(ages.get(s), f"{s} age") for s in ("done", "cancelled", "dead")}
         params["limit"] = limit
-        return len(self._delete_folding("prune_batch", params))
+        return len(self._delete_folding("prune_batch", params, wait=wait))
 
     def prune(self, older_than: float | dt.timedelta, *, include_dead: bool = False) -> int:
         """Delete done and cancelled (and, if asked, dead) jobs finished longer ago than that."""

@@ -31,6 +31,9 @@ class Settings:
     batch_size: int = 1000
     #: Statements per run; None: until nothing is due.
     max_batches: int | None = None
+    #: False: a batch finding a metrics fold or another pruner at work deletes nothing (and the
+    #: run stops) instead of waiting for it; retention's way.
+    wait: bool = True
 
     def __post_init__(self) -> None:
         for status, age in self.ages:
@@ -54,7 +57,7 @@ def run_once(queue: Queue, settings: Settings = Settings()) -> Result:
     ages = dict(settings.ages)
     deleted = batches = 0
     while settings.max_batches is None or batches < settings.max_batches:
-        n = queue.prune_batch(ages, limit=settings.batch_size)
+        n = queue.prune_batch(ages, limit=settings.batch_size, wait=settings.wait)
         deleted += n
         batches += 1
         if n < settings.batch_size:

@@ -3,7 +3,11 @@
 What it does: one pruner batch per run (at most ``batch_size`` rows) with the retention ages:
 ``done`` and ``cancelled`` jobs 7 days after they finished, ``dead`` ones after 30 (they are the
 evidence of what went wrong, so they are kept longer). A drain that finds more due leaves the rest
-to the next run; a long-running drain runs it again on its maintenance timer.
+to the next run; a long-running drain runs it again on its maintenance timer. At most one run per
+database every ``every`` seconds (60), by whichever drain comes first: the others skip it at the
+cost of one short statement, and a run that finds a metrics fold or another pruner at work skips
+too, rather than wait (drains used to queue behind one another here). Each run also folds the job
+counts (``Queue.compact_counts``), so they stay a few rows between reads.
 
 When it can go wrong: set an age to None to keep that status forever (then prune by hand with
 ``fleetless prune``). With drains rarer than jobs finish, a backlog shrinks only ``batch_size``
@@ -34,18 +38,25 @@ class Settings:
     dead: float | None = 30 * DAY
     #: Most rows one run deletes (one statement).
     batch_size: int = 500
+    #: Seconds between two runs in one database, whichever drains run them; None: every call.
+    every: float | None = 60.0
 
     def pruner_settings(self) -> pruner.Settings:
         ages = tuple((status, age) for status, age in
                      (("done", self.done), ("cancelled", self.cancelled), ("dead", self.dead))
                      if age is not None)
-        return pruner.Settings(ages=ages, batch_size=self.batch_size, max_batches=1)
+        return pruner.Settings(ages=ages, batch_size=self.batch_size, max_batches=1, wait=False)
 
     def __post_init__(self) -> None:
         self.pruner_settings()  # validates
+        if self.every is not None and not self.every >= 0:
+            raise ValueError("retention interval must be a non-negative number of seconds")
 
 
 def run_once(queue: Queue, settings: Settings = Settings()) -> pruner.Result:
     if settings.done is None and settings.cancelled is None and settings.dead is None:
         return pruner.Result()
+    if settings.every is not None and not queue.maintenance_turn("retention", settings.every):
+        return pruner.Result()
+    queue.compact_counts()
     return pruner.run_once(queue, settings.pruner_settings())

@@ -1,0 +1,129 @@
+"""The claim, next_due, the reads of ``status`` and /metrics, and retention read what they need and
+stop, whatever the backlog and the finished history beside them (issue 26: at 1M pending + 5M
+finished rows each of them read the whole of one or the other). Checked on their plans, with
+EXPLAIN ANALYZE (run in a transaction rolled back), at a size CI can afford: 60,000 pending jobs
+due in one queue, 140,000 finished ones and their attempts, and a queue with nothing due."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+from fleetless import Queue
+from fleetless.attempt_totals import DURATION_BUCKETS, bucket_params
+
+
+@pytest.fixture(scope="module")
+def big(dsn: str) -> Iterator[Queue]:
+    q = Queue(dsn)
+    q.init()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("""
+            INSERT INTO fleetless.jobs (kind, payload, queue, run_after)
+            SELECT 'k' || (i % 5), '{}', 'backlog', now() - interval '1 hour' FROM generate_series(1, 60000) i""")
+        c.execute("""
+            INSERT INTO fleetless.jobs (kind, payload, queue, run_after)
+            SELECT 'k1', '{}', 'idle', now() + interval '1 hour' FROM generate_series(1, 10)""")
+        c.execute("""
+            INSERT INTO fleetless.jobs (kind, payload, queue, status, attempts, started_at, finished_at)
+            SELECT 'k' || (i % 5), '{}', 'backlog', CASE WHEN i % 10 = 0 THEN 'dead' ELSE 'done' END, 1,
+                   now() - make_interval(secs => i * 3.0), now() - make_interval(secs => i * 3.0)
+            FROM generate_series(1, 140000) i""")  # the oldest ~4.9 days old: none due for retention
+        c.execute("""
+            INSERT INTO fleetless.job_attempts (job_id, attempt, outcome, started_at, finished_at, duration_seconds)
+            SELECT id, 1, status, started_at, finished_at, 0.5 FROM fleetless.jobs WHERE status <> 'pending'""")
+        c.execute("UPDATE fleetless.attempt_totals_mark SET last_id = (SELECT max(id) FROM fleetless.job_attempts)")
+        c.execute("VACUUM ANALYZE fleetless.jobs")
+        c.execute("VACUUM ANALYZE fleetless.job_attempts")
+    q.compact_counts()
+    yield q
+    q.close()
+
+
+def plan(q: Queue, name: str, params: dict[str, Any]) -> dict[str, Any]:
+    with psycopg.connect(q.conninfo) as c:
+        c.execute("SET jit = off")
+        row = c.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + q._q[name], params).fetchone()
+        c.rollback()
+    assert row is not None
+    data = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+    return data[0]["Plan"]  # type: ignore[no-any-return]
+
+
+def nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", []):
+        yield from nodes(child)
+
+
+def read(node: dict[str, Any]) -> int:
+    """Rows a plan node looked at: those it returned and those its filter removed, every loop."""
+    loops = node.get("Actual Loops", 1)
+    return int((node.get("Actual Rows", 0) + node.get("Rows Removed by Filter", 0)
+                + node.get("Rows Removed by Index Recheck", 0)) * loops)
+
+
+def assert_reads_little(root: dict[str, Any], most: int = 200) -> None:
+    scans = [n for n in nodes(root) if "Relation Name" in n]
+    assert scans, root
+    for n in scans:
+        assert n["Node Type"] != "Seq Scan" or n["Relation Name"] not in ("jobs", "job_attempts"), n
+        assert read(n) <= most, (n["Node Type"], n.get("Index Name"), read(n))
+
+
+CLAIM = {"token": "00000000-0000-0000-0000-000000000001", "claimed_by": "plan:1", "tier": "process",
+         "kinds": None, "default_timeout": 600.0, "ttl": 900.0, "grace": 60.0, "skip_kinds": None, "n": 10}
+
+
+def test_a_claim_from_a_queue_with_nothing_due_reads_only_that_queue(big: Queue) -> None:
+    root = plan(big, "claim", {**CLAIM, "queues": ["idle"]})
+    assert_reads_little(root)
+    assert any(n.get("Index Name") in ("jobs_queue_claim_idx", "jobs_queue_due_idx") for n in nodes(root)), [
+        (n["Node Type"], n.get("Index Name"), read(n)) for n in nodes(root)]
+
+
+def test_a_claim_from_the_backlog_reads_about_the_rows_it_claims(big: Queue) -> None:
+    assert_reads_little(plan(big, "claim", {**CLAIM, "queues": ["backlog"]}))
+    assert_reads_little(plan(big, "claim", {**CLAIM, "queues": None}))
+
+
+def test_next_due_of_a_queue_with_nothing_due_reads_its_first_row(big: Queue) -> None:
+    root = plan(big, "next_due", {"queues": ["idle"], "skip_kinds": None})
+    assert_reads_little(root, most=5)
+    assert any(n.get("Index Name") == "jobs_queue_due_idx" for n in nodes(root))
+    root = plan(big, "next_due", {"queues": None, "skip_kinds": None})  # every queue
+    assert_reads_little(root, most=5)
+
+
+@pytest.mark.parametrize("name", ["counts", "insight_counts", "pending_times", "insight_oldest_due_by_queue"])
+def test_the_reads_of_status_and_metrics_never_count_the_jobs_table(big: Queue, name: str) -> None:
+    assert_reads_little(plan(big, name, {}), most=50)
+
+
+def test_the_counts_they_read_are_the_tables(big: Queue) -> None:
+    assert big.stats()["by_status"] == {"pending": 60010, "running": 0, "done": 126000, "dead": 14000,
+                                        "cancelled": 0}
+
+
+def test_the_attempt_totals_read_only_the_tail_after_the_mark(big: Queue) -> None:
+    mark = big.query("attempt_totals_mark")[0]["last_id"]
+    root = plan(big, "attempt_totals", {"after": mark, **bucket_params([float(b) for b in DURATION_BUCKETS])})
+    assert_reads_little(root, most=50)
+
+
+AGES = {"done": 7 * 86400.0, "cancelled": 7 * 86400.0, "dead": 30 * 86400.0, "limit": 500,
+        **bucket_params([float(b) for b in DURATION_BUCKETS])}
+
+
+def test_a_retention_pass_with_nothing_due_reads_no_finished_rows(big: Queue) -> None:
+    assert_reads_little(plan(big, "prune_batch", AGES), most=5)
+
+
+def test_a_retention_pass_reads_about_the_rows_it_deletes(big: Queue) -> None:
+    root = plan(big, "prune_batch", {**AGES, "done": 86400.0, "dead": 86400.0})  # ~100,000 due
+    assert_reads_little(root, most=1000)
+    assert root["Plans"][0]["Actual Rows"] == 500 or any(n.get("Actual Rows") == 500 for n in nodes(root))
