@@ -151,3 +151,40 @@ def test_cli_enqueue_key_prints_the_existing_id(dsn: str, queue: Queue, fleetles
     assert dup.returncode == 1
     assert dup.stderr.strip() == f"fleetless: error: job {first.stdout.strip()} with key 'nightly' is already" \
         " pending or running"
+
+
+def test_the_returned_id_says_whether_the_key_was_already_held(queue: Queue) -> None:
+    first = queue.enqueue("invoice", {"v": 1}, key="k")
+    assert (first.existing, first.replaced) == (False, False)
+    again = queue.enqueue("invoice", {"v": 2}, key="k")
+    assert again == first and (again.existing, again.replaced) == (True, False)
+    replaced = queue.enqueue("invoice", {"v": 3}, key="k", on_duplicate="replace")
+    assert replaced == first and (replaced.existing, replaced.replaced) == (True, True)
+    queue.claim(1)
+    running = queue.enqueue("invoice", {"v": 4}, key="k", on_duplicate="replace")
+    assert (running.existing, running.replaced) == (True, False)  # a running job is left alone
+    plain = queue.enqueue("invoice", {})
+    assert (plain.existing, plain.replaced) == (False, False) and isinstance(plain, int)
+
+
+def test_replace_keeps_the_jobs_due_time_unless_a_new_one_is_given(queue: Queue, sql) -> None:
+    job_id = queue.enqueue("digest", {"v": 1}, key="k", delay=3600)
+    queue.enqueue("digest", {"v": 2}, key="k", on_duplicate="replace")
+    (due,) = sql("SELECT extract(epoch FROM run_after - now())::int, payload FROM fleetless.jobs")
+    assert 3500 < due[0] <= 3600 and due[1] == {"v": 2}
+    queue.enqueue("digest", {"v": 3}, key="k", on_duplicate="replace", delay=60)
+    assert 0 < sql("SELECT extract(epoch FROM run_after - now())::int FROM fleetless.jobs WHERE id = %s",
+                   job_id)[0][0] <= 60
+
+
+def test_cli_enqueue_key_says_when_it_returned_an_existing_job(dsn: str, queue: Queue, fleetless) -> None:
+    import json
+
+    first = fleetless("enqueue", "a", "{}", "--key", "nightly", "--json", dsn=dsn)
+    assert json.loads(first.stdout)["existing"] is False and first.stderr == ""
+    again = fleetless("enqueue", "a", "{}", "--key", "nightly", dsn=dsn)
+    assert again.stdout.strip() == str(json.loads(first.stdout)["id"])
+    assert "already pending or running: nothing new was enqueued" in again.stderr
+    shown = json.loads(fleetless("enqueue", "a", '{"v": 2}', "--key", "nightly", "--on-duplicate", "replace",
+                                 "--json", dsn=dsn).stdout)
+    assert shown == {"id": json.loads(first.stdout)["id"], "existing": True, "replaced": True}

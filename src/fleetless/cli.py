@@ -216,9 +216,15 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int 
             _fail(f"{exc} (raise it with --max-payload-bytes or FLEETLESS_MAX_PAYLOAD_BYTES)")
         raise
     if as_json:
-        _echo_json({"id": job_id})
+        _echo_json({"id": int(job_id), "existing": job_id.existing, "replaced": job_id.replaced})
     else:
-        click.echo(job_id)
+        click.echo(int(job_id))
+    if job_id.existing:  # on stderr: stdout stays the bare id scripts read
+        what = ("gave it this payload and options" if job_id.replaced
+                else "nothing new was enqueued (--on-duplicate replace updates a pending one)")
+        _say(logging.INFO,
+             f"job {int(job_id)} with key {key!r} is already pending or running: {what}",
+             event="existing", id=int(job_id), replaced=job_id.replaced)
 
 
 def _check_kind(handlers_dir: Path, kind: str) -> None:

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
     from .kinds import KindSettings
 
-__all__ = ["DuplicateJob", "JobNotFound", "Queue"]
+__all__ = ["DuplicateJob", "Enqueued", "JobNotFound", "Queue"]
 
 #: ``result`` keeps at most this much of the handler's stdout.
 MAX_RESULT_CHARS = 64 * 1024
@@ -73,6 +73,21 @@ class DuplicateJob(ValueError):
         super().__init__(f"job {existing_id} with key {key!r} is already pending or running")
         self.key = key
         self.existing_id = existing_id
+
+
+class Enqueued(int):
+    """The id :meth:`Queue.enqueue` returns: an ``int``, plus, for a keyed enqueue, ``existing``
+    (a pending or running job already had the key: its id, nothing new was enqueued) and
+    ``replaced`` (that job was pending and took this enqueue's payload and options)."""
+
+    existing: bool
+    replaced: bool
+
+    def __new__(cls, job_id: int, *, existing: bool = False, replaced: bool = False) -> Enqueued:
+        self = super().__new__(cls, job_id)
+        self.existing = existing
+        self.replaced = replaced
+        return self
 
 
 OnDuplicate = Literal["existing", "replace", "raise"]
@@ -331,6 +346,7 @@ class Queue:
             "key": key,
             "replace": on_duplicate == "replace",
             "raise": on_duplicate == "raise",
+            "keep_due": run_after is None and delay is None,
         }
 
     def enqueue(
@@ -347,15 +363,18 @@ class Queue:
         key: str | None = None,
         on_duplicate: OnDuplicate = "existing",
         conn: psycopg.Connection[Any] | None = None,
-    ) -> int:
-        """Add one job and return its id. Bad input raises ValueError and writes nothing.
+    ) -> Enqueued:
+        """Add one job and return its id (an :class:`Enqueued`, an ``int`` that also tells whether a
+        keyed enqueue found or replaced an existing job). Bad input raises ValueError and writes
+        nothing.
 
         ``max_attempts``: when not given, the job takes its kind's ``max_attempts`` from the
         claiming drain's ``fleetless.toml`` at each claim, else 3 (stored until then).
 
         ``key``: at most one pending or running job has it. A duplicate enqueue returns the
         existing job's id and writes nothing (``on_duplicate="existing"``, the default), gives a
-        still pending job the new payload and options and returns its id (``"replace"``), or raises
+        still pending job the new payload and options and returns its id (``"replace"``; its due
+        time stays unless ``delay`` or ``run_after`` is given), or raises
         :class:`DuplicateJob` (``"raise"``); inside your transaction, none of these aborts it."""
         params = self._job_params(
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay,
@@ -369,17 +388,17 @@ class Queue:
                   c.cursor(row_factory=tuple_row) as cur):  # whatever the caller's connection's rows are
                 row = cur.execute(self._q[name], params, prepare=True if self._preparable(c) else None).fetchone()
                 assert row is not None
-                return int(row[0])
+                return Enqueued(row[0])
         with self._connection(conn) as c:
             return self._enqueue_keyed(c, params)
 
-    def _enqueue_keyed(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> int:
+    def _enqueue_keyed(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Enqueued:
         for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
             rows = self._run("enqueue_keyed", {**params, "channel": self.channel}, conn)
             if rows:
                 if params["raise"] and not rows[0]["inserted"]:
                     raise DuplicateJob(params["key"], rows[0]["id"])
-                return int(rows[0]["id"])
+                return Enqueued(rows[0]["id"], existing=not rows[0]["inserted"], replaced=rows[0]["replaced"])
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
     def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any]) -> dict[str, Any]:

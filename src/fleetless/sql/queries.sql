@@ -28,7 +28,10 @@ RETURNING id, pg_notify(%(channel)s, queue);
 -- jobs_key_idx), decided by the index itself, so concurrent enqueues of a key on any number of
 -- connections make exactly one job. On a duplicate: with replace, a still pending job takes the new
 -- payload and options (a running one is left alone); otherwise nothing is written. Either way the
--- existing job's id is returned with inserted = false. When the duplicate was committed by another
+-- existing job's id is returned with inserted = false (and replaced = true when it took the new
+-- payload). A replace keeps the job's due time unless this enqueue gave one (keep_due: neither
+-- run_after nor delay given), so re-enqueueing a debounced job does not make it due at once.
+-- When the duplicate was committed by another
 -- transaction after this statement's snapshot, the fallback SELECT cannot see it and no row comes
 -- back: the caller runs the statement again (a new snapshot under READ COMMITTED).
 -- xmax = 0 tells a freshly inserted row from one updated by DO UPDATE.
@@ -40,16 +43,17 @@ WITH job AS (
           %(queue)s, %(priority)s, %(timeout)s, %(key)s, %(max_attempts_default)s)
   ON CONFLICT (key) WHERE key IS NOT NULL AND status IN ('pending', 'running')
   DO UPDATE SET kind = EXCLUDED.kind, payload = EXCLUDED.payload, max_attempts = EXCLUDED.max_attempts,
-                run_after = EXCLUDED.run_after, queue = EXCLUDED.queue, priority = EXCLUDED.priority,
+                run_after = CASE WHEN %(keep_due)s THEN j.run_after ELSE EXCLUDED.run_after END,
+                queue = EXCLUDED.queue, priority = EXCLUDED.priority,
                 timeout_seconds = EXCLUDED.timeout_seconds, max_attempts_default = EXCLUDED.max_attempts_default
     WHERE %(replace)s AND j.status = 'pending'
   RETURNING j.id, j.queue, (j.xmax = 0) AS inserted
 ), notified AS (
   SELECT id, inserted, pg_notify(%(channel)s, queue) FROM job
 )
-SELECT id, inserted FROM notified
+SELECT id, inserted, NOT inserted AS replaced FROM notified
 UNION ALL
-SELECT id, false FROM {schema}.jobs
+SELECT id, false, false FROM {schema}.jobs
 WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 1 FROM job);
 
 -- name: notify
