@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 import threading
 from zoneinfo import ZoneInfo
 
@@ -236,3 +239,23 @@ def test_a_schedule_removed_while_a_pass_runs_is_skipped_and_the_others_are_enqu
     assert kept in (3, 4) and results[0].enqueued == kept  # 3.5 minutes hold 3 or 4 minute ticks
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'gone'") == [(0,)]
     assert sql("SELECT DISTINCT schedule FROM fleetless.schedule_ticks") == [("kept",)]
+
+
+def test_a_watcher_enqueues_a_schedules_occurrence_at_its_tick(dsn: str, queue: Queue, sql, handlers) -> None:
+    # Issue 26 item 7: a watcher ran the scheduler only at its maintenance passes (every 60 s by
+    # default, here never again after the first), so `* * * * *` fired up to a minute late. It now
+    # sleeps at most until the next occurrence, and enqueues it then.
+    h = handlers(**{"tick.py": "print('tick')"})
+    queue.add_schedule(Schedule(name="every-minute", cron="* * * * *", kind="tick", payload={}))
+    w = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox", "process",
+                          "--watch", "--maintenance-interval", "1h"], env={**os.environ, "DATABASE_URL": dsn},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'tick' AND status = 'done'") == [(1,)],
+                 130, "the next minute's occurrence to run")
+        ((late,),) = sql("SELECT extract(epoch FROM started_at - run_after)::float8 FROM fleetless.jobs"
+                         " WHERE kind = 'tick'")
+        assert late < 10, f"started {late:.1f} s after its tick"  # a few seconds at most, not a minute
+    finally:
+        w.terminate()
+        w.communicate(timeout=60)

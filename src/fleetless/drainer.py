@@ -473,7 +473,7 @@ class Drainer:
                 idle_left = None if c.idle_exit is None else idle_since + c.idle_exit - now
                 if idle_left is not None and idle_left <= 0:
                     break
-                pause = sleep_for(self._db(partial(self._next_due, short)), idle_left, cap=self._watch_cap())
+                pause = sleep_for(self._next_wake(short), idle_left, cap=self._watch_cap())
                 if budget_end is not None:
                     pause = min(pause, max(budget_end - now, 0.0))
             else:
@@ -586,6 +586,12 @@ class Drainer:
     def _watch_cap(self) -> float:
         """The longest sleep of a watching loop: it turns at least once per heartbeat."""
         return self._watcher.beat_every if self._watcher is not None else 60.0
+
+    def _next_wake(self, short: bool) -> float | None:
+        """Seconds until the loop has something to do: the next pending job is due, or a schedule's
+        next occurrence is to be enqueued (a watcher wakes for it, not at its next maintenance pass)."""
+        due, tick = self._db(partial(self._next_due, short)), self._maintainer.next_schedule_in()
+        return min((s for s in (due, tick) if s is not None), default=None)
 
     def _next_due(self, short: bool) -> float | None:
         """Seconds until the next job is due. ``short``: the claim just now took fewer jobs than it

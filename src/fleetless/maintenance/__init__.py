@@ -4,7 +4,8 @@ Each unit module has a ``Settings`` (every field commented, validated on creatio
 one place), a ``Result`` of counts, and ``run_once(...)`` that does one pass and returns it: tests
 call ``run_once`` directly, without any loop or timer. The CLI commands (``reap``, ``prune``) call
 the same units. :class:`Maintainer` is what a drain uses: every unit once at the start, then again
-whenever ``interval`` has passed, for drains that run long.
+whenever ``interval`` has passed, for drains that run long; the scheduler alone also when the next
+occurrence of a schedule has come (a watcher sleeps until then: ``next_schedule_in``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from . import pruner, reaper, retention, scheduler, sweeper
 __all__ = ["Maintainer", "Report", "Settings", "pruner", "reaper", "retention", "scheduler", "sweeper"]
 
 T = TypeVar("T")
+#: How long after a schedule's occurrence the scheduler runs for it (the database's clock must
+#: have passed the tick for the pass to enqueue it).
+SCHEDULE_MARGIN = 0.05
 log = logging.getLogger("fleetless.maintenance")
 
 
@@ -71,6 +75,7 @@ class Maintainer:
         self._sweeper = sweeper.Settings(backend)
         self._guard = guard
         self._last: float | None = None
+        self._next_schedule: float | None = None  # monotonic time of the next schedule occurrence
 
     def sweep_also(self, backends: tuple[type[Sandbox], ...]) -> None:
         """Also sweep these tiers' leftovers (kinds that run in a tier of their own)."""
@@ -87,10 +92,22 @@ class Maintainer:
         report.pruned = self._unit(report, "retention",
                                    lambda: self._guard(lambda: retention.run_once(self.queue, s.retention)),
                                    pruner.Result())
-        report.scheduled = self._unit(report, "scheduler",
-                                      lambda: self._guard(lambda: scheduler.run_once(self.queue, s.scheduler)),
-                                      scheduler.Result())
+        report.scheduled = self._schedule(report)
         return report
+
+    def _schedule(self, report: Report) -> scheduler.Result:
+        self._next_schedule = None  # a failed pass leaves the timing to the interval
+        result = self._unit(report, "scheduler",
+                            lambda: self._guard(lambda: scheduler.run_once(self.queue, self.settings.scheduler)),
+                            scheduler.Result())
+        if result.next_in is not None:
+            # a little after the tick, so that the database's now() has passed it
+            self._next_schedule = time.monotonic() + max(result.next_in, 0.0) + SCHEDULE_MARGIN
+        return result
+
+    def next_schedule_in(self) -> float | None:
+        """Seconds until a schedule's next occurrence is due to be enqueued (None: no schedule)."""
+        return None if self._next_schedule is None else max(self._next_schedule - time.monotonic(), 0.0)
 
     def _unit(self, report: Report, name: str, call: Callable[[], T], nothing: T) -> T:
         """One unit's pass; on an error that need not end the drain, a warning and ``nothing``."""
@@ -107,6 +124,11 @@ class Maintainer:
 
     def run_due(self) -> Report | None:
         """A pass if ``interval`` has passed since the last one (or none ran yet), else None."""
-        if self._last is not None and time.monotonic() - self._last < self.settings.interval:
+        now = time.monotonic()
+        if self._last is not None and now - self._last < self.settings.interval:
+            if self._next_schedule is not None and now >= self._next_schedule:
+                report = Report()
+                report.scheduled = self._schedule(report)
+                return report
             return None
         return self.run_all()

@@ -14,13 +14,15 @@ one drain interval late (its ``run_after`` is still its tick). A schedule change
 add`` again) keeps its history. A drain whose clock is wrong does not matter: the database's
 ``now()`` is used.
 
-Reports: how many jobs it enqueued and how many occurrences it skipped.
+Reports: how many jobs it enqueued, how many occurrences it skipped, and how long until the
+next occurrence of any schedule (``next_in``): a watching drain runs the scheduler again then,
+instead of at its next maintenance pass (issue 26 item 7).
 """
 
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..periodic import occurrences
 from ..queue import Queue
@@ -46,6 +48,8 @@ class Settings:
 class Result:
     enqueued: int = 0
     skipped: int = 0  # occurrences in the window over the catch-up bound (older ones are not counted)
+    # seconds from the pass's now to the next occurrence of any schedule (a timing, not a count)
+    next_in: float | None = field(default=None, compare=False)
 
 
 def run_once(queue: Queue, settings: Settings = Settings(), now: dt.datetime | None = None) -> Result:
@@ -57,12 +61,15 @@ def run_once(queue: Queue, settings: Settings = Settings(), now: dt.datetime | N
     earliest = now - dt.timedelta(seconds=settings.window)
     due: list[tuple[str, dt.datetime]] = []
     skipped = 0
+    upcoming: list[dt.datetime] = []
     for schedule, created_at, last_tick in schedules:
         start = max(last_tick or created_at, earliest)
         ticks, over = occurrences(schedule, start, now, settings.max_catch_up)
         skipped += over
         due += [(schedule.name, t) for t in ticks]
+        upcoming.append(schedule.next_after(max(now, start)))
+    next_in = (min(upcoming) - now).total_seconds()
     if not due:
-        return Result(skipped=skipped)
-    return Result(queue.enqueue_ticks(due, forget_before=earliest), skipped)
+        return Result(skipped=skipped, next_in=next_in)
+    return Result(queue.enqueue_ticks(due, forget_before=earliest), skipped, next_in)
 
