@@ -343,6 +343,18 @@ def _reporter(ctx: click.Context, tier: str) -> Reporter:
     return NullReporter()
 
 
+def _log_caps(tier: str, limits: Limits) -> None:
+    """The drain's first line (after the tier's, for ``auto``): which caps hold for its jobs and how
+    (``Sandbox.caps``). Shown (a warning) for a non-root drainer, whose jobs no cgroup may hold, and
+    wherever pids or memory is not capped; else at -v."""
+    from .sandbox import get_backend
+    from .sandbox._caps import caps_line, held
+
+    caps = get_backend(tier).caps(limits)
+    loud = os.geteuid() != 0 or not all(held(caps)[name] for name in ("pids", "memory"))
+    logging.getLogger("fleetless.cli").log(logging.WARNING if loud else logging.INFO, "%s", caps_line(tier, caps))
+
+
 @cli.command()
 @drain_options
 @logging_options
@@ -369,6 +381,7 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
         # Which tier auto chose is news only when it is not the one the docs lead with.
         level = logging.WARNING if drainer.config.sandbox == "process" else logging.INFO
         logging.getLogger("fleetless.cli").log(level, "%s", drainer.tier_note)
+    _log_caps(drainer.config.sandbox, config.limits)
     drainer.install_signal_handlers()
     drainer.reporter = _reporter(ctx, drainer.config.sandbox)
     summary = drainer.run()

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from .sandbox import Template, available_backends, default_python, get_backend
+from .sandbox._caps import caps_line
 
 RUNS = 3
 
@@ -59,7 +60,8 @@ def _handler_python(name: str, handlers: Path) -> str | None:
 
 
 def check() -> dict[str, Any]:
-    """``{"python", "python_startup_ms", "tiers": [{"name", "ok", "detail", "python"}, ...]}``:
+    """``{"python", "python_startup_ms", "tiers": [{"name", "ok", "detail", "python", "caps"}, ...]}``:
+    ``caps`` says which resource caps hold for the tier's jobs (``Sandbox.caps``, default limits);
     ``python`` is what the process tier runs ``.py`` handlers with, each tier's its own (the
     drain's choice, not a guess: a root drainer's venv under /root is still the handlers' own
     where the tier binds it)."""
@@ -74,7 +76,8 @@ def check() -> dict[str, Any]:
         for name in available_backends():
             ok, detail = _probe(name, handlers)
             tiers.append({"name": name, "ok": ok, "detail": detail,
-                          "python": _handler_python(name, handlers) if ok else None})
+                          "python": _handler_python(name, handlers) if ok else None,
+                          "caps": get_backend(name).caps() if ok else None})
     return {"python": python, "python_startup_ms": round(startup, 1), "tiers": tiers}
 
 
@@ -84,3 +87,5 @@ def run() -> None:
     for tier in report["tiers"]:
         python = f"; .py handlers run under {tier['python']}" if tier["python"] else ""
         click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}{python}")
+        if tier["caps"]:
+            click.echo(f"         {caps_line(tier['name'], tier['caps'])}")

@@ -164,6 +164,15 @@ class Sandbox(ABC):
         return ""
 
     @classmethod
+    def caps(cls, limits: Limits | None = None) -> dict[str, str]:
+        """For each of ``pids``, ``memory``, ``cpu`` and ``disk``: how this tier holds a job of
+        ``limits`` (the defaults when None) to it on this host, ``"capped by ..."``, or
+        ``"NOT capped: ..."`` saying what there is instead (:mod:`._caps`)."""
+        from ._caps import CAPS, NOT
+
+        return {name: f"{NOT}: the {cls.name} tier does not say" for name in CAPS}
+
+    @classmethod
     def sweep(cls) -> int:
         """Remove what sandboxes of drainers that died left behind; returns how many.
 

@@ -40,17 +40,20 @@ from typing import ClassVar
 from .. import (
     OWN_DEADLINE_SLACK,
     ExecResult,
+    Limits,
     Sandbox,
     SandboxUnavailable,
     Template,
     _capture,
     _hostuid,
     _subuid,
+    _tree,
     _workspace,
     cgroups,
     default_python,
     jobs_cannot_reach,
 )
+from .._caps import NOT, nproc_counts_per_namespace
 from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer
 from .._limits import rlimit_kill_reason, rlimits_for
@@ -171,6 +174,11 @@ def _isolation_args(network: bool) -> list[str]:
 
 
 # -- reporting what is enforced ----------------------------------------------------------------
+#: util-linux's ``prlimit``, under /usr (bound into every sandbox): RLIMIT_NPROC for a job without
+#: a pids cgroup (:meth:`BwrapSandbox._nproc_prefix`).
+_PRLIMIT = next((p for p in ("/usr/bin/prlimit",) if os.access(p, os.X_OK)), None)
+
+
 def enforced_caps() -> list[str]:
     """What caps the bwrap tier enforces on this host (for ``fleetless doctor``)."""
     caps = cgroups.available()
@@ -178,7 +186,45 @@ def enforced_caps() -> list[str]:
     rl = ["cpu seconds", "file size", "open files"]
     if not caps.memory:
         rl.insert(0, "address space")
+    if not caps.pids and _PRLIMIT is not None and nproc_counts_per_namespace():
+        rl.insert(0, "processes")
     out.append(f"rlimits ({', '.join(rl)})")
+    return out
+
+
+def tier_caps(limits: Limits) -> dict[str, str]:
+    """:meth:`BwrapSandbox.caps`."""
+    caps = cgroups.available()
+    ver = "v2" if caps.layout.mode == "v2" else "v1"
+    out: dict[str, str] = {}
+    if limits.pids is None:
+        out["pids"] = f"{NOT}: --pids not set"
+    elif caps.pids:
+        out["pids"] = f"capped by a pids cgroup ({ver}) at {limits.pids}"
+    elif _PRLIMIT is not None and nproc_counts_per_namespace():
+        out["pids"] = (f"capped by RLIMIT_NPROC at {limits.pids} in the job's own user namespace (it counts that "
+                       "job's processes alone)")
+    else:
+        why = "no /usr/bin/prlimit" if _PRLIMIT is None else "this kernel counts RLIMIT_NPROC per host uid (< 5.14)"
+        out["pids"] = f"{NOT}: no pids cgroup is writable, and {why}"
+    if limits.memory_bytes is None:
+        out["memory"] = f"{NOT}: --memory not set"
+    elif caps.memory:
+        out["memory"] = f"capped by a memory cgroup ({ver}) at {limits.memory_bytes // MiB} MiB"
+    else:
+        out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
+                         "summing the job tree's resident memory, killing it over the cap")
+    if limits.cpus is None:
+        out["cpu"] = f"{NOT}: --cpus not set"
+    elif caps.cpu:
+        out["cpu"] = f"capped by a cpu cgroup ({ver}) at {limits.cpus:g} cores"
+    else:
+        out["cpu"] = (f"{NOT} in cores (no cpu cgroup is writable): RLIMIT_CPU ends each process after its CPU "
+                      "seconds (the timeout's, or --cpu-seconds)")
+    fsize = "" if limits.file_size_bytes is None else (
+        f", RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
+    out["disk"] = (f"{NOT}: the workspace is on the host's disk (/tmp and /dev/shm are tmpfs of "
+                   f"{limits.tmp_bytes // MiB} MiB{fsize})")
     return out
 
 
@@ -295,6 +341,7 @@ class BwrapSandbox(Sandbox):
         self._lease: _hostuid.Lease | None = None
         self._uid: int | None = None  # what the launcher drops to (see _job_uid)
         self._holder: _subuid.Holder | None = None
+        self._watched: _tree.Watched | None = None  # the drainer's watch on the job's memory, if any
         self._view = ""
         try:
             interp = interpreter_paths(self.python)
@@ -421,6 +468,10 @@ class BwrapSandbox(Sandbox):
         return "enforces: " + "; ".join(enforced_caps()) + "; seccomp deny-list" + uids
 
     @classmethod
+    def caps(cls, limits: Limits | None = None) -> dict[str, str]:
+        return tier_caps(limits or Limits())
+
+    @classmethod
     def create(cls, template: Template, ttl_seconds: float = 900) -> BwrapSandbox:
         binary, reason = _probe()
         if binary is None:
@@ -465,6 +516,18 @@ class BwrapSandbox(Sandbox):
             rl.pop("RLIMIT_AS", None)  # the cgroup caps real memory; AS breaks some runtimes
         return rl
 
+    def _nproc_prefix(self) -> list[str]:
+        """Where no pids cgroup holds the job: ``prlimit`` sets RLIMIT_NPROC inside the sandbox, in
+        the job's own user namespace, where the kernel counts the job's processes alone (bwrap's pid
+        1 among them: ``pids`` + 1). Set before bwrap instead, it would also cap every process of
+        the drainer's host uid (a user namespace's creator's limit holds for its uid's total)."""
+        pids = self._template.limits.pids
+        if pids is None or (self._cgroup is not None and self._cgroup.pids_max is not None):
+            return []
+        if _PRLIMIT is None or not nproc_counts_per_namespace():
+            return []
+        return [_PRLIMIT, f"--nproc={pids + 1}", "--"]
+
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         started = time.monotonic()
         limits = self._template.limits
@@ -480,6 +543,7 @@ class BwrapSandbox(Sandbox):
         if budget <= 0:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
         rlimits = self._rlimits(timeout_seconds)
+        argv = [*self._nproc_prefix(), *argv]
         stdin = _launch(self._binary, self._uid, self._options, self._seccomp, argv, rlimits)
         with self._lock:
             if self._destroyed:
@@ -499,6 +563,10 @@ class BwrapSandbox(Sandbox):
             self._terminate()
             raise SandboxUnavailable(f"cannot start bwrap: {exc}") from exc
         captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
+        watched = None  # no memory cgroup: the tree's sum is watched (RLIMIT_AS caps each process only)
+        if limits.memory_bytes is not None and (self._cgroup is None or self._cgroup.memory_bytes is None):
+            watched = _tree.watch(proc.pid, limits.memory_bytes, self._terminate)
+        self._watched = watched
         try:
             hit = _capture.pump(proc.stdout, proc.stderr, captured, started + budget, self._terminate)
             try:
@@ -511,6 +579,8 @@ class BwrapSandbox(Sandbox):
             if self._cgroup is not None and not self._cgroup.wait_empty():
                 log.warning("job processes still in cgroup %s after its bwrap exited", self._cgroup.name)
         finally:
+            if watched is not None:
+                watched.cancel()
             proc.stdout.close()
             proc.stderr.close()
         exit_code = _exit_code(proc.returncode)
@@ -521,6 +591,8 @@ class BwrapSandbox(Sandbox):
     def _kill_reason(self, exit_code: int, hit: bool, reason: str, rlimits: dict[str, int]) -> str | None:
         limits = self._template.limits
         cg = self._cgroup
+        if self._watched is not None and self._watched.hit and limits.memory_bytes is not None:
+            return f"killed: memory limit {memory_size(limits.memory_bytes)} exceeded"
         if cg is not None and exit_code != 0:
             if cg.memory_bytes is not None and cg.oom_killed():
                 return f"killed: memory limit {memory_size(cg.memory_bytes)} exceeded"

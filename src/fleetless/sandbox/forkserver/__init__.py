@@ -37,6 +37,7 @@ from typing import ClassVar
 from .. import (
     OWN_DEADLINE_SLACK,
     ExecResult,
+    Limits,
     Sandbox,
     SandboxUnavailable,
     Template,
@@ -166,6 +167,18 @@ class ForkServerSandbox(Sandbox):
         caps = cgroups.available().describe()
         return ("enforces: " + "; ".join([*caps, "rlimits"]) + "; fresh pid/mount/net/IPC/UTS namespaces; "
                 "seccomp deny-list; .py handlers forked from a pre-warmed server")
+
+    @classmethod
+    def caps(cls, limits: Limits | None = None) -> dict[str, str]:
+        """As bwrap's (the same cgroups), but the workspace: a tmpfs of the job's memory size."""
+        from ..bwrap import tier_caps
+
+        limits = limits or Limits()
+        out = tier_caps(limits)
+        if limits.memory_bytes is not None:
+            out["disk"] = (f"capped by tmpfs: the workspace, /tmp and /dev/shm live in the job's memory "
+                           f"(workspace {limits.memory_bytes // (1024 * 1024)} MiB)")
+        return out
 
     missing_program_hint: ClassVar[str] = (
         "a job sees the host's /usr, /bin, /sbin and /lib only, plus the handler interpreter's prefix")

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from fleetless.sandbox import ExecResult, MiB, Sandbox, SandboxUnavailable, Template
+from fleetless.sandbox import ExecResult, Limits, MiB, Sandbox, SandboxUnavailable, Template
+from fleetless.sandbox._caps import NOT
 from fleetless.sandbox._limits import rlimit_kill_reason
 from fleetless.sandbox.microvm.image import CpioWriter, ImageInfo, guest_has_program, load_image
 
@@ -535,6 +536,18 @@ class MicroVMSandbox(Sandbox):
     @classmethod
     def describe(cls) -> str:
         return f"accelerator: {accel()}"
+
+    @classmethod
+    def caps(cls, limits: Limits | None = None) -> dict[str, str]:
+        """The guest's own kernel holds them: RAM, vCPUs, RLIMIT_NPROC inside the guest."""
+        limits = limits or Limits()
+        return {
+            "pids": (f"{NOT}: --pids not set" if limits.pids is None else
+                     f"capped by RLIMIT_NPROC at {limits.pids} inside the guest (its own kernel and pid space)"),
+            "memory": (f"capped by the guest's RAM ({max(MIN_MEMORY_MIB, (limits.memory_bytes or 0) // MiB)} MiB)"),
+            "cpu": f"capped by the guest's vCPUs ({math.ceil(limits.cpus or 1)})",
+            "disk": "capped by the guest: its workspace and /tmp are in its RAM",
+        }
 
     @classmethod
     def accel(cls) -> str:

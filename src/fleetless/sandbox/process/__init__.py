@@ -33,26 +33,30 @@ from typing import ClassVar
 from .. import (
     OWN_DEADLINE_SLACK,
     ExecResult,
+    Limits,
     Sandbox,
     SandboxUnavailable,
     Template,
     _capture,
     _hostuid,
     _subuid,
+    _tree,
     _workspace,
     cgroups,
     default_python,
     jobs_cannot_reach,
 )
+from .._caps import NOT, nproc_counts_per_namespace
 from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer, untraversable
 from .._limits import rlimit_kill_reason, rlimits_for
-from .._wording import describe_signal
+from .._wording import describe_signal, memory_size
 
 __all__ = ["CONTAIN_ENV", "ProcessSandbox"]
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
+MiB = 1024 * 1024
 
 
 def tree_cgroup_caps() -> cgroups.CgroupCaps | None:
@@ -193,6 +197,41 @@ class ProcessSandbox(Sandbox):
                 f"a uid of their own needs a root drainer or a subordinate uid range; here: {_subuid.missing()}")
 
     @classmethod
+    def caps(cls, limits: Limits | None = None) -> dict[str, str]:
+        """pids: a pids cgroup where the drainer can write one, and RLIMIT_NPROC where it counts the
+        job alone (a uid of its own, or the user namespace its supervisor makes); memory: RLIMIT_AS
+        per process, the tree's sum by the drainer's watch where no memory cgroup is used; cpu and
+        disk: not capped (RLIMIT_CPU and RLIMIT_FSIZE are said)."""
+        limits = limits or Limits()
+        out: dict[str, str] = {}
+        how = []
+        if tree_cgroup_caps() is not None:
+            how.append("a pids cgroup (pids.max)")
+        own_uid = _hostuid.needed() or _subuid.delegation() is not None
+        if own_uid:
+            how.append("RLIMIT_NPROC (each job a uid of its own)")
+        elif os.environ.get(CONTAIN_ENV) != "0" and nproc_counts_per_namespace() and _own_userns_works():
+            how.append("RLIMIT_NPROC in the job's own user namespace (it counts that job's processes alone)")
+        if limits.pids is None:
+            out["pids"] = f"{NOT}: --pids not set"
+        elif how:
+            out["pids"] = f"capped by {' and '.join(how)} at {limits.pids}"
+        else:
+            out["pids"] = (f"{NOT}: no pids cgroup is writable and every job runs as the drainer's uid {os.getuid()} "
+                           "in no user namespace of its own")
+        if limits.memory_bytes is None:
+            out["memory"] = f"{NOT}: --memory not set"
+        else:
+            out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
+                             "summing the job tree's resident memory, killing it over the cap")
+        out["cpu"] = (f"{NOT} in cores: RLIMIT_CPU ends each process after its CPU seconds (the timeout's, "
+                      "or --cpu-seconds)")
+        fsize = "" if limits.file_size_bytes is None else (
+            f"; RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
+        out["disk"] = f"{NOT}: the workspace is on the host's disk{fsize}"
+        return out
+
+    @classmethod
     def sweep(cls) -> int:
         """Per-job cgroups and workspaces of drainers that died."""
         try:
@@ -241,6 +280,9 @@ class ProcessSandbox(Sandbox):
         if self._killed:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         rlimits = rlimits_for(self._template, timeout_seconds)
+        pids = self._template.limits.pids
+        if pids is not None and (self._lease is not None or nproc_counts_per_namespace()):
+            rlimits["RLIMIT_NPROC"] = pids  # the supervisor applies it only where it counts the job alone
         harden_drainer()
         status_r, status_w = os.pipe()
         limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
@@ -286,6 +328,8 @@ class ProcessSandbox(Sandbox):
         limits = self._template.limits
         captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         deadline = started + max(budget, 0)
+        memory = self._template.limits.memory_bytes  # the tree's sum: RLIMIT_AS caps each process only
+        watched = None if memory is None else _tree.watch(proc.pid, memory, self._stop_supervisor)
         try:
             hit = _capture.pump(proc.stdout, proc.stderr, captured, deadline, self._stop_supervisor,
                                 exited=(pidfd, self._kill_leftovers))
@@ -301,6 +345,8 @@ class ProcessSandbox(Sandbox):
             except BlockingIOError:
                 raw = b""
         finally:
+            if watched is not None:
+                watched.cancel()
             os.close(status_r)
             os.close(pidfd)
             proc.stdout.close()
@@ -321,6 +367,8 @@ class ProcessSandbox(Sandbox):
         if cg is not None and cg.pids_max is not None and exit_code != 0 and cg.pids_limit_hit():
             killed = f"killed: pids limit {self._template.limits.pids} reached" + (
                 f" ({reason.removeprefix('killed: ')})" if hit else "")
+        if watched is not None and watched.hit and memory is not None:
+            killed = f"killed: memory limit {memory_size(memory)} exceeded"
         if killed is None:
             killed = rlimit_kill_reason(exit_code, rlimits)
         return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
@@ -405,6 +453,24 @@ def _namespaces_work() -> bool:
         except (OSError, subprocess.SubprocessError):
             _namespaces_ok = False
     return _namespaces_ok
+
+
+_own_userns_ok: bool | None = None
+
+
+def _own_userns_works() -> bool:
+    """Whether a non-root supervisor can make the job a user and pid namespace of its own here (as
+    ``_supervisor.py`` does): tried once with ``unshare``."""
+    global _own_userns_ok
+    if os.geteuid() == 0:
+        return _namespaces_work()
+    if _own_userns_ok is None:
+        try:
+            _own_userns_ok = subprocess.run(["unshare", "--user", "--pid", "--fork", "true"], capture_output=True,
+                                            timeout=30, stdin=subprocess.DEVNULL).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _own_userns_ok = False
+    return _own_userns_ok
 
 
 #: ``FLEETLESS_PROCESS_CONTAIN=0`` runs process-tier jobs without their own pid and mount namespaces

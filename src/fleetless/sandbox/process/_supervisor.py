@@ -22,10 +22,10 @@ status pipe) is not reachable through /proc even by the same uid.
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
     python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV...
-where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"), CREDS is "UID:GID" for the job to run as
-(or "-": the supervisor's own), WAIT is "wait" when the supervisor must first read one byte on
-its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", DEADLINE a number of
-seconds, and CONTAIN "-" (run the job uncontained) or newline-separated lines: SHM_BYTES, then
+where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"; RLIMIT_NPROC: see :func:`_nproc`), CREDS is
+"UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
+must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", DEADLINE a
+number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated lines: SHM_BYTES, then
 "K PATH" for each host path under /dev/shm the job needs (the work directory, the interpreter),
 "T DIR" for each directory the job's uid cannot search that holds its interpreter (a root
 drainer's /root) and "V PATH<tab>DIR" for each path under such a DIR to bind back for it. The job gets this
@@ -204,6 +204,21 @@ def _remove_workspace(workspace: str) -> None:
     module.remove(pathlib.Path(workspace))
 
 
+def _nproc(rlimits: list[list[str]], uid: int, contained: bool) -> list[list[str]]:
+    """RLIMIT_NPROC only where the kernel counts it for this job alone (since Linux 5.14, per user
+    namespace and uid): a uid of the job's own (``uid``), or the drainer's uid in the user namespace
+    this supervisor made (``contained``), where this process and the init count too. Elsewhere it
+    would count every process of the drainer's uid: left out (``Sandbox.caps`` says so)."""
+    out = []
+    for name, value in rlimits:
+        if name == "RLIMIT_NPROC":
+            if uid < 0 and not contained:
+                continue
+            value = str(int(value) + (2 if uid < 0 else 0))
+        out.append([name, value])
+    return out
+
+
 def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> None:
     """In the forked child: become the job (never returns)."""
     try:
@@ -298,6 +313,7 @@ def main() -> None:
     fd = int(status_fd)
     report_r = report_w = -1
     contained = bool(contain) and _enter_pid_namespace()  # (it writes /proc/self: dumpable until then)
+    rlimits = _nproc(rlimits, uid, contained)
     _prctl(PR_SET_DUMPABLE, 0)  # its status pipe out of the job's reach through /proc, same uid or not
     if contained:
         _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # (again: in case the new credentials cleared it)

@@ -1,0 +1,152 @@
+"""An unprivileged drainer holds its jobs to ``--pids`` and ``--memory`` (issue 25, item 2), with a
+subordinate uid range (``fleetless-ci``: each job a uid of its own) and without one
+(``fleetless-ci2``: every job the drainer's own uid), on the bwrap and process tiers; and it says
+which caps hold (``Sandbox.caps``, in ``fleetless doctor`` and the drain's first lines).
+
+On 61e842d such a drainer's job forked 300 children under ``--pids 64``: no cgroup was writable and
+nothing else counted. The users are made by ``.ci/run``; here they are skipped where missing (failed
+where ``FLEETLESS_REQUIRE_TIERS`` says CI runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue
+from fleetless.sandbox import Limits, get_backend
+from fleetless.sandbox._caps import CAPS, NOT
+
+from .drains import SRC, drain, handlers_dir, need_tier, shared, work_dir
+from proctools import leftovers
+
+__all__ = ["shared"]  # the fixture, imported for the tests below
+
+TIERS = ["bwrap", "process"]
+#: (user, whether CI gives it a subordinate uid range)
+USERS = [pytest.param(os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci"), id="subuid-range"),
+         pytest.param(os.environ.get("FLEETLESS_TEST_PLAIN_USER", "fleetless-ci2"), id="no-range")]
+
+FORKER = """
+import json, os, sys, time
+forked, refused = 0, 0
+for _ in range(300):
+    try:
+        pid = os.fork()
+    except OSError:
+        refused += 1
+        continue
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    forked += 1
+print("counts", json.dumps({"forked": forked, "refused": refused}), file=sys.stderr, flush=True)
+time.sleep(120)  # the timeout ends it
+"""
+
+#: Four children of 100 MiB each (every page written), each under RLIMIT_AS, the tree over 256 MiB.
+HOG = """
+import os, time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        hog = bytearray(100 << 20)
+        hog[::4096] = b"\\1" * len(range(0, len(hog), 4096))
+        time.sleep(120)
+        os._exit(0)
+    kids.append(pid)
+time.sleep(120)
+"""
+
+
+def uid_of(user: str) -> int:
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        why = f"no user {user} (.ci/run makes it)"
+    if os.getuid() != 0:
+        why = "needs root to start a drainer as another user"
+    if os.environ.get("FLEETLESS_REQUIRE_TIERS"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def jobs(sql: Any) -> list[tuple[Any, ...]]:
+    return sql("SELECT status, last_error FROM fleetless.jobs ORDER BY id")
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_unprivileged_drainers_job_forks_no_more_than_its_pids_cap(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str) -> None:
+    need_tier(tier)
+    uid = uid_of(user)
+    h = handlers_dir(shared, **{"forker.py": FORKER})
+    work = work_dir(shared, uid)
+    queue.enqueue("forker", {}, max_attempts=1)
+    r = drain(dsn, h, work, "--pids", "64", "--timeout", "5", tier=tier, user=uid)
+    assert not isinstance(r, subprocess.Popen)
+    assert r.returncode == 0, r.stderr
+    (status, error), = jobs(sql)
+    assert status == "dead" and "timeout" in error, (status, error, r.stderr)
+    counts = [json.loads(line.split("counts ", 1)[1]) for line in error.splitlines() if "counts {" in line]
+    assert len(counts) == 1, error
+    assert counts[0]["forked"] < 64 and counts[0]["refused"] > 0, counts
+    assert leftovers(work) == []
+
+
+@pytest.mark.parametrize("user", USERS)
+@pytest.mark.parametrize("tier", TIERS)
+def test_an_unprivileged_drainer_kills_a_job_tree_over_its_memory_cap(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str) -> None:
+    need_tier(tier)
+    uid = uid_of(user)
+    h = handlers_dir(shared, **{"hog.py": HOG})
+    work = work_dir(shared, uid)
+    queue.enqueue("hog", {}, max_attempts=1)
+    r = drain(dsn, h, work, "--memory", "256M", "--timeout", "60", tier=tier, user=uid)
+    assert not isinstance(r, subprocess.Popen)
+    assert r.returncode == 0, r.stderr
+    (status, error), = jobs(sql)
+    assert status == "dead" and "memory limit 256 MiB exceeded" in error, (status, error, r.stderr)
+    assert leftovers(work) == []
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
+        dsn: str, queue: Queue, shared: Path, user: str) -> None:
+    need_tier("process")
+    uid = uid_of(user)
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    env = {"PYTHONPATH": ":".join([SRC, *site]), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    creds: dict[str, Any] = {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
+    r = subprocess.run(["/usr/bin/python3", "-m", "fleetless.cli", "doctor"], capture_output=True, text=True,
+                       timeout=300, cwd="/", env=env, **creds)
+    assert r.returncode == 0, r.stderr
+    for tier in TIERS:
+        line = next(li for li in r.stdout.splitlines() if li.strip().startswith(f"caps ({tier}):"))
+        for name in CAPS:
+            assert f" {name} capped by " in line or f" {name} {NOT}" in line, line
+        assert " pids capped by " in line and " memory capped by " in line, line
+    work = work_dir(shared, uid)
+    h = handlers_dir(shared, **{"ok.py": "print('ok')\n"})
+    queue.enqueue("ok", {})
+    d = drain(dsn, h, work, tier="process", user=uid)
+    assert not isinstance(d, subprocess.Popen)
+    assert d.returncode == 0, d.stderr
+    assert "caps (process): pids capped by " in d.stderr.splitlines()[0], d.stderr
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_caps_name_every_cap_as_held_or_not(tier: str) -> None:
+    caps = get_backend(tier).caps(Limits(pids=None, memory_bytes=None, cpus=None))
+    assert list(caps) == list(CAPS)
+    assert all(text.startswith(NOT) for name, text in caps.items() if name != "disk"), caps
