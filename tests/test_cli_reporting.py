@@ -70,7 +70,8 @@ def test_v_and_log_format_after_the_command_work_as_before_it(dsn: str, queue: Q
     bad = queue.enqueue("bad", {}, max_attempts=1)
     r = fleetless("drain", "--handlers", str(h), "--log-format", "json", "--verbose", dsn=dsn)
     assert r.returncode == 0, r.stderr
-    (e,) = [json.loads(ln) for ln in r.stderr.splitlines()]
+    events = [json.loads(ln) for ln in r.stderr.splitlines()]  # (with -v also the drain's caps line)
+    (e,) = [e for e in events if e.get("event") == "job_finished"]
     assert (e["event"], e["id"], e["outcome"], e["error_head"]) == ("job_finished", bad, "dead", HEAD)
     job_id = queue.enqueue("report", {})
     queue.claim(1)
