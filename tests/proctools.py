@@ -35,6 +35,29 @@ def pids_with(marker: str) -> list[int]:
     return [pid for pid in found if alive(pid)]
 
 
+def descendants(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, their children and so on (from each task's ``children``
+    file): a test that looks for what its own drain started looks only there, never at every
+    process on the host (another drain running there must not change its answer)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
              interval: float = 0.05) -> Any:
     """Poll until ``predicate()`` is truthy and return it; AssertionError after ``timeout``."""

@@ -25,7 +25,7 @@ import pytest
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 
-from proctools import wait_for
+from proctools import descendants, wait_for
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
 TIERS = ["process", "bwrap", "microvm"]
@@ -257,12 +257,12 @@ def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(tier: str, queue:
 
 
 def _spares_waiting() -> int:
-    """How many spare sandboxes' runners have their pipe open, waiting for a batch (its fd names
-    ``batch.fifo``: the host's path, or the one inside the sandbox's mount namespace)."""
+    """How many spare sandboxes' runners of this test's own drain (a thread of this process: its
+    sandboxes are descendants of it) have their pipe open, waiting for a batch (its fd names
+    ``batch.fifo``: the host's path, or the one inside the sandbox's mount namespace). Other
+    processes on the host, another drain's spares among them, are not looked at."""
     waiting = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in descendants(os.getpid()):
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             if any(os.readlink(f"/proc/{pid}/fd/{fd}").endswith("/batch.fifo") for fd in fds):
@@ -274,6 +274,31 @@ def _spares_waiting() -> int:
 
 def _spare_waiting() -> bool:
     return _spares_waiting() > 0
+
+
+def test_spares_are_counted_among_this_tests_own_processes_only(tmp_path: Path) -> None:
+    """Issue 26 (hermetic tests): on 61e842d the spare-sandbox tests counted every process on the
+    host with a batch.fifo open, so another drain's spares failed them. A process that holds one
+    open, started here and then orphaned (no longer a descendant of this test), is not counted."""
+    fifo = tmp_path / "batch.fifo"
+    os.mkfifo(fifo)
+    script = ("import os, sys, time\n"
+              "if os.fork():\n    os._exit(0)\n"
+              "os.setsid()\n"
+              "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+              "print(os.getpid(), flush=True)\n"
+              "time.sleep(120)\n")
+    starter = subprocess.Popen([sys.executable, "-c", script, str(fifo)], stdout=subprocess.PIPE, text=True)
+    assert starter.stdout is not None
+    orphan = int(starter.stdout.readline())
+    starter.wait(30)
+    try:
+        wait_for(lambda: any(os.readlink(f"/proc/{orphan}/fd/{fd}") == str(fifo)
+                             for fd in os.listdir(f"/proc/{orphan}/fd")), what="the orphan to hold the pipe")
+        assert orphan not in descendants(os.getpid())
+        assert _spares_waiting() == 0
+    finally:
+        os.kill(orphan, signal.SIGKILL)
 
 
 # no spare where the job's workspace is not a host directory: a microVM's is a copy, the forkserver's a
