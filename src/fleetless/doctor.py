@@ -59,8 +59,21 @@ def _handler_python(name: str, handlers: Path) -> str | None:
         return None
 
 
+def _workdir() -> dict[str, Any]:
+    """``{"path", "ok", "detail"}``: the work directory a drain here would use, or why it refuses it."""
+    from .sandbox import _workspace
+
+    try:
+        path = _workspace.root()
+    except OSError as exc:
+        return {"path": None, "ok": False, "detail": str(exc)}
+    return {"path": str(path), "ok": True,
+            "detail": f"{path}: this user's own, no one else may write or swap it"}
+
+
 def check() -> dict[str, Any]:
-    """``{"python", "python_startup_ms", "tiers": [{"name", "ok", "detail", "python", "caps"}, ...]}``:
+    """``{"python", "python_startup_ms", "workdir": {"path", "ok", "detail"},
+    "tiers": [{"name", "ok", "detail", "python", "caps"}, ...]}``:
     ``caps`` says which resource caps hold for the tier's jobs (``Sandbox.caps``, default limits);
     ``python`` is what the process tier runs ``.py`` handlers with, each tier's its own (the
     drain's choice, not a guess: a root drainer's venv under /root is still the handlers' own
@@ -78,12 +91,14 @@ def check() -> dict[str, Any]:
             tiers.append({"name": name, "ok": ok, "detail": detail,
                           "python": _handler_python(name, handlers) if ok else None,
                           "caps": get_backend(name).caps() if ok else None})
-    return {"python": python, "python_startup_ms": round(startup, 1), "tiers": tiers}
+    return {"python": python, "python_startup_ms": round(startup, 1), "workdir": _workdir(),
+            "tiers": tiers}
 
 
 def run() -> None:
     report = check()
     click.echo(f"bare {report['python']} start-up: {report['python_startup_ms']:.0f} ms (median of {RUNS})")
+    click.echo(f"work dir {'ok' if report['workdir']['ok'] else 'refused':<12} {report['workdir']['detail']}")
     for tier in report["tiers"]:
         python = f"; .py handlers run under {tier['python']}" if tier["python"] else ""
         click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}{python}")

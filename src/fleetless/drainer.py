@@ -205,6 +205,12 @@ class Drainer:
         self._env = base_env(parse_pass_env(config.pass_env))
         self._template = Template(handlers_dir=config.handlers_dir, limits=config.limits, env=self._env,
                                   python=config.python)
+        from .sandbox import _workspace
+
+        try:  # before any tier is probed: one that is not the drainer's own is refused, never used
+            _workspace.root()
+        except OSError as exc:
+            raise DrainError(f"cannot use the sandbox work directory: {exc}") from None
         # "auto": one line says which, and why; the tier's slow checks of the template start now
         tier, self.tier_note = choose_tier(config.sandbox, self._template)
         self.config = config = replace(config, sandbox=tier)

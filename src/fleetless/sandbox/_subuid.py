@@ -32,14 +32,13 @@ import json
 import os
 import pwd
 import shutil
-import stat
 import subprocess
 import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import SandboxUnavailable, _hostuid
+from . import SandboxUnavailable, _hostuid, _workspace
 
 __all__ = ["Delegation", "Holder", "delegation", "holder", "lease", "missing"]
 
@@ -151,18 +150,22 @@ def missing() -> str:
 
 def lock_dir() -> Path:
     """The lease files of every drainer of this user: ``$FLEETLESS_RUN_DIR/job-uids``, else
-    ``$XDG_RUNTIME_DIR/fleetless/job-uids``, else ``<tmp>/fleetless-run-<uid>/job-uids``; each made
-    0700 and refused unless this user owns it (a directory another user made in /tmp)."""
+    ``$XDG_RUNTIME_DIR/fleetless/job-uids``, else ``job-uids`` in this user's private
+    ``<tmp>/fleetless-run-<uid>-<random>`` (:func:`._workspace.private_dir`: no other user can make
+    it first); each made 0700 and refused unless it passes :func:`._workspace.check` (a real
+    directory of this user's that no one else may write or swap)."""
     base = os.environ.get(_hostuid.RUN_DIR_ENV)
     if not base:
         runtime = os.environ.get("XDG_RUNTIME_DIR")
-        base = os.path.join(runtime, "fleetless") if runtime else f"/tmp/fleetless-run-{os.getuid()}"
-    path = Path(base) / "job-uids"
+        base = (os.path.join(runtime, "fleetless") if runtime
+                else str(_workspace.private_dir(f"fleetless-run-{os.geteuid()}-")))
+    path = Path(os.path.abspath(base)) / "job-uids"
     for d in (path.parent, path):
         d.mkdir(mode=0o700, parents=d is path.parent, exist_ok=True)
-        st = os.lstat(d)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise SandboxUnavailable(f"job uid lease directory {d} is not this user's own (set {_hostuid.RUN_DIR_ENV})")
+        try:
+            _workspace.check(d, f"the job uid lease directory (set {_hostuid.RUN_DIR_ENV})")
+        except OSError as exc:
+            raise SandboxUnavailable(str(exc)) from None
     return path
 
 

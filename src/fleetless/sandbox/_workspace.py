@@ -1,6 +1,7 @@
 """Per-job workspaces on the host: created private, always removed, leftovers swept.
 
-A workspace directory is named ``ws-<drainer pid>-<random>`` under :func:`root`. Beside them live
+A workspace directory is named ``ws-<drainer pid>-<random>`` under :func:`root`, a directory
+of the drainer's user that no one else can write or swap (checked at every use). Beside them live
 per-drainer copies of host files that sandboxes run from or bind (:func:`cached_copy`:
 ``hs-…`` handlers snapshots, ``etc-…`` and ``bpf-…`` (its seccomp filter) for bwrap). A drainer
 that was SIGKILLed cannot remove its own; :func:`sweep` (run at the start of every drain) removes
@@ -33,14 +34,117 @@ REMOVE_SECONDS = 60.0
 QUARANTINE = "quarantine"
 
 
+#: The environment variable naming the work directory (else a private one under the tmp dir).
+ENV = "FLEETLESS_WORKDIR"
+
+
+class UnsafeDirectory(OSError):
+    """A work (or lease) directory that others could swap or write: refused, never used."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+_default: dict[tuple[str, int], Path] = {}  # (prefix, euid) -> the private directory found or made
+
+
 def root() -> Path:
-    """Where workspaces live: ``$FLEETLESS_WORKDIR`` or ``<tmp>/fleetless-<uid>``."""
-    base = os.environ.get("FLEETLESS_WORKDIR") or os.path.join(
-        tempfile.gettempdir(), f"fleetless-{os.getuid()}"
-    )
-    path = Path(base)
-    path.mkdir(mode=0o711, parents=True, exist_ok=True)
+    """Where workspaces live: ``$FLEETLESS_WORKDIR`` (made 0711 if missing), else this user's
+    private ``<tmp>/fleetless-<uid>-<random>`` (:func:`private_dir`). Checked at every call
+    (:func:`check`): a real directory of this user that no one else may write, reached through
+    directories only root or this user may change; :class:`UnsafeDirectory` otherwise."""
+    given = os.environ.get(ENV)
+    if not given:
+        return private_dir(f"fleetless-{os.geteuid()}-")
+    path = Path(os.path.abspath(given))
+    if not os.path.lexists(path):
+        existing = path.parent
+        while not os.path.lexists(existing):
+            existing = existing.parent
+        check(existing, f"the work directory {ENV}={given}", above=True)  # what it is made in
+        path.mkdir(mode=0o711, parents=True, exist_ok=True)
+    check(path, f"the work directory {ENV}={given}")
     return path
+
+
+def private_dir(prefix: str) -> Path:
+    """This user's directory ``<tmp>/<prefix><random>`` (0711): the name is not predictable, so no
+    other user can make it first. Every drainer of the user finds the same one again: the
+    first (by name) in the tmp dir that passes :func:`check` (a directory another user made with
+    the prefix fails it and is ignored); the first drainer makes it."""
+    key = (prefix, os.geteuid())
+    known = _default.get(key)
+    if known is not None:
+        try:
+            check(known, "the work directory")
+            return known
+        except OSError:  # removed (a tmp cleaner) or changed: find or make another
+            del _default[key]
+    tmp = Path(os.path.realpath(tempfile.gettempdir()))
+    found = _find_own(tmp, prefix)
+    if found is None:
+        made = Path(tempfile.mkdtemp(prefix=prefix, dir=tmp))
+        os.chmod(made, 0o711)
+        found = _find_own(tmp, prefix)  # two drainers that started together use the same one
+        if found != made:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        if found is None:
+            raise UnsafeDirectory(f"the directory {made} it just made fails its own check")
+    _default[key] = found
+    return found
+
+
+def _find_own(tmp: Path, prefix: str) -> Path | None:
+    with os.scandir(tmp) as it:
+        names = sorted(e.name for e in it if e.name.startswith(prefix))
+    for name in names:
+        try:
+            check(tmp / name, name)
+            return tmp / name
+        except OSError:
+            continue
+    return None
+
+
+def check(path: Path, what: str, above: bool = False) -> None:
+    """Refuse (:class:`UnsafeDirectory`, one line) unless every step of ``path`` (absolute) is a
+    real directory, no symlink (each opened with ``O_NOFOLLOW`` relative to the one before), the
+    steps above it owned by root or this user and writable by no one else unless sticky (as /tmp
+    is), and ``path`` itself owned by this user and writable by no one else. Then no other user
+    can swap or write anything in it. ``above``: ``path`` is only checked as a step above one
+    (to make a directory in)."""
+    me = os.geteuid()
+    parts = [p for p in str(path).split("/") if p]
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, part in enumerate(["", *parts]):
+            if part:
+                try:
+                    nxt = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as exc:
+                    step = "/" + "/".join(parts[:i])
+                    why = exc.strerror or str(exc)
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        link = os.path.islink(step)
+                        why = "a symlink (name the directory itself)" if link else "not a directory"
+                    raise UnsafeDirectory(f"refusing {what}: {step} is {why}") from None
+                os.close(fd)
+                fd = nxt
+            st = os.fstat(fd)
+            step = "/" + "/".join(parts[:i])
+            if i == len(parts) and not above:
+                if st.st_uid != me:
+                    raise UnsafeDirectory(f"refusing {what}: {step} is owned by uid {st.st_uid}, not {me}")
+                if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                    raise UnsafeDirectory(f"refusing {what}: {step} is writable by others "
+                                          f"(mode {stat.S_IMODE(st.st_mode):o}; chmod go-w)")
+            elif st.st_uid not in (0, me) or (
+                    st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX):
+                raise UnsafeDirectory(f"refusing {what}: {step} (above it) could be changed by "
+                                      f"another user (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
+    finally:
+        os.close(fd)
 
 
 def create() -> Path:

@@ -298,6 +298,7 @@ def _ensure_watchdog() -> None:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "fleetless.sandbox.bwrap._watchdog", str(os.getpid())],
                 stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True,
+                env={**os.environ, _workspace.ENV: str(_workspace.root())},  # the drainer's own
             )
         finally:
             os.close(read_end)
