@@ -158,7 +158,8 @@ SQUAT = """
 """
 
 
-def test_a_process_tier_job_cannot_squat_another_users_next_drain(queue: Queue, dsn: str, sql: Any, shared: Path) -> None:
+def test_a_process_tier_job_cannot_squat_another_users_next_drain(queue: Queue, dsn: str, sql: Any,
+                                                                  shared: Path) -> None:
     """A root drainer's job (a leased uid) makes the default names of every user in the tmp dir,
     mode 0777; the next drain of user 65534 does not use them (they are not its own): its
     workspaces and handlers snapshot go to a directory only it can write, and its job is done."""
