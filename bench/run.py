@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 from suite import Context, Section, compile_tree  # noqa: E402
 
-ALL = ("enqueue", "drain", "perjob", "latency", "claim", "tick")
+ALL = ("enqueue", "drain", "perjob", "latency", "claim", "tick", "scale")
 DOC = HERE.parent / "BENCHMARKS.md"
 
 

@@ -154,3 +154,18 @@ def test_recount_repairs_counts_a_trigger_did_not_see(queue: Queue, sql: Any, ds
     assert '"wrong": 3' in result.output  # (a, pending) and (a, dead) differ, (ghost) is gone
     assert_exact(sql)
     assert Insights(queue).overview().by_status["dead"] == 2
+
+
+def test_init_folds_an_existing_attempt_history_once(queue: Queue, sql: Any, dsn: str) -> None:
+    """Issue 26: after an upgrade, /metrics' first ~25 scrapes each folded 200,000 attempts of a
+    long history (9-13 s each); `fleetless init` now folds it all, so every scrape reads a short tail."""
+    queue.enqueue_many([("a", {})] * 3)
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now() - interval '1 day'")
+    sql("INSERT INTO fleetless.job_attempts (job_id, attempt, outcome, finished_at, duration_seconds)"
+        " SELECT id, 1, 'done', now() - interval '1 day', 0.2 FROM fleetless.jobs")
+    sql("TRUNCATE fleetless.attempt_totals")
+    sql("UPDATE fleetless.attempt_totals_mark SET last_id = 0")
+    result = CliRunner().invoke(cli, ["--database-url", dsn, "init"])
+    assert result.exit_code == 0, result.output
+    assert sql("SELECT last_id FROM fleetless.attempt_totals_mark") == sql("SELECT max(id) FROM fleetless.job_attempts")
+    assert sql("SELECT kind, outcome, n FROM fleetless.attempt_totals") == [("a", "done", 3)]

@@ -150,9 +150,12 @@ def cli(ctx: click.Context, database_url: str | None, schema: str, verbose: bool
 @click.pass_context
 def init(ctx: click.Context, recount: bool, as_json: bool) -> None:
     """Create or upgrade the schema (idempotent)."""
+    from .insights import Insights
+
     q = _queue(ctx)
     applied = q.init()
     wrong = q.recount() if recount else None
+    Insights(q).fold_history()  # an existing attempt history folded here, not by the first scrapes
     if as_json:
         _echo_json({"schema": q.schema, "applied": applied}
                    | ({} if wrong is None else {"recounted": True, "wrong": wrong}))
