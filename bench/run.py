@@ -1,11 +1,13 @@
 """The benchmark suite of issue 8: one command, one PostgreSQL, same-run ratios.
 
-    .venv/bin/python bench/run.py [--reps 5] [--only enqueue,drain,perjob,latency,claim,tick] [--quick]
+    .venv/bin/python bench/run.py [--reps 5] [--only enqueue,drain,perjob,latency,claim,tick,scale] [--quick]
+    .venv/bin/python bench/run.py --current   # only rebuild the current table at BENCHMARKS.md's top
 
 Each measurement (``bench/suite/<name>.py``) runs its cases interleaved over ``--reps`` repetitions
 (so machine noise spreads over all of them), reports medians with the spread (max - min over
 median), writes its section of BENCHMARKS.md (between ``<!-- suite:<name> -->`` markers, replaced
-on every run) and a PNG plot in ``bench/plots/``. Only ratios measured in the same run mean
+on every run), rebuilds the one current table at the top of BENCHMARKS.md from all the sections,
+and a PNG plot in ``bench/plots/``. Only ratios measured in the same run mean
 anything on shared machines. Raw results go to ``bench/results/<name>.json``.
 
 Needs the ``bench`` extra (``pip install -e '.[bench]'``: matplotlib) and, for the peers (PgQueuer,
@@ -39,11 +41,51 @@ def write_section(section: Section) -> None:
     if start in text and end in text:
         head, rest = text.split(start, 1)
         text = head + body + rest.split(end, 1)[1]
+    elif "<!-- /suite:" in text:  # a new section: after the others, above the history
+        cut = text.rindex("<!-- /suite:")
+        cut = text.index("-->", cut) + 3
+        text = text[:cut] + "\n\n" + body + text[cut:]
     else:
         if "## The issue-8 suite" not in text:
             text = text.rstrip() + "\n\n## The issue-8 suite (`bench/run.py`)\n\n" + (
                 "Every section below is written by `bench/run.py` itself; see its header for how.\n")
         text = text.rstrip() + "\n\n" + body + "\n"
+    DOC.write_text(text)
+
+
+CURRENT = ("<!-- current -->", "<!-- /current -->")
+
+
+def current_table(text: str) -> str:
+    """One table of every suite section's latest figures, read from the sections in ``text`` (each
+    as bench/run.py last wrote it): section, case, figures, when it ran."""
+    lines = ["## Current figures", "",
+             "Written by `bench/run.py` from the latest run of each of its sections (full tables, with",
+             "the command and machine of each run, are in the sections below; everything after them is",
+             "the dated history of earlier sessions). Medians [spread]; ratios are same-run.", "",
+             "| section | case | figures | run |", "|---|---|---|---|"]
+    for block in text.split("<!-- suite:")[1:]:
+        body = block.split("-->", 1)[1].split("<!-- /suite:", 1)[0]
+        title = next((ln[4:] for ln in body.splitlines() if ln.startswith("### ")), "?")
+        run = next((ln[5:21] for ln in body.splitlines() if ln.startswith("Run: ")), "?")
+        rows = [ln for ln in body.splitlines() if ln.startswith("| ")][1:]  # past the header
+        for row in rows:
+            cells = [c.strip() for c in row.strip().strip("|").split("|")]
+            figures = " · ".join(c for c in cells[1:] if c)
+            lines.append(f"| {title} | {cells[0]} | {figures} | {run} |")
+    return "\n".join(lines)
+
+
+def write_current() -> None:
+    """The current table at the top of BENCHMARKS.md (replaced on every run)."""
+    text = DOC.read_text()
+    table = f"{CURRENT[0]}\n{current_table(text)}\n{CURRENT[1]}"
+    if CURRENT[0] in text and CURRENT[1] in text:
+        head, rest = text.split(CURRENT[0], 1)
+        text = head + table + rest.split(CURRENT[1], 1)[1]
+    else:
+        title, rest = text.split("\n", 1)
+        text = f"{title}\n\n{table}\n\n## History\n{rest}"
     DOC.write_text(text)
 
 
@@ -65,7 +107,12 @@ def main() -> None:
     ap.add_argument("--baseline-tree", type=Path,
                     help="a checkout (a worktree of the commit before issue 8, say) or its src/: the tick compares")
     ap.add_argument("--note", default="", help="a line added under each section (e.g. other work was running)")
+    ap.add_argument("--current", action="store_true",
+                    help="only rebuild the current table at the top of BENCHMARKS.md from its sections")
     args = ap.parse_args()
+    if args.current:
+        write_current()
+        return
     names = [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = set(names) - set(ALL)
     if unknown:
@@ -83,6 +130,7 @@ def main() -> None:
         (HERE / "results" / f"{name}.json").write_text(json.dumps(section.raw, indent=1))
         if not args.quick:
             write_section(section)
+            write_current()
         print(section.markdown(), flush=True)
 
 
