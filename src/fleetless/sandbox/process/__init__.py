@@ -198,17 +198,17 @@ class ProcessSandbox(Sandbox):
 
     @classmethod
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
-        """pids: a pids cgroup where the drainer can write one, and RLIMIT_NPROC where it counts the
+        """pids: a pids cgroup where the drainer can write one, else RLIMIT_NPROC where it counts the
         job alone (a uid of its own, or the user namespace its supervisor makes); memory: RLIMIT_AS
         per process, the tree's sum by the drainer's watch where no memory cgroup is used; cpu and
         disk: not capped (RLIMIT_CPU and RLIMIT_FSIZE are said)."""
         limits = limits or Limits()
         out: dict[str, str] = {}
         how = []
+        own_uid = _hostuid.needed() or _subuid.delegation() is not None
         if tree_cgroup_caps() is not None:
             how.append("a pids cgroup (pids.max)")
-        own_uid = _hostuid.needed() or _subuid.delegation() is not None
-        if own_uid:
+        elif own_uid:
             how.append("RLIMIT_NPROC (each job a uid of its own)")
         elif os.environ.get(CONTAIN_ENV) != "0" and nproc_counts_per_namespace() and _own_userns_works():
             how.append("RLIMIT_NPROC in the job's own user namespace (it counts that job's processes alone)")
@@ -280,13 +280,13 @@ class ProcessSandbox(Sandbox):
         if self._killed:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         rlimits = rlimits_for(self._template, timeout_seconds)
+        cgroup = self._cgroup
         pids = self._template.limits.pids
-        if pids is not None and (self._lease is not None or nproc_counts_per_namespace()):
+        if pids is not None and cgroup is None and (self._lease is not None or nproc_counts_per_namespace()):
             rlimits["RLIMIT_NPROC"] = pids  # the supervisor applies it only where it counts the job alone
         harden_drainer()
         status_r, status_w = os.pipe()
         limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
-        cgroup = self._cgroup
         try:
             # Its own session: signals aimed at the drainer's process group (Ctrl-C, kill -- -PGID,
             # systemd's KillMode=control-group aside) do not reach the job's supervisor.
