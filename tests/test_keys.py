@@ -188,3 +188,41 @@ def test_cli_enqueue_key_says_when_it_returned_an_existing_job(dsn: str, queue: 
     shown = json.loads(fleetless("enqueue", "a", '{"v": 2}', "--key", "nightly", "--on-duplicate", "replace",
                                  "--json", dsn=dsn).stdout)
     assert shown == {"id": json.loads(first.stdout)["id"], "existing": True, "replaced": True}
+
+
+def test_retry_all_dead_skips_a_job_whose_key_an_enqueue_committing_meanwhile_took(dsn: str, queue: Queue,
+                                                                                     sql) -> None:
+    """Issue 26.10: a keyed enqueue, not yet committed when `retry --all-dead` runs, takes the dead
+    job's key; the retry's update of that job waits on the key's index entry and, once the enqueue
+    commits, fails on it. On 61e842d that aborted the whole retry (no dead job retried); the docs
+    say the job is skipped: now it is, and every other dead job is retried."""
+    queue.enqueue_many([{"kind": "a", "payload": {}, "key": "k", "max_attempts": 1},
+                        {"kind": "b", "payload": {}, "max_attempts": 1}])
+    keyed, plain = sorted(queue.claim(2), key=lambda j: j.kind)
+    queue.fail(keyed, "boom", delay=0)
+    queue.fail(plain, "boom", delay=0)
+    result: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def retry_all() -> None:
+        q = Queue(dsn)
+        try:
+            result.append(q.retry_all_dead())
+        except BaseException as exc:  # the test reports it
+            errors.append(exc)
+        finally:
+            q.close()
+
+    with psycopg.connect(dsn) as conn:
+        newer = queue.enqueue("a", {"new": True}, key="k", conn=conn)  # not committed yet
+        t = threading.Thread(target=retry_all)
+        t.start()
+        wait_for(lambda: sql("SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+                             " WHERE a.datname = current_database() AND l.locktype = 'transactionid'"
+                             " AND NOT l.granted") == [(1,)] or not t.is_alive(),
+                 what="the retry to wait for the enqueue")
+        conn.commit()
+    t.join(timeout=60)
+    assert errors == [] and result == [[plain.id]]
+    assert dict(sql("SELECT id, status FROM fleetless.jobs")) == {
+        keyed.id: "dead", plain.id: "pending", newer: "pending"}

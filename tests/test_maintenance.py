@@ -236,3 +236,13 @@ def test_retention_skips_rather_than_waits_for_a_metrics_fold(queue: Queue, sql,
         thread.join(30)
         assert done == [0]
     assert retention.run_once(queue, retention.Settings(every=None)).deleted == 3
+
+
+def test_the_reaper_ends_a_streak_of_give_backs(queue: Queue, sql) -> None:
+    """Issue 26.10: an expired claim is charged an attempt, so the count of give-backs in a row
+    (releases, the max_releases rule) starts again; on 61e842d the reaper left it as it was."""
+    job = queue.enqueue("k", {}, max_attempts=5)
+    sql("UPDATE fleetless.jobs SET status = 'running', attempts = 1, releases = 4, claim_token = gen_random_uuid(),"
+        " locked_at = now(), lease_expires_at = now() - interval '1 second' WHERE id = %s", job)
+    assert reaper.run_once(queue).pending == 1
+    assert sql("SELECT status, attempts, releases FROM fleetless.jobs WHERE id = %s", job) == [("pending", 1, 0)]

@@ -466,3 +466,30 @@ def test_enqueue_many_into_many_queues_splits_its_notify_under_the_payload_limit
     listener.close()
     assert len(heard) == 2 and all(len(p.encode()) < 8000 for p in heard)
     assert sorted(",".join(heard).split(",")) == names
+
+
+def test_run_now_and_retry_wake_watchers_as_an_enqueue_does(queue: Queue, dsn: str) -> None:
+    """Issue 26.10: on 61e842d `run-now`, `retry` and `retry --all-dead` sent no NOTIFY, so an idle
+    watcher started the job up to a minute later. Each now notifies the job's queue in its own
+    transaction. The check ends with a later enqueue, so nothing is waited for that might never
+    come: what arrives before it is all there is."""
+    later = queue.enqueue("k", {}, queue="later", delay=3600)
+    dead = queue.enqueue("k", {}, queue="dead", max_attempts=1)
+    also_dead = queue.enqueue("k", {}, queue="also", max_attempts=1)
+    for job in queue.claim(2):
+        queue.fail(job, "boom", delay=0)
+    listener = psycopg.connect(dsn, autocommit=True)
+    listener.execute(f'LISTEN "{queue.channel}"')
+    queue.run_now(later)
+    queue.retry(dead)
+    (claimed,) = queue.claim(1, queues=["dead"])
+    queue.fail(claimed, "boom again", delay=0)
+    assert sorted(queue.retry_all_dead()) == sorted([dead, also_dead])
+    queue.enqueue("k", {}, queue="last")
+    heard = []
+    for note in listener.notifies(timeout=30):
+        heard.append(note.payload)
+        if note.payload == "last":
+            break
+    listener.close()
+    assert heard[:2] == ["later", "dead"] and sorted(heard[2:4]) == ["also", "dead"] and heard[4:] == ["last"]

@@ -57,6 +57,9 @@ MAX_ATTEMPTS_CEILING = 1000
 DEFAULT_MAX_ATTEMPTS = 3
 #: Every this-many-th release of a job in a row is charged as a failed attempt (see ``release``).
 MAX_RELEASES = 5
+#: retry_all_dead runs its statement again when a keyed enqueue committed under it took a key:
+#: this many times at most (each run skips the keys held by then).
+RETRY_ALL_DEAD_TRIES = 10
 #: How long a limited kind's claim waits for its kind_limits row before skipping the kind this pass.
 KIND_LOCK_TIMEOUT = 2.0
 _PG_INT = 2**31 - 1
@@ -703,7 +706,7 @@ class Queue:
     def retry(self, job_id: int) -> None:
         """Make a dead or cancelled job pending and due now, with at least one attempt left."""
         try:
-            retried = self._run("retry", {"id": _job_id(job_id)})
+            retried = self._run("retry", {"id": _job_id(job_id), "channel": self.channel})
         except db.DuplicateValue:
             raise ValueError(f"job {job_id} has a key that a pending or running job holds now") from None
         if not retried:
@@ -714,8 +717,15 @@ class Queue:
             raise ValueError(f"job {job_id} is {row['status']}; only dead or cancelled jobs can be retried")
 
     def retry_all_dead(self) -> list[int]:
-        """Retry every dead job that can have one more attempt (see :meth:`dead_at_the_ceiling`)."""
-        return [r["id"] for r in self._run("retry_all_dead", {})]
+        """Retry every dead job that can have one more attempt (see :meth:`dead_at_the_ceiling`).
+        A dead job whose key another job took meanwhile is skipped, also when that job's enqueue
+        commits while this runs (the statement then fails on the key and runs again)."""
+        for _ in range(RETRY_ALL_DEAD_TRIES - 1):
+            try:
+                return [r["id"] for r in self._run("retry_all_dead", {"channel": self.channel})]
+            except db.DuplicateValue:
+                continue
+        return [r["id"] for r in self._run("retry_all_dead", {"channel": self.channel})]
 
     def dead_at_the_ceiling(self) -> list[int]:
         """Dead jobs that already used the most attempts a job can have: no retry can help them."""
@@ -773,7 +783,7 @@ class Queue:
 
     def run_now(self, job_id: int) -> None:
         """Make a pending job due now (it keeps its attempts)."""
-        if not self._run("run_now", {"id": _job_id(job_id)}):
+        if not self._run("run_now", {"id": _job_id(job_id), "channel": self.channel}):
             status = self._status_of(job_id)["status"]
             raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
 

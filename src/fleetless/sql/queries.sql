@@ -268,7 +268,8 @@ SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
     last_error = 'claim expired: the drainer did not finish attempt ' || j.attempts
                  || ' (claimed at ' || to_char(j.locked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
                  || ' UTC); presumed dead',
-    locked_at = NULL, lease_expires_at = NULL, claim_token = NULL
+    locked_at = NULL, lease_expires_at = NULL, claim_token = NULL,
+    releases = 0  -- the expired attempt was charged: a streak of give-backs ends here, as on a failure
 WHERE j.id IN (
   SELECT id FROM {schema}.jobs
   WHERE status = 'running'
@@ -292,15 +293,19 @@ SELECT id, status FROM reaped;
 -- Operator retry of a dead or cancelled job: due now, and at least one more attempt (as Oban).
 -- A job that already used the most attempts the table allows (1000) cannot get one more: it is
 -- left alone (and the caller says why) instead of failing the CHECK for everyone.
+-- It NOTIFYs the job's queue as an enqueue does, so an idle watcher starts it at once.
 UPDATE {schema}.jobs
 SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(max_attempts, attempts + 1)
 WHERE id = %(id)s AND status IN ('dead', 'cancelled') AND attempts < 1000
-RETURNING id;
+RETURNING id, pg_notify(%(channel)s, queue);
 
 -- name: retry_all_dead
 -- A dead job with a key is retried only if no job holds that key now, and only the newest of
--- several dead jobs sharing a key (the unique index allows one pending job per key).
+-- several dead jobs sharing a key (the unique index allows one pending job per key). A keyed
+-- enqueue committed after this statement's snapshot makes it fail on that index: the caller runs
+-- it again (Queue.retry_all_dead), and the new snapshot sees the key held and skips the job.
+-- NOTIFYs each retried job's queue, as an enqueue does.
 UPDATE {schema}.jobs AS j
 SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(j.max_attempts, j.attempts + 1)
@@ -308,7 +313,7 @@ WHERE j.status = 'dead' AND j.attempts < 1000
   AND (j.key IS NULL OR (
     NOT EXISTS (SELECT 1 FROM {schema}.jobs o WHERE o.key = j.key AND o.status IN ('pending', 'running'))
     AND j.id = (SELECT max(d.id) FROM {schema}.jobs d WHERE d.key = j.key AND d.status = 'dead')))
-RETURNING j.id;
+RETURNING j.id, pg_notify(%(channel)s, j.queue);
 
 -- name: dead_at_the_ceiling
 -- The dead jobs retry_all_dead leaves alone, to name them.
@@ -968,10 +973,11 @@ GROUP BY kind, outcome, bound
 ORDER BY kind, outcome, bound;
 
 -- name: run_now
--- Operator "run now" of a pending job that is scheduled later (or backing off): due now.
+-- Operator "run now" of a pending job that is scheduled later (or backing off): due now. It
+-- NOTIFYs the job's queue as an enqueue does, so an idle watcher starts it at once.
 UPDATE {schema}.jobs SET run_after = now()
 WHERE id = %(id)s AND status = 'pending'
-RETURNING id;
+RETURNING id, pg_notify(%(channel)s, queue);
 
 -- name: schedule_add
 -- Add a schedule, or change one of the same name (its enqueued occurrences stay recorded).
