@@ -35,7 +35,26 @@ os.environ.setdefault("FLEETLESS_SANDBOX", "process")
 # base, /tmp/pytest-of-root, is 0700 and every new pytest session (other checkouts on this host
 # included) resets it to 0700, under the feet of a running one; so a root session gets a base of its
 # own (made searchable by _searchable_basetemp below), removed at the end.
+#
+# Process-tier jobs get private /tmp, /var/tmp, /dev/shm and /run/lock (issue 25, item 4), so the
+# directories a test shares with its jobs (markers, logs) cannot be there: the session's temporary
+# directory (tempfile's, and so pytest's) is under /var/lib/fleetless-tests for root, else under
+# ~/.cache/fleetless-tests, removed at the end.
+def _job_visible_base() -> str:
+    if os.geteuid() == 0:
+        return "/var/lib/fleetless-tests"
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fleetless-tests")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("FLEETLESS_TEST_TMP") is None:
+        top = _job_visible_base()
+        os.makedirs(top, mode=0o755, exist_ok=True)
+        os.chmod(top, 0o755)
+        session = tempfile.mkdtemp(prefix="session-", dir=top)
+        os.chmod(session, 0o755)
+        os.environ["FLEETLESS_TEST_TMP"] = os.environ["TMPDIR"] = tempfile.tempdir = session
+        config.add_cleanup(lambda: subprocess.run(["rm", "-rf", "--one-file-system", session], check=False))
     if config.option.basetemp is None and os.geteuid() == 0:
         base = tempfile.mkdtemp(prefix="fleetless-pytest-")
         config.option.basetemp = base

@@ -241,3 +241,20 @@ def test_jobs_pages_with_a_cursor(dsn: str, queue: Queue, fleetless) -> None:
         seen += [row["id"] for row in page]
         before = ["--before", str(page[-1]["id"])]
     assert seen == ids[::-1]
+
+
+def test_auto_does_not_fall_back_to_a_process_tier_that_cannot_keep_jobs_apart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25, item 4: where bwrap cannot run and the process tier could not give jobs a uid of
+    their own swept at its end (a non-root drainer without a subordinate range), ``auto`` refuses
+    in one line naming the explicit choice; ``--sandbox process`` still runs."""
+    from fleetless.sandbox import SandboxUnavailable, _hostuid, _subuid, bwrap, choose_tier
+
+    monkeypatch.setattr(bwrap, "_probe_result", (None, "bwrap cannot create namespaces here: EPERM"))
+    monkeypatch.setattr(_hostuid, "needed", lambda: False)
+    monkeypatch.setattr(_subuid, "_cache", (None, "add a line me:FIRST:65536 in /etc/subuid"))
+    with pytest.raises(SandboxUnavailable) as caught:
+        choose_tier("auto")
+    line = str(caught.value)
+    assert "\n" not in line and "pass --sandbox process" in line and "/etc/subuid" in line, line
+    assert choose_tier("process") == ("process", "")

@@ -35,14 +35,21 @@ def test_the_default_range_is_unprivileged_and_owns_no_user_of_this_host() -> No
     assert str(_hostuid.DEFAULT_RANGE) == "2000000000-2000065535"
 
 
-def test_concurrent_leases_get_distinct_uids_and_a_released_uid_is_reused() -> None:
+def test_concurrent_leases_get_distinct_uids_and_a_released_uid_is_reused_last() -> None:
+    """Leases go round the range (issue 25, item 4): a uid just given back is handed out again only
+    after every other free one, never straight to the next job."""
     a, b, c = (_hostuid.lease(RANGE) for _ in range(3))
     assert len({a.uid, b.uid, c.uid}) == 3 and all(x.uid in RANGE and x.gid == x.uid for x in (a, b, c))
     b.release()
     b.release()  # idempotent
     d = _hostuid.lease(RANGE)
-    assert d.uid == b.uid
-    for x in (a, c, d):
+    assert d.uid not in (a.uid, b.uid, c.uid)  # the range's fourth uid, not the one just freed
+    d.release()
+    e = _hostuid.lease(RANGE)
+    assert e.uid == b.uid  # round the range: the older of the two free ones
+    f = _hostuid.lease(RANGE)
+    assert f.uid == d.uid
+    for x in (a, c, e, f):
         x.release()
 
 
@@ -78,9 +85,10 @@ def test_leases_of_another_drainer_process_are_respected_and_freed_when_it_dies(
     assert second.uid not in (theirs, mine.uid)
     job.kill()
     job.wait()
-    third = _hostuid.lease(RANGE)
-    assert third.uid == theirs  # no process runs as it now: free again
-    for x in (mine, second, third):
+    third = _hostuid.lease(RANGE)  # (the range's last uid: leases go round it)
+    fourth = _hostuid.lease(RANGE)
+    assert fourth.uid == theirs  # no process runs as it now: free again
+    for x in (mine, second, third, fourth):
         x.release()
 
 

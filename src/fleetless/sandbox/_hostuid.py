@@ -180,9 +180,25 @@ class Lease:
         return f"<Lease uid={self.uid}{'' if self._fd is not None else ' released'}>"
 
 
+def _cursor(folder: Path, ids: UidRange) -> tuple[int, int]:
+    """(the uid to start looking at, the fd of the locked ``next`` file holding it): leases go round
+    the range, so a uid just given back (and whatever its job might have left that outlived the
+    sweep) is the last one handed out again, not the next."""
+    fd = os.open(f"{folder}/next", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        text = os.pread(fd, 32, 0).strip()
+    except BaseException:
+        os.close(fd)
+        raise
+    start = int(text) if text.isdigit() else ids.first
+    return (start if start in ids else ids.first), fd
+
+
 def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
-    """Lease the lowest free uid of ``uids`` (default :func:`configured_range`), with its lock file
-    in ``folder`` (default :func:`lock_dir`; a non-root drainer's subordinate uids: :mod:`._subuid`).
+    """Lease the next free uid of ``uids`` (default :func:`configured_range`) after the one leased
+    last (round the range), with its lock file in ``folder`` (default :func:`lock_dir`; a non-root
+    drainer's subordinate uids: :mod:`._subuid`).
 
     Raises :class:`SandboxUnavailable` when the range is not usable here (not root, not mapped in
     this user namespace, contains the drainer's uid) or every uid of it is leased."""
@@ -197,7 +213,21 @@ def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
             "to uids that exist here)"
         )
     folder = folder if folder is not None else lock_dir()
-    for uid in range(ids.first, ids.last + 1):
+    start, cursor = _cursor(folder, ids)
+    try:
+        job = _lease_from(ids, folder, start)
+        if job is not None:
+            os.ftruncate(cursor, 0)
+            os.pwrite(cursor, f"{job.uid + 1 if job.uid < ids.last else ids.first}\n".encode(), 0)
+            return job
+    finally:
+        os.close(cursor)  # (drops its lock)
+    raise SandboxUnavailable(f"all {len(ids)} job uids of {ids} are in use (widen {ENV} or --job-uids)")
+
+
+def _lease_from(ids: UidRange, folder: Path, start: int) -> Lease | None:
+    """The first free uid of ``ids`` from ``start`` on, round the range; None if every one is held."""
+    for uid in (*range(start, ids.last + 1), *range(ids.first, start)):
         fd = os.open(f"{folder}/{uid}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -217,4 +247,4 @@ def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
             os.close(fd)
             raise
         return Lease(uid, fd)
-    raise SandboxUnavailable(f"all {len(ids)} job uids of {ids} are in use (widen {ENV} or --job-uids)")
+    return None

@@ -7,12 +7,15 @@ tree (a supervisor in a session of its own, so signals meant for the drainer's p
 reach it; it is a subreaper that kills every descendant at exit, timeout, TTL and when the drainer
 dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Where the kernel allows, the
 job runs in a pid namespace of its own whose init dies with the supervisor (so nothing of the job
-outlives it, cgroup or not), with a fresh /proc and a private /dev/shm (see ``_supervisor.py``);
+outlives it, cgroup or not), with a fresh /proc, private tmpfs /tmp, /var/tmp, /dev/shm and
+/run/lock, an IPC namespace, no_new_privs and a session keyring of its own (see ``_supervisor.py``);
 its TMPDIR is in its workspace; the drainer and supervisor are non-dumpable. Under a root drainer
-the job runs as a leased unprivileged uid (:mod:`.._hostuid`), so it cannot reach its supervisor,
-the drainer or other jobs. What it does not: the filesystem (the host's /tmp included) and the
-network are the job uid's (the drainer's own uid under a non-root drainer). Use ``bwrap`` or
-``microvm`` for untrusted code.
+the job runs as a leased unprivileged uid (:mod:`.._hostuid`; a non-root drainer with a
+subordinate range: one of it, :mod:`.._subuid`), so it cannot reach its supervisor, the drainer or
+other jobs, and when it ends every process and key of that uid is swept before the lease is
+released. What it does not: the rest of the filesystem and the network are the job uid's (the
+drainer's own uid under a non-root drainer without a range: :func:`isolation_gap`, and ``auto``
+does not fall back to this tier then). Use ``bwrap`` or ``microvm`` for untrusted code.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from .._hardening import harden_drainer, untraversable
 from .._limits import rlimit_kill_reason, rlimits_for
 from .._wording import describe_signal, memory_size
 
-__all__ = ["CONTAIN_ENV", "ProcessSandbox"]
+__all__ = ["CONTAIN_ENV", "ProcessSandbox", "isolation_gap"]
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
@@ -80,6 +83,7 @@ class ProcessSandbox(Sandbox):
         self._proc: subprocess.Popen[bytes] | None = None
         self._cgroup: cgroups.JobCgroup | None = None
         self._stopped = False  # the drainer (not the job) stopped the supervisor
+        self._unswept = False  # a supervisor did not report its job uid swept (exit status 0)
         # kill() may come from another thread (the drainer's stop) while exec starts the
         # supervisor: then the job must not go on, or it would outlive its sandbox unseen.
         self._lock = threading.Lock()
@@ -109,8 +113,8 @@ class ProcessSandbox(Sandbox):
                 self._holder.chown(self._workspace, ns, ns)
                 self._creds = f"{ns}:{ns}"
             caps = tree_cgroup_caps()
-            if caps is not None:  # the supervisor and the job's init count against pids.max too
-                pids = None if template.limits.pids is None else template.limits.pids + 2
+            if caps is not None:  # the supervisor, its uid sweeper and the job's init count too
+                pids = None if template.limits.pids is None else template.limits.pids + 3
                 self._cgroup = cgroups.JobCgroup(pids=pids, caps=caps)
         except BaseException:
             self.kill()
@@ -339,6 +343,8 @@ class ProcessSandbox(Sandbox):
                 hit = True
                 self._stop()
             self._kill_leftovers()
+            if proc.returncode != 0:  # (0: it swept the job's uid of processes and keys)
+                self._unswept = True
             os.set_blocking(status_r, False)  # whatever holds its write end, never wait on it
             try:
                 raw = os.read(status_r, 4096)
@@ -375,17 +381,18 @@ class ProcessSandbox(Sandbox):
                           stdout_cut=captured.stdout_cut)
 
     def _contain(self) -> str:
-        """The supervisor's CONTAIN argument: the size of the job's private /dev/shm, then the host
-        paths under /dev/shm the job needs (the work directory, the interpreter's), bound back."""
+        """The supervisor's CONTAIN argument: the size of each of the job's private temporary
+        directories (``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``), then the host paths under
+        them the job needs (the work directory, the handlers, the interpreter's), bound back."""
         if os.environ.get(CONTAIN_ENV) == "0":
             return "-"
-        keep = [str(_workspace.root().resolve())]
+        keep = [str(_workspace.root().resolve()), os.path.realpath(self.handlers_path)]
         python = os.path.realpath(self.python)
-        if "/dev/shm/" in f"{python} {self.python}":
+        if _under_private_dirs(python) or _under_private_dirs(os.path.abspath(self.python)):
             from ..bwrap._filesystem import interpreter_paths
 
             keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
-        keep = [p for p in keep if p.startswith("/dev/shm/") and "\n" not in p]
+        keep = [p for p in keep if _under_private_dirs(p) and "\n" not in p]
         lines = [str(self._template.limits.tmp_bytes), *(f"K {p}" for p in keep)]
         if self._lease is not None:  # a root drainer's interpreter under /root: bound back for the job
             from ..bwrap._filesystem import blocked_paths, interpreter_paths
@@ -428,7 +435,33 @@ class ProcessSandbox(Sandbox):
             self._cgroup.remove()
         _subuid.remove(self._workspace, self._holder)
         if self._lease is not None:
-            self._lease.release()  # every process of the job is dead by now
+            # every process of the job is dead by now; of its uid too, unless a supervisor could not
+            # say so: then the uid is leased again only once /proc shows none of it
+            self._lease.release(clean=not self._unswept and self._proc is not None)
+
+
+def isolation_gap() -> str | None:
+    """Why this drainer's process-tier jobs would not be kept apart (issue 25, item 4: a uid of
+    their own, swept of processes and keys when its lease ends; private temporary directories and
+    IPC; no_new_privs), or None where they are. ``auto`` does not fall back to the tier then."""
+    if os.environ.get(CONTAIN_ENV) == "0":
+        return f"{CONTAIN_ENV}=0 gives its jobs no namespaces of their own"
+    if _hostuid.needed():
+        if not _namespaces_work():
+            return "the kernel refuses this root drainer new pid, mount and IPC namespaces"
+        return None
+    if _subuid.delegation() is None:
+        return (f"its jobs would run as the drainer's own uid {os.getuid()}, which cannot be swept when "
+                f"they end; {_subuid.missing()}")
+    return None
+
+
+#: The directories a process-tier job gets a private tmpfs on (the supervisor's PRIVATE_DIRS).
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+
+
+def _under_private_dirs(path: str) -> bool:
+    return any(path.startswith(d + "/") for d in PRIVATE_DIRS)
 
 
 def _has_exec_bit(path: str) -> bool:
@@ -448,8 +481,9 @@ def _namespaces_work() -> bool:
     global _namespaces_ok
     if _namespaces_ok is None:
         try:
-            _namespaces_ok = subprocess.run(["unshare", "--pid", "--mount", "--fork", "true"], capture_output=True,
-                                            timeout=30, stdin=subprocess.DEVNULL).returncode == 0
+            _namespaces_ok = subprocess.run(["unshare", "--pid", "--mount", "--ipc", "--fork", "true"],
+                                            capture_output=True, timeout=30,
+                                            stdin=subprocess.DEVNULL).returncode == 0
         except (OSError, subprocess.SubprocessError):
             _namespaces_ok = False
     return _namespaces_ok

@@ -16,17 +16,22 @@ supervisor (parent-death SIGKILL) and then the kernel kills every process of the
 job's daemon cannot outlive its supervisor even where no cgroup can be made; the job cannot name
 its supervisor or the drainer (they are outside its pid namespace), and init ignores every signal
 from inside. The init also gives the job a mount namespace with a fresh /proc (of its pid
-namespace: no host process is visible) and a private tmpfs /dev/shm. Every job gets TMPDIR in its
-workspace. The supervisor and the init make themselves non-dumpable, so that what they hold (the
-status pipe) is not reachable through /proc even by the same uid.
+namespace: no host process is visible), a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock
+and an IPC namespace. Every job gets TMPDIR in its workspace, no_new_privs and a fresh session
+keyring. A job run as another uid (CREDS) has a *sweeper*, forked before the job: at the job's end
+(or the supervisor's) it becomes that uid and kills every process of it and clears its keyrings;
+the supervisor exits 3 when that did not complete (0 otherwise). The supervisor and the init
+make themselves non-dumpable, so that what they hold (the status pipe) is not reachable through
+/proc even by the same uid.
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
     python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV...
 where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"; RLIMIT_NPROC: see :func:`_nproc`), CREDS is
 "UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
-must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or "-", DEADLINE a
-number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated lines: SHM_BYTES, then
-"K PATH" for each host path under /dev/shm the job needs (the work directory, the interpreter),
+must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or
+"-", DEADLINE a number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated
+lines: TMP_BYTES (each private directory's size), then "K PATH" for each host path under those the
+job needs (the work directory, the handlers, the interpreter),
 "T DIR" for each directory the job's uid cannot search that holds its interpreter (a root
 drainer's /root) and "V PATH<tab>DIR" for each path under such a DIR to bind back for it. The job gets this
 process's environment and working directory, and /dev/null as its stdin.
@@ -37,15 +42,26 @@ import os
 import resource
 import signal
 import sys
+import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x10000000, 0x20000000
+PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.syscall.restype = ctypes.c_long
+#: The directories every user may write on a host, each covered by a fresh tmpfs of the job's own.
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+#: keyctl(2)'s system call number by machine; its operations and special keyring ids.
+_SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "i686": 288, "armv7l": 311, "ppc64le": 311,
+               "s390x": 280}
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_GET_PERSISTENT = 1, 7, 22
+KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
+SWEEP_SECONDS = 10.0
 
 
 def _prctl(option: int, value: int) -> None:
@@ -65,6 +81,127 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
     if _libc.mount(b(source), b(target), b(fstype), flags, b(data)) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mount {target}: {os.strerror(errno)}")
+
+
+def _keyctl(*args: int) -> int:
+    """keyctl(2); the kernel's answer (OSError on failure)."""
+    number = _SYS_KEYCTL.get(os.uname().machine)
+    if number is None:
+        raise OSError(38, "keyctl: unknown system call number on this machine")  # ENOSYS
+    r = _libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+    if r < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"keyctl: {os.strerror(errno)}")
+    return int(r)
+
+
+def _fresh_session_keyring() -> None:
+    """Join a new anonymous session keyring: what it holds dies with the job's last process, and
+    the drainer's session keyring (which its children would otherwise possess) is out of reach.
+    Where keyrings are not there at all (ENOSYS, or a seccomp profile's EPERM) nothing can leak."""
+    try:
+        _keyctl(KEYCTL_JOIN_SESSION_KEYRING, 0)
+    except OSError as exc:
+        if exc.errno not in (1, 38):  # EPERM, ENOSYS
+            raise
+
+
+def _sweep_now(uid: int, gid: int) -> bool:
+    """Nothing of ``uid`` left (run in a process of its own, which this makes ``uid``): SIGKILL
+    every process it may signal (``kill(-1)``: every process of that uid but this one) until none
+    is left, then clear its user, user-session and persistent keyrings. True once done (bounded by
+    SWEEP_SECONDS)."""
+    code = False
+    try:
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+        _prctl(PR_SET_DUMPABLE, 0)
+        _fresh_session_keyring()  # (never the supervisor's own, which it must not touch)
+        give_up = time.monotonic() + SWEEP_SECONDS
+        while time.monotonic() < give_up:
+            try:
+                os.kill(-1, signal.SIGKILL)  # (says nothing of what it reached: /proc does)
+            except ProcessLookupError:
+                pass
+            if not _running_as(uid):
+                code = True
+                break
+            time.sleep(0.002)
+        for keyring in (KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING):
+            try:
+                _keyctl(KEYCTL_CLEAR, keyring)
+            except OSError as exc:
+                if exc.errno not in (1, 38):
+                    code = False
+        try:
+            _keyctl(KEYCTL_CLEAR, _keyctl(KEYCTL_GET_PERSISTENT, -1, KEY_SPEC_SESSION_KEYRING))
+        except OSError:
+            pass  # (a kernel without persistent keyrings)
+    except BaseException:
+        code = False
+    return code
+
+
+def _running_as(uid: int) -> bool:
+    """Whether any process but this one runs with ``uid`` as a real, effective, saved or filesystem
+    uid (zombies aside: they hold nothing but their pid, until their parents reap them)."""
+    me = str(os.getpid())
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or name == me:
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                text = f.read()
+        except OSError:
+            continue
+        fields = dict(line.split(b":", 1) for line in text.splitlines() if b":" in line)
+        if fields.get(b"State", b"").strip().startswith(b"Z"):
+            continue
+        if uid in (int(n) for n in fields.get(b"Uid", b"").split()):
+            return True
+    return False
+
+
+def _start_sweeper(uid: int, gid: int) -> tuple[int, int]:
+    """A child that sweeps ``uid`` (:func:`_sweep_now`) when told (a byte on the returned fd) or
+    when this process dies (EOF), forked before the job's pid namespace (whose children it could
+    not have once the namespace is gone); (its pid, the fd)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(w)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
+        while True:
+            try:
+                os.read(r, 1)
+                break
+            except InterruptedError:
+                continue
+        os._exit(0 if _sweep_now(uid, gid) else 1)
+    os.close(r)
+    return pid, w
+
+
+def _sweep(sweeper: tuple[int, int] | None) -> bool:
+    """Have the sweeper do its work and wait for it; True once nothing of the uid is left."""
+    if sweeper is None:
+        return True
+    pid, w = sweeper
+    try:
+        os.write(w, b"s")
+    except OSError:
+        pass
+    os.close(w)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            return status == 0
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            return False
 
 
 def _enter_pid_namespace() -> bool:
@@ -103,40 +240,45 @@ def _bind_back(tops: list[str], paths: list[tuple[str, str]]) -> None:
         os.close(fd)
 
 
-def _private_mounts(shm_bytes: int, keep: list[str], tops: list[str], view: list[tuple[str, str]]) -> None:
-    """In a new mount namespace (the init's, inherited by the job): a fresh /proc of the job's pid
-    namespace and a private tmpfs /dev/shm, the paths of ``keep`` under it bound back from the host
-    (opened before /dev/shm is covered), and the ``view`` of :func:`_bind_back`. Best effort but for
-    the view, which the job's interpreter needs: a /proc the kernel will not mount here (a container
-    that masks parts of its own) stays the host's."""
+def _private_dir(target: str, size: int, keep: list[str]) -> None:
+    """Cover ``target`` with a fresh tmpfs (no setuid, no devices) the size of ``size``, the paths
+    of ``keep`` under it bound back from the host (opened before it is covered)."""
+    if not os.path.isdir(target) or os.path.islink(target) or target in keep:
+        return
+    held = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in keep
+            if p.startswith(target + "/") and os.path.exists(p)]
     try:
-        _unshare(CLONE_NEWNS)
-        _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
-    except OSError:
-        if view:
-            raise
-        return  # (the job still has its pid namespace)
-    if view:
-        _bind_back(tops, view)
-    if os.path.isdir("/dev/shm") and not os.path.islink("/dev/shm") and "/dev/shm" not in keep:
-        held = [(p, os.open(p, os.O_PATH | os.O_CLOEXEC)) for p in keep
-                if p.startswith("/dev/shm/") and os.path.exists(p)]
+        _mount(f"fleetless{target.replace('/', '-')}", target, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"mode=1777,size={size}")
         try:
-            _mount("fleetless-shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={shm_bytes}")
-            try:
-                for path, fd in held:
-                    if os.path.isdir(f"/proc/self/fd/{fd}"):
-                        os.makedirs(path, mode=0o755, exist_ok=True)
-                    else:
-                        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
-                        open(path, "wb").close()
-                    _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
-            except OSError:
-                _libc.umount2(b"/dev/shm", MNT_DETACH)  # the host's again: what the job needs is there
+            for path, fd in held:
+                if os.path.isdir(f"/proc/self/fd/{fd}"):
+                    os.makedirs(path, mode=0o755, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+                    open(path, "wb").close()
+                _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         except OSError:
-            pass
+            _libc.umount2(target.encode(), MNT_DETACH)
+            raise
+    finally:
         for _, fd in held:
             os.close(fd)
+
+
+def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]]) -> None:
+    """In a new mount and IPC namespace (the init's, inherited by the job): a fresh /proc of the
+    job's pid namespace and a private tmpfs on each of PRIVATE_DIRS (the host paths of ``keep``
+    under them bound back), and the ``view`` of :func:`_bind_back`. A job therefore leaves nothing
+    in the host's shared temporary directories (a setuid copy of an interpreter for the next job
+    of its uid), and no System V IPC object. The mounts and the IPC namespace are required; only a
+    /proc the kernel will not mount here (a container that masks parts of its own) stays the host's."""
+    _unshare(CLONE_NEWNS | CLONE_NEWIPC)
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
+    if view:
+        _bind_back(tops, view)
+    for target in PRIVATE_DIRS:
+        _private_dir(target, size, keep)
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
@@ -165,10 +307,11 @@ def _descendants() -> list[int]:
     return found
 
 
-def _kill_tree() -> None:
-    """SIGKILL and reap every descendant until none is left (forks racing the kill included)."""
+def _kill_tree(spare: int = 0) -> None:
+    """SIGKILL and reap every descendant (but ``spare``) until none is left (forks racing the kill
+    included)."""
     for _ in range(100):
-        pids = _descendants()
+        pids = [p for p in _descendants() if p != spare]
         if not pids:
             break
         for pid in pids:
@@ -231,6 +374,8 @@ def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> 
             os.setresgid(gid, gid, gid)
             os.setresuid(uid, uid, uid)
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setresuid, which clears it
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # a setuid file (a copy a job of its uid left) gives it nothing
+        _fresh_session_keyring()
         for name, value in rlimits:
             limit = int(value)
             # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
@@ -287,13 +432,16 @@ def main() -> None:
     uid, gid = (int(x) for x in creds.split(":")) if creds != "-" else (-1, -1)
     contain = contain_arg.split("\n") if contain_arg != "-" else []
 
+    sweeper: tuple[int, int] | None = None
+
     def die(signum: int, frame: object) -> None:
         # Once only: a multi-threaded drainer's death can deliver the parent-death signal twice
         # (the child is re-parented to a sibling thread first), and a second run of this handler
         # inside the first one broke its lazy import, leaving the workspace behind.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
-        _kill_tree()
+        _kill_tree(sweeper[0] if sweeper else 0)
+        _sweep(sweeper)  # (the drainer then leases the uid again only once /proc shows none of it)
         if workspace:
             try:
                 _remove_workspace(workspace)
@@ -309,6 +457,8 @@ def main() -> None:
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
     if wait == "wait" and not os.read(0, 1):
         os._exit(125)  # the drainer gave up on this sandbox before the job started
+    if uid >= 0:
+        sweeper = _start_sweeper(uid, gid)
 
     fd = int(status_fd)
     report_r = report_w = -1
@@ -356,13 +506,19 @@ def main() -> None:
             status = int(reported)
         elif os.WIFEXITED(status) and os.WEXITSTATUS(status) in (125, 126):
             status = 127 << 8  # the job never started: as an exec failure
-    _kill_tree()  # whatever the job left behind dies with it
+    _kill_tree(sweeper[0] if sweeper else 0)  # whatever the job left behind dies with it
+    # and whatever runs as its uid elsewhere (a process that ran a setuid copy the job left), and
+    # its keys: exit status 3 tells the drainer that this did not complete
+    swept = _sweep(sweeper)
+    sweeper = None
     os.set_blocking(fd, False)  # a pipe the job filled through /proc must not hang us
     try:
         os.write(fd, f"status {status}\n".encode())
     except OSError:
         pass  # the drainer reads the job's failure from what is there
     os.close(fd)
+    if not swept:
+        sys.exit(3)
 
 
 if __name__ == "__main__":
