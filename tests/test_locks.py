@@ -178,3 +178,27 @@ def test_a_stopped_watcher_is_taken_over_by_a_cron_tick_after_its_lease(dsn: str
     finally:
         stop(w)
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 2)]
+
+
+def test_the_old_advisory_migration_key_no_longer_stalls_init(dsn: str, queue: Queue, outsider: str, sql) -> None:
+    # On 61e842d `init` first took pg_advisory_xact_lock(0x666C656574): an outsider holding that
+    # key made every deploy's `fleetless init` hang.
+    with psycopg.connect(outsider, autocommit=True) as attacker:
+        attacker.execute("SELECT pg_advisory_lock(x'666C656574'::bigint)")
+        out = subprocess.run([sys.executable, "-m", "fleetless.cli", "init"], env={**os.environ, "DATABASE_URL": dsn},
+                             capture_output=True, text=True, timeout=BOUND)
+    assert out.returncode == 0, out.stderr
+    assert sql("SELECT count(*) > 0 FROM fleetless.migrations") == [(True,)]
+
+
+def test_init_waits_a_bounded_time_for_another_inits_lock(dsn: str, queue: Queue, monkeypatch) -> None:
+    # Only a role with rights on the migrations table can hold its lock (a long migration): init
+    # waits for it at most MIGRATION_LOCK_TIMEOUT (300 s; shortened here), then says so in a line.
+    from fleetless import db
+
+    monkeypatch.setattr(db, "MIGRATION_LOCK_TIMEOUT", 0.5)
+    with psycopg.connect(dsn) as holder:
+        holder.execute("LOCK TABLE fleetless.migrations IN ACCESS EXCLUSIVE MODE")
+        with pytest.raises(db.LockTimeout, match=r"^lock wait timed out: canceling statement due to lock timeout$"):
+            Queue(dsn).init()
+    assert Queue(dsn).init() == []  # the lock is free: init goes on (nothing left to apply)

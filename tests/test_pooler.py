@@ -113,10 +113,10 @@ def test_every_command_works_through_the_pooler(pooled: str, fleetless, handlers
         ("done", 6), ("pending", 1)]
 
 
-def test_concurrent_inits_serialise_on_a_transaction_scoped_advisory_lock(pooled: str, sql) -> None:
-    # The migration lock is pg_advisory_xact_lock: it lives exactly as long as the transaction,
-    # which is all a transaction pooler keeps a server connection for. A session lock would be
-    # taken on one server connection and leak to whichever client gets it next.
+def test_concurrent_inits_serialise_on_the_migrations_table_lock(pooled: str, sql) -> None:
+    # The migration lock is LOCK TABLE migrations (no advisory lock): it lives exactly as long as
+    # the transaction, which is all a transaction pooler keeps a server connection for. A session
+    # lock would be taken on one server connection and leak to whichever client gets it next.
     schema = f"pool_{uuid.uuid4().hex[:8]}"
     applied: list[list[int]] = []
     errors: list[BaseException] = []

@@ -35,8 +35,8 @@ __all__ = [
 DEFAULT_SCHEMA = "fleetless"
 _SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # fullmatch: "$" matches before a final "\n"
 _NAME_RE = re.compile(r"^-- name: (\S+)\s*$", re.MULTILINE)
-# Any number; fixed so that concurrent `init`s serialise instead of racing on CREATE.
-_MIGRATION_LOCK = 0x666C656574
+#: How long `init` waits for another's LOCK TABLE migrations (a long migration) before giving up.
+MIGRATION_LOCK_TIMEOUT = 300.0
 
 
 #: The only server encoding fleetless runs on: payloads, results and errors are any Unicode text.
@@ -239,33 +239,55 @@ def require_session(dsn: str, why: str = "LISTEN") -> None:
 def migrate(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[int]:
     """Create or upgrade the schema. Idempotent, safe to run concurrently; commits.
 
+    Concurrent runs take turns on ``LOCK TABLE migrations`` (a table of the schema: only roles
+    with rights on it can hold it, where any role that can connect could hold an advisory key,
+    issue 25 item 7), waiting at most MIGRATION_LOCK_TIMEOUT seconds (LockTimeout after that).
+
     Returns the versions applied by this call."""
     quoted = _quoted(schema)
     applied: list[int] = []
-    with errors_translated(schema), conn.transaction():
-        encoding = conn.execute(_raw_queries()["server_encoding"]).fetchone()
-        found = encoding[0] if encoding else "unknown"
-        if isinstance(found, bytes):  # SQL_ASCII: text arrives as bytes
-            found = found.decode("ascii", "replace")
-        if found != SUPPORTED_ENCODING:
-            raise DatabaseError(
-                f"database encoding is {found}; fleetless needs {SUPPORTED_ENCODING}"
-                " (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
-            )
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (_MIGRATION_LOCK,))
-        conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
-        conn.execute(
-            f"CREATE TABLE IF NOT EXISTS {quoted}.migrations ("
-            " version int PRIMARY KEY, name text NOT NULL,"
-            " applied_at timestamptz NOT NULL DEFAULT now())"
-        )
-        done = {r[0] for r in conn.execute(f"SELECT version FROM {quoted}.migrations")}
-        for version, name, text in _migrations():
-            if version in done:
-                continue
-            conn.execute(text.replace("{schema}", quoted).encode())
-            conn.execute(
-                f"INSERT INTO {quoted}.migrations (version, name) VALUES (%s, %s)", (version, name)
-            )
-            applied.append(version)
+    with errors_translated(schema):
+        _create_migrations_table(conn, quoted)
+        with conn.transaction():
+            row = conn.execute(_raw_queries()["migration_lock_wait"],
+                               {"timeout": f"{MIGRATION_LOCK_TIMEOUT * 1000:.0f}ms"}).fetchone()
+            conn.execute(f"LOCK TABLE {quoted}.migrations IN SHARE ROW EXCLUSIVE MODE")
+            done = {r[0] for r in conn.execute(f"SELECT version FROM {quoted}.migrations")}
+            for version, name, text in _migrations():
+                if version in done:
+                    continue
+                conn.execute(text.replace("{schema}", quoted).encode())
+                conn.execute(
+                    f"INSERT INTO {quoted}.migrations (version, name) VALUES (%s, %s)", (version, name)
+                )
+                applied.append(version)
+            conn.execute(_raw_queries()["migration_lock_unwait"], {"old": row[0] if row else "0"})
     return applied
+
+
+def _create_migrations_table(conn: psycopg.Connection[Any], quoted: str, tries: int = 5) -> None:
+    """The schema and its migrations table, in a transaction of their own (the table must exist
+    before it can be locked). Two first inits at once: the second's CREATE ... IF NOT EXISTS waits
+    for the first to commit, then fails on the catalog's unique index; it looks again."""
+    for attempt in range(tries):
+        try:
+            with conn.transaction():
+                encoding = conn.execute(_raw_queries()["server_encoding"]).fetchone()
+                found = encoding[0] if encoding else "unknown"
+                if isinstance(found, bytes):  # SQL_ASCII: text arrives as bytes
+                    found = found.decode("ascii", "replace")
+                if found != SUPPORTED_ENCODING:
+                    raise DatabaseError(
+                        f"database encoding is {found}; fleetless needs {SUPPORTED_ENCODING}"
+                        " (CREATE DATABASE ... ENCODING 'UTF8' TEMPLATE template0)"
+                    )
+                conn.execute(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
+                conn.execute(
+                    f"CREATE TABLE IF NOT EXISTS {quoted}.migrations ("
+                    " version int PRIMARY KEY, name text NOT NULL,"
+                    " applied_at timestamptz NOT NULL DEFAULT now())"
+                )
+            return
+        except psycopg.errors.UniqueViolation:
+            if attempt == tries - 1:
+                raise

@@ -62,6 +62,15 @@ WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 
 -- (queue.notify_payloads), all in this one statement.
 SELECT count(pg_notify(%(channel)s, payload)) FROM unnest(%(payloads)s::text[]) AS payload;
 
+-- name: migration_lock_wait
+-- init: bound its wait for another init's lock on the migrations table (this transaction only;
+-- `old` is what to put back after, for a caller's own transaction).
+SELECT current_setting('lock_timeout') AS old, set_config('lock_timeout', %(timeout)s, true);
+
+-- name: migration_lock_unwait
+-- init: lock_timeout back to what it was (migration_lock_wait).
+SELECT set_config('lock_timeout', %(old)s, true);
+
 -- name: server_encoding
 -- init refuses a database whose text is not UTF-8: under LATIN1 a job's non-Latin-1 output
 -- cannot be stored, and under SQL_ASCII text comes back as bytes.
