@@ -187,7 +187,7 @@ def test_metrics_count_every_ended_attempt_by_kind_even_after_pruning(queue: Que
     assert after.durations[("a", "done")] == m.durations[("a", "done")]
     # A fold from a stale mark (another scrape folded first) changes nothing.
     before = sql("SELECT kind, outcome, bound, n FROM fleetless.attempt_totals ORDER BY 1, 2, 3")
-    queue.query("fold_attempt_totals", {"lock": 1, "after": 0, "upto": 10, "bounds": [1.0], "negated": [-1.0]})
+    queue.query("fold_attempt_totals", {"after": 0, "upto": 10, "bounds": [1.0], "negated": [-1.0]})
     assert sql("SELECT kind, outcome, bound, n FROM fleetless.attempt_totals ORDER BY 1, 2, 3") == before
     assert ids
 

@@ -202,3 +202,21 @@ def test_init_waits_a_bounded_time_for_another_inits_lock(dsn: str, queue: Queue
         with pytest.raises(db.LockTimeout, match=r"^lock wait timed out: canceling statement due to lock timeout$"):
             Queue(dsn).init()
     assert Queue(dsn).init() == []  # the lock is free: init goes on (nothing left to apply)
+
+
+def test_the_old_advisory_fold_key_no_longer_stalls_delete_or_retention(dsn: str, queue: Queue, outsider: str,
+                                                                         sql) -> None:
+    # On 61e842d a delete waited for pg_advisory_xact_lock(0x666C6D6574) (the /metrics fold's) and
+    # retention skipped while it was held: an outsider holding it hung `fleetless delete` and
+    # stopped every prune. The fold's lock is now the row of attempt_totals_mark.
+    from fleetless.maintenance import retention
+
+    gone, old = queue.enqueue("k", {}), queue.enqueue("k", {})
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now() - interval '30 days'")
+    with psycopg.connect(outsider, autocommit=True) as attacker:
+        attacker.execute("SELECT pg_advisory_lock(x'666C6D6574'::bigint)")
+        out = subprocess.run([sys.executable, "-m", "fleetless.cli", "delete", str(gone)],
+                             env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, timeout=BOUND)
+        assert out.returncode == 0, out.stderr
+        assert retention.run_once(queue, retention.Settings(every=None)).deleted == 1
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE id IN (%s, %s)", gone, old) == [(0,)]

@@ -225,11 +225,9 @@ def test_retention_runs_at_most_once_a_minute_per_database(queue: Queue, sql, ds
 def test_retention_skips_rather_than_waits_for_a_metrics_fold(queue: Queue, sql, dsn: str) -> None:
     import psycopg
 
-    from fleetless.attempt_totals import FOLD_LOCK
-
     finished(queue, sql, "done", 3, days_ago=8)
     with psycopg.connect(dsn) as holder:
-        holder.execute("SELECT pg_advisory_xact_lock(%s)", (FOLD_LOCK,))  # a fold in progress
+        holder.execute("SELECT last_id FROM fleetless.attempt_totals_mark FOR UPDATE")  # a fold in progress
         done: list[int] = []
         thread = threading.Thread(target=lambda: done.append(retention.run_once(queue).deleted))
         thread.start()

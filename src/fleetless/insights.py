@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from .attempt_totals import DURATION_BUCKETS, FOLD_LOCK, bucket_params
+from .attempt_totals import DURATION_BUCKETS, bucket_params
 from .failure import HEAD_CHARS, error_head, exception_line, summarize_failure
 from .job import Status
 from .queue import JobNotFound, Queue
@@ -326,7 +326,7 @@ class Insights:
         after = self.queue.query("attempt_totals_mark")[0]["last_id"]
         for row in self.queue.query("attempt_fold_upto", {"after": after, "margin": FOLD_MARGIN_SECONDS,
                                                           "batch": FOLD_BATCH}, prepare=False):
-            self.queue.query("fold_attempt_totals", {"lock": FOLD_LOCK, "after": after, "upto": row["upto"],
+            self.queue.query("fold_attempt_totals", {"after": after, "upto": row["upto"],
                                                      **bucket_params(bounds)}, prepare=False)
 
     def _attempt_totals(self, bounds: list[float]) -> list[dict[str, Any]]:
@@ -338,4 +338,4 @@ class Insights:
                 return rows
 
 
-__all__ += ["FOLD_LOCK", "HEAD_CHARS", "PAGE_SIZE", "JobNotFound", "bucket_params"]
+__all__ += ["HEAD_CHARS", "PAGE_SIZE", "JobNotFound", "bucket_params"]

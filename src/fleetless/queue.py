@@ -22,7 +22,7 @@ import psycopg
 from psycopg.rows import dict_row, tuple_row
 
 from . import db
-from .attempt_totals import DURATION_BUCKETS, FOLD_LOCK, bucket_params
+from .attempt_totals import DURATION_BUCKETS, bucket_params
 from .job import (
     MAX_PAYLOAD_BYTES,
     Job,
@@ -766,9 +766,9 @@ class Queue:
         with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
               c.cursor(row_factory=dict_row) as cur):
             if wait:
-                cur.execute(self._q["fold_lock"], {"lock": FOLD_LOCK})
+                cur.execute(self._q["fold_lock"])
             else:
-                cur.execute(self._q["fold_try_lock"], {"lock": FOLD_LOCK})
+                cur.execute(self._q["fold_try_lock"])
                 got = cur.fetchone()
                 if not got or not got["got"]:
                     return []

@@ -386,15 +386,16 @@ SELECT id FROM gone;
 
 -- name: fold_lock
 -- Taken (until the transaction ends) by a write that adds attempts to attempt_totals itself
--- (delete, prune_batch): a fold holding it is waited for, so the write then reads the mark it moved; a fold
--- starting meanwhile fails its try of the same lock and folds nothing, so no attempt is counted
--- twice.
-SELECT pg_advisory_xact_lock(%(lock)s);
+-- (delete, prune_batch): the row lock of attempt_totals_mark. A fold holding it is waited for, so
+-- the write then reads the mark it moved; a fold starting meanwhile skips the locked row and folds
+-- nothing, so no attempt is counted twice. A row of fleetless's own table, not an advisory key
+-- that any role able to connect could hold (issue 25 item 7).
+SELECT last_id FROM {schema}.attempt_totals_mark FOR UPDATE;
 
 -- name: fold_try_lock
 -- fold_lock for retention: a drain's pass skips (prunes nothing this time) while a fold or another
 -- pruner holds the lock, instead of queueing behind it (four empty drains took 3-7 s so).
-SELECT pg_try_advisory_xact_lock(%(lock)s) AS got;
+SELECT true AS got FROM {schema}.attempt_totals_mark FOR UPDATE SKIP LOCKED;
 
 -- name: maintenance_turn
 -- A periodic maintenance task's turn in this database: true for the one caller that finds it last
@@ -927,9 +928,9 @@ HAVING max(id) IS NOT NULL;
 
 -- name: fold_attempt_totals
 -- /metrics: add the attempts after the mark up to %(upto)s to attempt_totals, so each scrape reads
--- the totals plus a short tail of job_attempts, never the whole history. One folder at a time (a
--- try-lock), and only while the mark is still %(after)s, the value the caller read (a concurrent
--- scrape that folded first wins; this one then changes nothing). Both ends are passed as values
+-- the totals plus a short tail of job_attempts, never the whole history. One folder at a time (the
+-- mark's row lock, skipped when held), and only while the mark is still %(after)s, the value the
+-- caller read (a concurrent scrape that folded first wins; this one then changes nothing). Both ends are passed as values
 -- and the caller runs it unprepared, so the planner sees how many attempts are in the range (with
 -- a subquery or a generic plan it guesses a third of the table, joins the whole jobs table and
 -- JIT-compiles for a second). A job pruned before any fold counts under the kind "(pruned)". The
@@ -937,8 +938,8 @@ HAVING max(id) IS NOT NULL;
 -- picks the smallest of them (exact at a bound, as Prometheus's "le").
 WITH mark AS (
   SELECT last_id FROM {schema}.attempt_totals_mark
-  WHERE last_id = %(after)s AND pg_try_advisory_xact_lock(%(lock)s)
-  FOR UPDATE
+  WHERE last_id = %(after)s
+  FOR UPDATE SKIP LOCKED
 ), folded AS (
   SELECT COALESCE(j.kind, '(pruned)') AS kind, a.outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
