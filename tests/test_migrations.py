@@ -3,12 +3,56 @@ never be applied, since the migrations table is keyed on the number)."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
-from fleetless import db
+import psycopg
+import pytest
+
+from fleetless import Queue, db
 
 
 def test_every_migration_number_is_used_once() -> None:
     numbers = Counter(version for version, _, _ in db._migrations())
     assert [n for n, count in numbers.items() if count > 1] == []
     assert sorted(numbers) == list(range(1, len(numbers) + 1))
+
+
+def _old_schema(dsn: str, schema: str, upto: int) -> None:
+    """A schema as an older fleetless left it: migrations 1 to ``upto`` only."""
+    quoted = f'"{schema}"'
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute(f"CREATE SCHEMA {quoted}")
+        c.execute(f"CREATE TABLE {quoted}.migrations (version int PRIMARY KEY, name text NOT NULL,"
+                  " applied_at timestamptz NOT NULL DEFAULT now())")
+        for version, name, text in db._migrations():
+            if version <= upto:
+                c.execute(text.replace("{schema}", quoted).encode())
+                c.execute(f"INSERT INTO {quoted}.migrations (version, name) VALUES (%s, %s)", (version, name))
+
+
+def test_a_drain_on_an_older_schema_says_run_fleetless_init_in_one_line(dsn: str, fleetless, handlers) -> None:
+    """Issue 26.10: on 61e842d a drain on a schema an older fleetless made failed with the
+    database's `column ... does not exist` (exit 3, mid-way). Now the drain compares the schema's
+    newest migration with its own before it claims anything, and says what to do; a query that
+    still meets a missing column says the same."""
+    _old_schema(dsn, "old_one", 9)
+    h = handlers(**{"a.py": "print(1)"})
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("INSERT INTO old_one.jobs (kind, payload) VALUES ('a', '{}')")
+    drained = fleetless("--schema", "old_one", "drain", "--handlers", str(h), dsn=dsn)
+    assert drained.returncode == 3
+    lines = drained.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.fullmatch(
+        r"fleetless: error: schema old_one is at migration 9, this fleetless needs \d+: run 'fleetless init'",
+        lines[0]), drained.stderr
+    with psycopg.connect(dsn, autocommit=True) as c:
+        assert c.execute("SELECT status, attempts FROM old_one.jobs").fetchall() == [("pending", 0)]
+    q = Queue(dsn, schema="old_one")
+    try:
+        with pytest.raises(db.SchemaNotInitialised, match=r"older than this fleetless .*run 'fleetless init'"):
+            q.reap()  # its statement names releases, a column migration 10 added
+        assert q.init() == list(range(10, db.latest_migration() + 1))
+        q.check_schema()
+    finally:
+        q.close()

@@ -55,6 +55,10 @@ class SchemaNotInitialised(DatabaseError):
     """The schema or its table does not exist."""
 
 
+class SchemaOutdated(SchemaNotInitialised):
+    """The schema exists but lacks migrations this fleetless needs (``fleetless init`` adds them)."""
+
+
 class ValueNotStorable(DatabaseError, ValueError):
     """The database refused a value (out of range, not encodable, a constraint)."""
 
@@ -94,6 +98,9 @@ def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
         raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
         raise SchemaNotInitialised(f"schema {schema} is not initialised: run 'fleetless init'") from exc
+    except psycopg.errors.UndefinedColumn as exc:  # a query of this version on an older schema
+        raise SchemaOutdated(f"schema {schema} is older than this fleetless ({_first_line(exc)}):"
+                             " run 'fleetless init'") from exc
     except psycopg.errors.UniqueViolation as exc:
         raise DuplicateValue(f"database refused a duplicate: {_first_line(exc)}") from exc
     except (psycopg.DataError, psycopg.IntegrityError) as exc:
@@ -138,6 +145,11 @@ def queries(schema: str = DEFAULT_SCHEMA) -> dict[str, str]:
     """Every named query of ``sql/queries.sql``, for this schema."""
     quoted = _quoted(schema)
     return {name: q.replace("{schema}", quoted) for name, q in _raw_queries().items()}
+
+
+def latest_migration() -> int:
+    """The newest schema migration this fleetless has (what its queries expect)."""
+    return _migrations()[-1][0]
 
 
 def _migrations() -> list[tuple[int, str, str]]:

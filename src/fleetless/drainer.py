@@ -353,6 +353,7 @@ class Drainer:
                             " apply to nothing", kind, self._handlers_dir)
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError, OSError) as exc:
             raise DrainError(str(exc)) from None
+        self._db(self.queue.check_schema)  # an old schema: "run 'fleetless init'" before anything is claimed
         if declared:  # periodic jobs declared in fleetless.toml: stored (or updated) in the table
             self._db(lambda: [self.queue.add_schedule(s) for s in declared])
         for kind, reason in sorted(self._unrunnable.items()):

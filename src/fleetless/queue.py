@@ -277,6 +277,15 @@ class Queue:
                 self._conn.close()
                 self._conn = None
 
+    def check_schema(self) -> None:
+        """SchemaNotInitialised (``run 'fleetless init'``, one line) unless the schema has every
+        migration this fleetless's queries expect; a drain asks once, before it claims."""
+        rows = self._run("schema_version", {})
+        have, need = int(rows[0]["version"]), db.latest_migration()
+        if have < need:
+            raise db.SchemaOutdated(f"schema {self.schema} is at migration {have}, this fleetless needs {need}:"
+                                    " run 'fleetless init'")
+
     def init(self) -> list[int]:
         """Create or upgrade the schema (idempotent). Returns the migrations applied."""
         if self._pool is not None:

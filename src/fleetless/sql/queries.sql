@@ -56,6 +56,11 @@ UNION ALL
 SELECT id, false, false FROM {schema}.jobs
 WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 1 FROM job);
 
+-- name: schema_version
+-- The newest migration applied to this schema: a drain compares it with its own newest before it
+-- claims, so an old schema is "run 'fleetless init'", not a missing column in the middle of a drain.
+SELECT COALESCE(max(version), 0) AS version FROM {schema}.migrations;
+
 -- name: notify
 -- enqueue_many's NOTIFYs, after its COPY, in its transaction (each payload: queues, comma-separated).
 -- A payload must stay under 8,000 bytes, so many queues go out as several payloads
