@@ -460,6 +460,39 @@ def jobs(ctx: click.Context, status_: str | None, kind: str | None, queue_name: 
         _table(rows, ["id", "kind", "queue", "status", "attempts", "max_attempts", "run_after", "error_head"])
 
 
+#: `fleetless wait`'s exit status by how the job ended (124 for a timeout, as timeout(1) uses).
+WAIT_EXIT = {"done": 0, "dead": 4, "cancelled": 5}
+
+
+@cli.command()
+@click.argument("job_id", type=int)
+@click.option("--timeout", callback=_duration, help="Give up after this long (exit 124) [default: forever].")
+@json_option
+@click.pass_context
+def wait(ctx: click.Context, job_id: int, timeout: float | None, as_json: bool) -> None:
+    """Wait until job JOB_ID finishes (woken by its finish, not by polling); print its result.
+    Exit 0 done, 4 dead, 5 cancelled, 124 on --timeout."""
+    from .queue import WaitTimeout
+
+    try:
+        finished = _queue(ctx).wait(job_id, timeout=timeout)
+    except WaitTimeout as exc:
+        _say(logging.ERROR, str(exc), event="timeout", id=job_id, status=exc.status)
+        sys.exit(124)
+    if as_json:
+        _echo_json({"id": finished.id, "status": finished.status, "attempts": finished.attempts,
+                    "result": finished.result, "error": finished.error, "finished_at": finished.finished_at})
+    elif finished.status == "done":
+        if finished.result is not None:
+            text = finished.result if isinstance(finished.result, str) else json.dumps(finished.result)
+            click.echo(printable(text.rstrip("\n")))
+    else:
+        head = (finished.error or "").strip().splitlines()[:1]
+        _say(logging.ERROR, f"job {job_id} is {finished.status}" + (f": {printable(head[0])}" if head else ""),
+             event="finished", id=job_id, status=finished.status)
+    sys.exit(WAIT_EXIT[finished.status])
+
+
 @cli.command()
 @click.argument("job_id", type=int)
 @json_option

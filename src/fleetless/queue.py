@@ -13,12 +13,15 @@ import re
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import psycopg
+from psycopg import sql
 from psycopg.rows import dict_row, tuple_row
 
 from . import db
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 
     from .kinds import KindSettings
 
-__all__ = ["DuplicateJob", "Enqueued", "JobNotFound", "Queue"]
+__all__ = ["DuplicateJob", "Enqueued", "Finished", "JobNotFound", "Queue", "WaitTimeout"]
 
 #: ``result`` keeps at most this much of the handler's stdout.
 MAX_RESULT_CHARS = 64 * 1024
@@ -76,6 +79,48 @@ class DuplicateJob(ValueError):
         super().__init__(f"job {existing_id} with key {key!r} is already pending or running")
         self.key = key
         self.existing_id = existing_id
+
+
+#: A job in one of these has finished: wait() returns.
+FINAL_STATUSES = frozenset({"done", "dead", "cancelled"})
+#: wait() reads the job again at least this often even without a NOTIFY naming it.
+WAIT_RECHECK = 5.0
+
+
+def finished_channel(schema: str) -> str:
+    """The channel on which a finish NOTIFYs the ids of waited jobs (migration 019's trigger)."""
+    return f"fleetless_{schema}_finished"
+
+
+class WaitTimeout(TimeoutError):
+    """wait() gave up: the job had not finished within the timeout."""
+
+    def __init__(self, job_id: int, status: str, timeout: float) -> None:
+        super().__init__(f"job {job_id} did not finish within {timeout:g} s (it is {status})")
+        self.job_id = job_id
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How a waited-for job ended: ``status`` (done, dead or cancelled), ``result`` (a script's
+    stdout, or handle()'s return value decoded from JSON), ``error`` (last_error), ``attempts``."""
+
+    id: int
+    kind: str
+    queue: str
+    status: str
+    attempts: int
+    result: Any
+    error: str | None
+    finished_at: dt.datetime | None
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> Finished:
+        result = row["result_json"] if row["result_json"] is not None else row["result"]
+        return cls(id=row["id"], kind=row["kind"], queue=row["queue"], status=row["status"],
+                   attempts=row["attempts"], result=result, error=row["last_error"],
+                   finished_at=row["finished_at"])
 
 
 class Enqueued(int):
@@ -417,10 +462,7 @@ class Queue:
         try:
             if isinstance(item, Mapping):
                 options = dict(item)
-                unknown = set(options) - {
-                    "kind", "payload", "max_attempts", "run_after", "delay", "queue", "priority", "timeout",
-                    "key", "on_duplicate",
-                }
+                unknown = set(options) - {"kind", "payload", *ITEM_OPTIONS}
                 if unknown:
                     raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
                 if "kind" not in options or "payload" not in options:
@@ -436,14 +478,22 @@ class Queue:
         jobs: Iterable[tuple[str, Any] | Mapping[str, Any]],
         *,
         conn: psycopg.Connection[Any] | None = None,
+        **defaults: Any,
     ) -> list[int]:
         """Add many jobs with COPY, all or none. Items are ``(kind, payload)`` or dicts with
         ``kind``, ``payload`` and any option of :meth:`enqueue`. Returns the ids in order.
+        Options given to the call itself (``queue="mail", priority=5``, any option of
+        :meth:`enqueue`) are every item's defaults; an item's own options win.
 
         ``jobs`` may be any iterable, a generator included: it is read, checked and copied
         ``ENQUEUE_CHUNK`` jobs at a time, so memory stays flat however many there are. A bad item
         raises ValueError naming its index, and nothing of the call is written."""
         items = enumerate(jobs)
+        if defaults:
+            unknown = set(defaults) - set(ITEM_OPTIONS) - {"kind", "payload"} | (set(defaults) & {"kind", "payload"})
+            if unknown:
+                raise ValueError(f"enqueue_many: unknown default option(s) {', '.join(sorted(unknown))}")
+            items = enumerate(with_defaults(jobs, defaults))
         first = next(items, None)
         if first is None:
             return []
@@ -839,6 +889,62 @@ class Queue:
             raise JobNotFound(f"no job with id {job_id}")
         return rows[0]
 
+    def wait(self, job_id: int, timeout: float | dt.timedelta | None = None) -> Finished:
+        """Block until job ``job_id`` is done, dead or cancelled and return how it ended, woken
+        by the NOTIFY its finish sends (migration 019), not by polling. ``timeout`` (seconds;
+        None: forever): :class:`WaitTimeout`, a ``TimeoutError`` naming the job's status then.
+        Listens on a connection of its own (a pool's, or one opened from the DSN); with only a
+        caller's connection, that one, which must then be in autocommit."""
+        job_id = _job_id(job_id)
+        limit = _as_float(timeout, "timeout")
+        if limit is not None and limit < 0:
+            raise ValueError(f"timeout must be at least 0 seconds, not {limit!r}")
+        deadline = None if limit is None else time.monotonic() + limit
+        with db.errors_translated(self.schema), self._listener() as conn:
+            channel = sql.Identifier(finished_channel(self.schema)).as_string(conn)
+            conn.execute(f"LISTEN {channel}".encode())
+            try:
+                with conn.cursor(row_factory=dict_row) as cur:
+                    if cur.execute(self._q["wait_mark"], {"id": job_id}).fetchone() is None:
+                        raise JobNotFound(f"no job with id {job_id}")
+                    row = cur.execute(self._q["wait_read"], {"id": job_id}).fetchone()
+                    while row is not None and row["status"] not in FINAL_STATUSES:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise WaitTimeout(job_id, row["status"], limit or 0.0)
+                        # woken by a NOTIFY naming it; read again at least every WAIT_RECHECK
+                        # seconds all the same (a job deleted under it, a lost connection's gap)
+                        # (any note: reading the row again costs less than parsing every id)
+                        list(conn.notifies(timeout=WAIT_RECHECK if left is None else min(WAIT_RECHECK, left),
+                                           stop_after=1))
+                        row = cur.execute(self._q["wait_read"], {"id": job_id}).fetchone()
+                if row is None:
+                    raise JobNotFound(f"job {job_id} was deleted while waited for")
+                return Finished.of(row)
+            finally:
+                with contextlib.suppress(psycopg.Error):
+                    conn.execute(self._q["wait_done"], {"id": job_id})
+                    conn.execute(f"UNLISTEN {channel}".encode())
+
+    @contextmanager
+    def _listener(self) -> Iterator[psycopg.Connection[Any]]:
+        """A connection that may LISTEN: never the queue's shared one (its notifications would
+        mix with other calls'), but a pool's, a new one from the DSN, or the caller's."""
+        if self._pool is not None:
+            with self._pool.connection() as pooled:
+                pooled.autocommit = True
+                yield pooled
+            return
+        if self._dsn is not None:
+            with db.connect(self._dsn, autocommit=True) as own:
+                yield own
+            return
+        assert self._conn is not None
+        if not self._conn.autocommit:
+            raise ValueError("wait() needs a connection in autocommit (or a DSN or pool): "
+                             "a LISTEN inside a transaction hears nothing until it commits")
+        yield self._conn
+
     def attempts(self, job_id: int) -> list[dict[str, Any]]:
         """The job's attempt history, oldest first: attempt, outcome (done, retry, dead, released,
         expired, cancelled), host, pid, tier, started_at, finished_at, exit_code, signal,
@@ -916,6 +1022,21 @@ class Queue:
         assert seconds is not None
         statuses = ["done", "cancelled"] + (["dead"] if include_dead else [])
         return self.prune_batch(dict.fromkeys(statuses, seconds))
+
+
+#: What an enqueue_many item (and the call's defaults) may set besides kind and payload.
+ITEM_OPTIONS = ("max_attempts", "run_after", "delay", "queue", "priority", "timeout", "key", "on_duplicate")
+
+
+def with_defaults(jobs: Iterable[tuple[str, Any] | Mapping[str, Any]],
+                  defaults: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """enqueue_many's items as dicts with the call's defaults under each item's own options."""
+    for item in jobs:
+        if isinstance(item, Mapping):
+            yield {**defaults, **item}
+        else:
+            kind, payload = item
+            yield {**defaults, "kind": kind, "payload": payload}
 
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")

@@ -86,6 +86,22 @@ SELECT current_setting('server_encoding');
 -- inside it rather than a transaction psycopg would commit on its own.
 SELECT 1;
 
+-- name: enqueue_rows
+-- AsyncQueue.enqueue_many: many unkeyed jobs in one statement from one array per column (in item
+-- order), for drivers without psycopg's COPY (asyncpg) and to stay one round trip on either. Ids
+-- come from the sequence as the rows are inserted in ordinality order, so sorted ids follow the
+-- items. run_after: an explicit time wins, else now() + delay, as in enqueue.
+INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
+                           max_attempts_default)
+SELECT t.kind, t.payload, t.max_attempts, COALESCE(t.run_after, now() + make_interval(secs => t.delay)),
+       t.queue, t.priority, t.timeout, t.dflt
+FROM unnest(%(kinds)s::text[], %(payloads)s::jsonb[], %(max_attempts)s::int[], %(run_afters)s::timestamptz[],
+            %(delays)s::float8[], %(queues)s::text[], %(priorities)s::int[], %(timeouts)s::int[],
+            %(defaults)s::bool[]) WITH ORDINALITY
+     AS t(kind, payload, max_attempts, run_after, delay, queue, priority, timeout, dflt, n)
+ORDER BY t.n
+RETURNING id;
+
 -- name: reserve_ids
 -- enqueue_many: COPY cannot return ids, so take them from the sequence first and COPY them in
 -- (one chunk of jobs at a time, so that a million jobs stream instead of sitting in memory).
@@ -423,6 +439,24 @@ SELECT status, attempts FROM {schema}.jobs WHERE id = %(id)s;
 SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
        locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
        claimed_by, tier, last_error, result, result_json, key, cancel_requested_at
+FROM {schema}.jobs WHERE id = %(id)s;
+
+-- name: wait_mark
+-- Queue.wait: register as the job's waiter (migration 019's trigger then NOTIFYs its id when it
+-- finishes). The caller LISTENs before this and reads the job after it (wait_read), so a finish
+-- that commits after this row is visible wakes it, and one committed before shows as final.
+INSERT INTO {schema}.job_waiters (job_id)
+SELECT id FROM {schema}.jobs WHERE id = %(id)s
+RETURNING job_id;
+
+-- name: wait_done
+-- Queue.wait, returning: its waiter row goes (the trigger removes those of finished jobs itself).
+DELETE FROM {schema}.job_waiters
+WHERE ctid = (SELECT ctid FROM {schema}.job_waiters WHERE job_id = %(id)s LIMIT 1);
+
+-- name: wait_read
+-- Queue.wait, once woken: the finished job's outcome.
+SELECT id, kind, queue, status, attempts, result, result_json, last_error, finished_at
 FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: list

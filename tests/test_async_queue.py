@@ -1,0 +1,120 @@
+"""AsyncQueue on psycopg's AsyncConnection and on asyncpg: a job exists only if the app's
+transaction commits; enqueue_many is all or none with the call's defaults; wait is woken by the
+finish."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import psycopg
+import pytest
+
+import fleetless.queue as queue_module
+from fleetless import AsyncQueue, Queue, WaitTimeout
+from fleetless.async_queue import asyncpg_dsn
+from fleetless.queue import DuplicateJob
+
+DRIVERS = ["psycopg", "asyncpg"]
+
+
+async def _connect(driver: str, dsn: str) -> Any:
+    if driver == "asyncpg":
+        return await asyncpg.connect(asyncpg_dsn(dsn))
+    return await psycopg.AsyncConnection.connect(dsn)
+
+
+async def _in_transaction(driver: str, conn: Any, body: Any, commit: bool) -> Any:
+    if driver == "asyncpg":
+        tx = conn.transaction()
+        await tx.start()
+        result = await body()
+        await (tx.commit() if commit else tx.rollback())
+        return result
+    result = await body()
+    await (conn.commit() if commit else conn.rollback())
+    return result
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_job_exists_only_if_the_apps_transaction_commits(queue: Queue, dsn: str, sql: Any, driver: str) -> None:
+    async def main() -> tuple[int, int]:
+        conn = await _connect(driver, dsn)
+        q = AsyncQueue(conn)
+        try:
+            kept = await _in_transaction(driver, conn, lambda: q.enqueue("invoice", {"n": 1}, queue="billing",
+                                                                          priority=3), True)
+            await _in_transaction(driver, conn, lambda: q.enqueue("invoice", {"n": 2}), False)
+            many = await _in_transaction(driver, conn, lambda: q.enqueue_many(
+                [("thumb", {"i": i}) for i in range(3)] + [{"kind": "thumb", "payload": {}, "priority": 9}],
+                queue="media"), False)
+            assert len(many) == 4
+            return kept, (await q.get(kept))["priority"]
+        finally:
+            await conn.close()
+
+    kept, priority = asyncio.run(main())
+    assert priority == 3
+    assert sql("SELECT id, kind, payload, queue FROM fleetless.jobs") == [(kept, "invoice", {"n": 1}, "billing")]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_enqueue_many_is_ordered_takes_defaults_and_is_all_or_none(queue: Queue, dsn: str, sql: Any,
+                                                                    driver: str) -> None:
+    async def main() -> list[int]:
+        q = AsyncQueue(dsn, driver=driver)
+        ids = await q.enqueue_many([("a", {"i": i}) for i in range(50)] + [{"kind": "b", "payload": {},
+                                                                          "queue": "own", "key": "k1"}],
+                                   queue="bulk", priority=2)
+        with pytest.raises(ValueError, match="job #1: invalid job kind"):
+            await q.enqueue_many([("a", {}), ("bad kind!", {})])
+        with pytest.raises(DuplicateJob):
+            await q.enqueue("b", {}, key="k1", on_duplicate="raise")
+        again = await q.enqueue("b", {}, key="k1")
+        assert again == ids[-1] and again.existing
+        return ids
+
+    ids = asyncio.run(main())
+    rows = sql("SELECT id, payload, queue, priority FROM fleetless.jobs ORDER BY id")
+    assert [r[0] for r in rows] == ids
+    assert [r[1] for r in rows[:50]] == [{"i": i} for i in range(50)]
+    assert {(r[2], r[3]) for r in rows[:50]} == {("bulk", 2)} and rows[50][2:] == ("own", 2)
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_async_wait_is_woken_by_the_finish(queue: Queue, dsn: str, driver: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import fleetless.async_queue as async_module
+
+    monkeypatch.setattr(async_module, "WAIT_RECHECK", 3600.0)  # only the NOTIFY can wake it in time
+    monkeypatch.setattr(queue_module, "WAIT_RECHECK", 3600.0)
+    job_id = queue.enqueue("render", {})
+
+    def finish() -> None:
+        other = Queue(dsn)
+        (job,) = other.claim(1)
+        other.complete(job, "ok")
+        other.close()
+
+    async def main() -> Any:
+        q = AsyncQueue(dsn, driver=driver)
+        with pytest.raises(WaitTimeout, match="it is pending"):
+            await q.wait(job_id, timeout=0.2)
+        waiting = asyncio.create_task(q.wait(job_id, timeout=60))
+        await asyncio.sleep(0)  # (the finish may come before or after the waiter registers: both hold)
+        await asyncio.to_thread(finish)
+        return await waiting
+
+    finished = asyncio.run(main())
+    assert (finished.status, finished.result) == ("done", "ok")
+
+
+def test_the_async_queue_needs_a_database_and_names_a_bad_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    with pytest.raises(ValueError, match="no database given"):
+        AsyncQueue()
+    with pytest.raises(ValueError, match="driver must be psycopg or asyncpg, not 'aiopg'"):
+        AsyncQueue("postgresql://x", driver="aiopg")  # type: ignore[arg-type]
+
+

@@ -1,0 +1,127 @@
+"""Waiting for a job's outcome: Queue.wait, and `fleetless wait`, woken by the finish's NOTIFY
+(migration 019's trigger), never by polling."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import pytest
+
+import fleetless.queue as queue_module
+from fleetless import Finished, Queue, WaitTimeout
+from fleetless.queue import JobNotFound
+
+
+def _finish_later(queue: Queue, dsn: str, how: str, started: threading.Event) -> threading.Thread:
+    def run() -> None:
+        other = Queue(dsn)
+        started.wait(30)
+        (job,) = other.claim(1)
+        if how == "done":
+            other.complete(job, '{"pages": 3}')
+        else:
+            other.fail(job, "exit code 1: ValueError: no lines", delay=0, permanent=True)
+        other.close()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("how", ["done", "dead"])
+def test_wait_returns_the_outcome_as_soon_as_a_finish_notifies(queue: Queue, dsn: str, how: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the re-read an hour apart, only the finish's NOTIFY can wake the waiter in time.
+    monkeypatch.setattr(queue_module, "WAIT_RECHECK", 3600.0)
+    job_id = queue.enqueue("render", {})
+    started = threading.Event()
+    finisher = _finish_later(queue, dsn, how, started)
+    started.set()
+    finished = queue.wait(job_id, timeout=60)
+    finisher.join()
+    assert isinstance(finished, Finished) and finished.id == job_id and finished.status == how
+    if how == "done":
+        assert finished.result == '{"pages": 3}' and finished.error is None
+    else:
+        assert finished.error is not None and "ValueError: no lines" in finished.error
+
+
+def test_wait_on_a_finished_job_returns_at_once_and_a_timeout_names_the_status(queue: Queue) -> None:
+    job_id = queue.enqueue("render", {})
+    with pytest.raises(WaitTimeout, match=rf"job {job_id} did not finish within 0.2 s \(it is pending\)"):
+        queue.wait(job_id, timeout=0.2)
+    queue.cancel(job_id)
+    assert queue.wait(job_id, timeout=0).status == "cancelled"
+    with pytest.raises(JobNotFound):
+        queue.wait(999_999, timeout=1)
+
+
+def test_a_rolled_back_finish_wakes_no_one_and_only_waited_jobs_are_notified(queue: Queue, dsn: str,
+                                                                             sql: Any) -> None:
+    import psycopg
+
+    waited, other = queue.enqueue("a", {}), queue.enqueue("b", {})
+    with psycopg.connect(dsn, autocommit=True) as listener:
+        listener.execute('LISTEN "fleetless_fleetless_finished"')
+        sql("INSERT INTO fleetless.job_waiters (job_id) VALUES (%s)", waited)
+        with psycopg.connect(dsn) as c:  # finished, then rolled back
+            c.execute("UPDATE fleetless.jobs SET status = 'cancelled' WHERE id = %s", (waited,))
+            c.rollback()
+        sql("UPDATE fleetless.jobs SET status = 'cancelled' WHERE id = %s", other)
+        assert list(listener.notifies(timeout=0.5)) == []
+        sql("UPDATE fleetless.jobs SET status = 'cancelled' WHERE id = %s", waited)
+        notes = list(listener.notifies(timeout=5, stop_after=1))
+        assert [n.payload for n in notes] == [str(waited)]
+    assert sql("SELECT count(*) FROM fleetless.job_waiters") == [(0,)]  # a finished job's waiters go
+
+
+def test_a_waiter_does_not_hide_the_job_from_a_claim(queue: Queue, dsn: str, sql: Any) -> None:
+    # The waiter's row is its own: the job row is never locked by waiting, so a claim racing a
+    # wait() always sees the job.
+    job_id = queue.enqueue("a", {})
+    sql("INSERT INTO fleetless.job_waiters (job_id) VALUES (%s)", job_id)
+    import psycopg
+
+    with psycopg.connect(dsn) as c:  # a waiter registering, not yet committed
+        c.execute("INSERT INTO fleetless.job_waiters (job_id) VALUES (%s)", (job_id,))
+        assert [j.id for j in queue.claim(1)] == [job_id]
+        c.rollback()
+
+
+def test_cli_wait_prints_the_result_and_exits_by_outcome(dsn: str, queue: Queue, fleetless: Any) -> None:
+    done = queue.enqueue("a", {})
+    (job,) = queue.claim(1)
+    queue.complete(job, "rendered 3 pages\n")
+    r = fleetless("wait", str(done), dsn=dsn)
+    assert (r.returncode, r.stdout) == (0, "rendered 3 pages\n"), r.stderr
+    dead = queue.enqueue("a", {}, max_attempts=1)
+    (job,) = queue.claim(1)
+    queue.fail(job, "exit code 1: boom", delay=0)
+    r = fleetless("wait", str(dead), "--json", dsn=dsn)
+    assert r.returncode == 4 and json.loads(r.stdout)["status"] == "dead"
+    cancelled = queue.enqueue("a", {})
+    queue.cancel(cancelled)
+    assert fleetless("wait", str(cancelled), dsn=dsn).returncode == 5
+    pending = queue.enqueue("a", {})
+    r = fleetless("wait", str(pending), "--timeout", "0.5", dsn=dsn)
+    assert r.returncode == 124 and r.stderr.strip() == (
+        f"fleetless: error: job {pending} did not finish within 0.5 s (it is pending)")
+
+
+def test_cli_wait_is_woken_by_a_drain_in_another_process(dsn: str, queue: Queue, handlers: Any) -> None:
+    h = handlers(**{"hello.py": "def handle(payload):\n    return {'hello': payload['name']}\n"})
+    job_id = queue.enqueue("hello", {"name": "ada"})
+    waiter = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "wait", str(job_id), "--json",
+                               "--timeout", "120"], env={**os.environ, "DATABASE_URL": dsn},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    drain = subprocess.run([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h)],
+                           env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, timeout=120)
+    assert drain.returncode == 0, drain.stderr
+    out, err = waiter.communicate(timeout=120)
+    assert waiter.returncode == 0, err
+    assert json.loads(out)["result"] == {"hello": "ada"}
