@@ -58,6 +58,7 @@ from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer
 from .._limits import rlimit_kill_reason, rlimits_for
 from .._wording import memory_size
+from . import _binary
 from ._filesystem import (
     _SYSTEM_PATHS,
     HANDLERS,
@@ -117,6 +118,7 @@ def _probe() -> tuple[str | None, str]:
         options = [*_isolation_args(network=False), *_system_args(network=False)]
         options += ["--ro-bind", str(seccomp.parent), "/etc", "--size", str(MiB), "--tmpfs", "/tmp"]
         try:
+            binary = _binary.runnable(binary)  # a copy the job uids can run, where they cannot reach it
             lease, uid = _job_uid()
             try:
                 stdin = _launch(binary, uid, options, str(seccomp), ["/usr/bin/env", "true"], {})
@@ -270,6 +272,10 @@ def sweep() -> int:
     try:
         removed += _workspace.sweep()
         removed += sweep_shared()
+        binary = bwrap_binary()
+        current = None if binary is None else _binary.shared_name(binary)
+        if current is not None:
+            removed += _workspace.sweep_shared(_binary.PREFIX, {current})
     except OSError as exc:
         log.warning("workspace sweep failed: %s", exc)
     return removed
