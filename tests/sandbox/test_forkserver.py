@@ -21,7 +21,7 @@ from fleetless.drainer import DrainConfig, Drainer
 from fleetless.sandbox import Limits, SandboxUnavailable
 from fleetless.sandbox.forkserver import client
 
-from proctools import pids_with, wait_for
+from proctools import alive, descendants, pids_with, wait_for
 
 MiB = 1024 * 1024
 pytestmark = pytest.mark.usefixtures("private_workdir")
@@ -44,6 +44,14 @@ def _drain(queue: Queue, handlers_dir: Path, concurrency: int = 1, **limits: obj
     lim = Limits(**{"memory_bytes": 256 * MiB, **limits})  # type: ignore[arg-type]
     Drainer(queue, DrainConfig(handlers_dir=handlers_dir, sandbox="forkserver", concurrency=concurrency,
                                timeout=60, limits=lim)).run()
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
 
 
 def _rows(sql) -> dict[int, tuple]:
@@ -367,11 +375,11 @@ def test_sigkill_of_the_drainer_kills_its_fork_server_and_every_process_of_its_j
     proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
                              "--sandbox", "forkserver", "--lease-grace", "3"], env=env)
     wait_for(lambda: len(pids_with(marker)) >= 2, timeout=60, what="the job and its daemon to run")
-    servers = pids_with(f"srv-{proc.pid}-")
+    servers = [pid for pid in descendants(proc.pid) if _argv(pid)[1:] == ["-s", "-"]]  # python -s -
     assert servers, "no fork server of the drainer"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    wait_for(lambda: not pids_with(marker) and not pids_with(f"srv-{proc.pid}-"), timeout=30,
+    wait_for(lambda: not pids_with(marker) and not any(alive(pid) for pid in servers), timeout=30,
              what="the job's processes and the fork server to die")
     wait_for(lambda: sql("SELECT lease_expires_at < now() FROM fleetless.jobs") == [(True,)], timeout=60,
              what="the killed drainer's lease to run out")
@@ -413,3 +421,21 @@ def test_a_pool_closed_while_it_makes_an_init_says_nothing_and_its_thread_ends(
     thread.join(10)
     assert not thread.is_alive()
     assert "fork server pool" not in caplog.text
+
+
+def test_the_fork_servers_command_line_says_nothing_of_its_configuration(queue: Queue, handlers, sql,
+                                                                          private_workdir: Path) -> None:
+    """Every job sees its init, forked from the server, as ``/proc/1/cmdline``: it is ``python -s -``
+    (the code came on stdin, the configuration on its socket), no paths, no drainer pid (issue 25,
+    item 9)."""
+    h = handlers(**{"cmdline.py": """
+        import json
+        print(json.dumps(open("/proc/1/cmdline", "rb").read().decode().split("\\0")))
+    """})
+    queue.enqueue("cmdline", {})
+    _drain(queue, h)
+    [(status, result, error)] = _rows(sql).values()
+    assert status == "done", error
+    argv = json.loads(result)
+    assert argv[1:] == ["-s", "-", ""], argv
+    assert str(os.getpid()) not in result and "mountpoint" not in result and str(private_workdir) not in result

@@ -517,10 +517,17 @@ def serve(config: dict) -> None:  # type: ignore[type-arg]
     os._exit(0)
 
 
-def main() -> None:
-    del sys.path[0]  # the server's own directory: a handler gets its own instead
-    serve(json.loads(sys.argv[1]))
-
-
-if __name__ == "__main__":
-    main()
+def main(ctl: int) -> None:
+    """Started as ``python -s -`` (nothing of its configuration on its command line, which every
+    job sees as ``/proc/1/cmdline``): the configuration is the first message on ``ctl``."""
+    del sys.path[0]  # "" (the code came on stdin): a handler gets its own directory instead
+    null = os.open(os.devnull, os.O_RDONLY)  # stdin was the code's pipe: /dev/null, as before
+    os.dup2(null, 0)
+    os.close(null)
+    sock = socket.socket(fileno=ctl)
+    try:
+        config = json.loads(sock.recv(1 << 22))
+    finally:
+        sock.detach()
+    config["ctl"] = ctl
+    serve(config)

@@ -36,6 +36,9 @@ from .. import SandboxUnavailable, _workspace, cgroups
 log = logging.getLogger("fleetless.sandbox")
 
 SERVER = str(Path(__file__).with_name("_server.py"))
+#: What the server's interpreter reads on stdin: the server module, then its main on the control
+#: socket (fd ``ctl``), which then brings the configuration.
+BOOT = "import runpy\nrunpy.run_path({server!r}, run_name='_fleetless_forkserver')['main']({ctl})\n"
 JOBS_ENV = "FLEETLESS_FORKSERVER_JOBS"
 SECONDS_ENV = "FLEETLESS_FORKSERVER_SECONDS"
 DEFAULT_JOBS = 1000
@@ -104,14 +107,23 @@ class Server:
         debug = os.environ.get("FLEETLESS_FORKSERVER_STDERR")  # a file for the server's tracebacks
         try:
             err = open(debug, "ab") if debug else None
+            # "python -s -": its command line (every job's /proc/1/cmdline) says nothing of its
+            # configuration; the code comes on stdin, the configuration on its socket
             self.proc = subprocess.Popen(
-                [key.python, "-s", SERVER, json.dumps(config)], env={}, cwd="/", pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                [key.python, "-s", "-"], env={}, cwd="/", pass_fds=(theirs.fileno(),),
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 stderr=err or subprocess.DEVNULL, start_new_session=True)
             if err is not None:
                 err.close()
+            assert self.proc.stdin is not None
+            with self.proc.stdin as code:
+                code.write(BOOT.format(server=SERVER, ctl=theirs.fileno()).encode())
+            ours.sendall(json.dumps(config).encode())
         except OSError as exc:
             ours.close()
+            if getattr(self, "proc", None) is not None:
+                self.proc.kill()
+                self.proc.wait()
             _workspace.remove(self._mountpoint)
             raise SandboxUnavailable(f"cannot start the fork server: {exc}") from None
         finally:
