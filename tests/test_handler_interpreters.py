@@ -203,12 +203,13 @@ def _drain_under(python: Path | str, dsn: str, handlers_dir: Path, work: Path, t
                            "--sandbox", tier], env=env, text=True, capture_output=True, timeout=300)
 
 
-@pytest.mark.parametrize("tier", ["process", "bwrap"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
 def test_py_handlers_run_under_the_apps_interpreter_and_import_its_packages(
         tier: str, dsn: str, queue: Queue, sql, require_tier, tmp_path: Path) -> None:
     """With no --python, .py handlers run under the interpreter fleetless runs under (the app's
     virtual environment) and import the app's packages from it; bwrap binds it read-only. Under
-    a root drainer the jobs' unprivileged uids reach it (it is where they can)."""
+    a root drainer the jobs' unprivileged uids reach it (it is where they can). The venv is under
+    the tmp dir: the fork server's jobs, each with a /tmp of its own, still see it (issue 25, item 1)."""
     require_tier(tier)
     base = Path(tempfile.mkdtemp(prefix="fleetless-venv-"))
     try:

@@ -126,6 +126,16 @@ def _make_point(root: str, path: str, is_dir: bool) -> str:
     return target
 
 
+#: Binds (where the server's root keeps it, path inside, is a directory) under /tmp or /dev/shm: an
+#: interpreter installed there (a venv under /tmp, issue 25, item 1). Each job gets a tmpfs of its
+#: own on both, so :func:`_mount_job` binds these again on top of it.
+_KEPT: list[tuple[str, str, bool]] = []
+
+
+def _under_job_tmpfs(path: str) -> bool:
+    return any(path == top or path.startswith(top + "/") for top in ("/tmp", "/dev/shm"))
+
+
 def build_root(config: dict) -> None:  # type: ignore[type-arg]
     """A private mount namespace whose root is a minimal tree (see the module's docstring)."""
     _unshare(CLONE_NEWNS)
@@ -134,7 +144,12 @@ def build_root(config: dict) -> None:  # type: ignore[type-arg]
     _mount("fleetless", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=4m")
     for target, link in config["symlinks"]:
         os.symlink(target, root + link)
-    for src, dst in config["binds"]:
+    for i, (src, dst) in enumerate(config["binds"]):
+        if _under_job_tmpfs(dst):  # each job's own /tmp or /dev/shm would hide it: bound again after
+            keep = f"/.fleetless-keep/{i}"
+            _bind(src, _make_point(root, keep, os.path.isdir(src)), readonly=True)
+            _KEPT.append((keep, dst, os.path.isdir(src)))
+            continue
         _bind(src, _make_point(root, dst, os.path.isdir(src)), readonly=True)
     for d in ("/proc", "/tmp", "/workspace", "/dev"):
         os.makedirs(root + d, exist_ok=True)
@@ -188,6 +203,8 @@ def _mount_job(spec: dict) -> None:  # type: ignore[type-arg]
     tmp = f"mode=1777,size={int(spec['tmp_bytes'])}"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
+    for keep, dst, is_dir in _KEPT:
+        _bind(keep, _make_point("", dst, is_dir), readonly=True)
 
 
 def _run_job(spec: dict, out_fd: int, err_fd: int, seccomp: bytes | None) -> None:  # type: ignore[type-arg]
