@@ -66,6 +66,7 @@ _REFUSED_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F])")
 _FAST_RESULT_CHARS = 64 * 1024 + 64
 RELEASED_STOPPING = "released: the drainer stopped before the job finished"
 CANCELLED = "cancelled: an operator cancelled the job while it ran"
+LEASE_ENDED = "released: its lease ended before it started (its drainer was stopped or cut off)"
 
 
 def _signal_name(exit_code: int) -> str:
@@ -290,6 +291,12 @@ class Runner:
     spares: int = 2
     #: Per-job mode: a job's sandbox is destroyed by this, beside the slot's next claim (None: inline).
     teardown: Teardown | None = None
+    #: When the job's lease ends (``time.monotonic()``; None: unknown). A job starts only if its
+    #: timeout ends inside it: else the reaper may give it to another drainer while it still runs
+    #: here (issue 26, item 2). Checked just before a job's exec, and by the batch runner before
+    #: each job (on the tiers that share the host's monotonic clock), so a runner whose drainer is
+    #: stopped or cut off starts nothing it cannot finish inside the lease the drainer last knew.
+    not_after: Callable[[Job], float | None] = lambda job: None
     _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
 
     def _kind(self, kind: str) -> KindSettings:
@@ -329,6 +336,10 @@ class Runner:
             if slot.aborted:
                 done += [(j, self._stopped(None)) for j in left]
                 break
+            if self._lease_over(left[0]):
+                done.append((left[0], self._late()))
+                left = left[1:]
+                continue
             try:
                 if len(left) == 1 and not handler.module:
                     got = [self._single(left[0], handler, slot)]
@@ -346,7 +357,10 @@ class Runner:
                 continue
             if slot.aborted:  # destroyed by the drainer's stop: nobody is charged
                 continue
-            if r.ok and got:  # the runner stopped before its TTL: the rest go to a fresh sandbox
+            if r.ok and (got or _said_late(r.stdout)):
+                # the runner stopped before its TTL, or at a job too late for the lease it was given:
+                # the rest go to a fresh sandbox (with the lease as renewed since; the loop's top
+                # releases a job too late by that too)
                 continue
             if self.cancelled(left[0]):
                 run = replace(describe_run(self.backend.name, r), kill_reason="cancelled")
@@ -486,6 +500,10 @@ class Runner:
         try:
             sbx.write("payload.json", job.payload_json)
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
+            if self._lease_over(job):  # its sandbox took the rest of its lease (a stopped drainer)
+                sbx.kill()
+                slot.detach()
+                return job, self._late()
             r = sbx.exec(argv, self.timeout_of(job))
         except BaseException as exc:
             sbx.kill()
@@ -516,8 +534,18 @@ class Runner:
         # Every job's line of the batch, written once for this run (a fresh sandbox for the jobs
         # left reuses them): each payload as the table gave it (jsonb's own output, valid JSON),
         # so the host neither decodes nor re-encodes a payload.
-        lines = [f'{{"id":{j.id},"attempt":{j.attempts},"timeout":{self.timeout_of(j)!r},"payload":{j.payload_json}}}'
-                 for j in jobs]
+        # not_after: the last moment the job may start (its lease end less its timeout) on the
+        # host's monotonic clock, which the runner reads too (not a microVM's guest: its jobs are
+        # checked before the VM starts only)
+        host_clock = self.backend.host_clock
+
+        def line(j: Job) -> str:
+            end = self._start_by(j) if host_clock else None
+            late = "" if end is None else f'"not_after":{end!r},'
+            head = f'{{"id":{j.id},"attempt":{j.attempts},"timeout":{self.timeout_of(j)!r},'
+            return f'{head}{late}"payload":{j.payload_json}}}'
+
+        lines = [line(j) for j in jobs]
 
         def describe(sbx: Sandbox) -> bytes:
             head = json.dumps({
@@ -582,6 +610,18 @@ class Runner:
         got = self._parse(jobs, r.stdout)
         return got, _timed_out(r, got, timeouts, pacer, bound)
 
+    def _lease_over(self, job: Job) -> bool:
+        start_by = self._start_by(job)
+        return start_by is not None and time.monotonic() >= start_by
+
+    def _start_by(self, job: Job) -> float | None:
+        """The last moment ``job`` may start: its timeout must end inside its lease."""
+        end = self.not_after(job)
+        return None if end is None else end - self.timeout_of(job)
+
+    def _late(self) -> Outcome:
+        return Outcome("release", error=LEASE_ENDED, run=describe_run(self.backend.name, None, "lease ended"))
+
     def _stopped(self, r: ExecResult | None) -> Outcome:
         return Outcome("release", error=RELEASED_STOPPING, run=describe_run(self.backend.name, r, "drainer stopped"))
 
@@ -610,6 +650,8 @@ class Runner:
             try:
                 rec = json.loads(line)
                 if rec["i"] != i:
+                    break
+                if rec.get("late") is True:  # not started, too late by the lease the runner was given
                     break
                 out.append((jobs[i], _outcome(self.backend.name, rec)))
             except (ValueError, KeyError, TypeError):
@@ -691,6 +733,12 @@ def _timed_out(r: ExecResult, got: Sequence[object], timeouts: Sequence[float], 
             bound is not None and r.killed is not None and r.killed.startswith("killed: timeout")):
         return replace(r, killed=f"killed: timeout after {timeouts[i]:g} s")
     return r
+
+
+def _said_late(stdout: str) -> bool:
+    """Whether the runner's last record says it did not start a job, too late for its lease."""
+    last = stdout.rstrip("\n").rpartition("\n")[2]
+    return last.endswith('"late":true}') and last.startswith('{"i":')
 
 
 def _feed(fifo: Path, data: bytes, result: Future[ExecResult]) -> bool:

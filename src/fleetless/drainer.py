@@ -218,6 +218,9 @@ class Drainer:
         # Keyed by claim, not job id: this drain may claim a job id again (reaped under it) while
         # it still tears down the first run, and the two runs must not share anything.
         self._claimed_at: dict[_Claim, float] = {}  # claim -> monotonic time it was claimed
+        # claim -> when its lease ends (monotonic, a little early: counted from before the statement
+        # that set it was sent); no job starts after it (Runner.not_after)
+        self._lease_ends: dict[_Claim, float] = {}
         self._claimed_by = f"{socket.gethostname()}:{os.getpid()}"
         self.summary = Summary()
         self._backend: type[Sandbox] = get_backend(config.sandbox)
@@ -369,7 +372,7 @@ class Drainer:
                 return self.summary
         runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
                         cancelled=lambda job: _claim_of(job) in self._cancelled, had_handler=self._had_handler,
-                        teardown=self._teardown)
+                        teardown=self._teardown, not_after=lambda job: self._lease_ends.get(_claim_of(job)))
         self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
         if c.watch:  # a sandbox of the drain's own tier started ahead: a job that comes skips its start
             # as many as the slots can take at once, plus one for a job that comes while they are replaced
@@ -629,9 +632,12 @@ class Drainer:
             claimed_by=self._claimed_by, tier=c.sandbox, skip_kinds=sorted(self._unrunnable), token=token,
             kinds=self._kinds)
 
+        sent = 0.0
+
         def claim() -> list[Job]:
-            nonlocal tries
+            nonlocal tries, sent
             tries += 1
+            sent = time.monotonic()
             if tries > 1:
                 held = self.queue.claimed_with(token)
                 if held:
@@ -646,7 +652,11 @@ class Drainer:
                     return got
             return self.queue.claim(n, **args)
 
-        return self._db(claim)
+        jobs = self._db(claim)
+        for job in jobs:
+            if job.lease_seconds is not None:
+                self._lease_ends[_claim_of(job)] = sent + job.lease_seconds
+        return jobs
 
     def _retry_of(self, job: Job) -> RetryPolicy:
         return self._kinds.get(job.kind, _NO_SETTINGS).retry(self.config.retry)
@@ -679,6 +689,7 @@ class Drainer:
 
     def _written(self, job: Job, outcome: Outcome, status: Status | None) -> None:
         """The completer wrote (or was fenced out of) one outcome: tell the reporter."""
+        self._lease_ends.pop(_claim_of(job), None)
         if type(self.reporter) is NullReporter:  # nobody listens: no event built (once per job)
             if self._cancelled:
                 self._cancelled.discard(_claim_of(job))
@@ -718,11 +729,13 @@ class Drainer:
             self._fatal = fatal
 
     def _lease_beat(self, jobs: Iterable[Job]) -> float:
-        """How often to renew leases: a third of the shortest lease of ``jobs``, at least 0.2 s."""
+        """How often to renew leases: a third of the shortest lease of ``jobs``, and at most half
+        the grace (a job starts only while its timeout fits in the lease the drainer last renewed:
+        Runner.not_after), at least 0.2 s."""
         c = self.config
         shortest = min((min(float(j.timeout_seconds or c.timeout), c.ttl) for j in jobs),
                        default=min(c.timeout, c.ttl))
-        return max((shortest + self._grace) / 3, 0.2)
+        return max(min((shortest + self._grace) / 3, self._grace / 2), 0.2)
 
     def _extend_leases(self, running: dict[Future[_Result], _Unit]) -> None:
         """Renew every lease this drainer holds, in one fenced statement: a sandbox may be slow to
@@ -732,8 +745,18 @@ class Drainer:
         held = [j for jobs, _ in running.values() for j in jobs] + self._ahead + self._completer.holding()
         if held:
             timeout, ttl = self._lease_bounds()
-            self._db(lambda: self.queue.extend_leases(held, default_timeout=timeout, ttl=ttl,
-                                                      lease_grace=self._grace))
+            sent = 0.0
+
+            def renew() -> dict[int, float]:
+                nonlocal sent
+                sent = time.monotonic()
+                return self.queue.extend_leases(held, default_timeout=timeout, ttl=ttl, lease_grace=self._grace)
+
+            left = self._db(renew)
+            for job in held:
+                seconds = left.get(job.id)
+                if seconds is not None and _claim_of(job) in self._lease_ends:
+                    self._lease_ends[_claim_of(job)] = sent + seconds
 
     def _take_counts(self) -> None:
         counts, s = self._completer.counts, self.summary

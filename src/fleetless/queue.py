@@ -738,14 +738,15 @@ class Queue:
 
     def extend_leases(
         self, jobs: Iterable[Job], *, default_timeout: float = 600, ttl: float = 900, lease_grace: float = 60
-    ) -> int:
-        """Renew the leases of jobs this drainer still holds (fenced per row); returns how many."""
+    ) -> dict[int, float]:
+        """Renew the leases of jobs this drainer still holds (fenced per row); returns the seconds
+        left of each one renewed, by job id."""
         jobs = list(jobs)
         if not jobs:
-            return 0
+            return {}
         rows = self._tuples("extend_leases", {
             **_held(jobs), "default_timeout": default_timeout, "ttl": ttl, "grace": lease_grace})
-        return len(rows)
+        return {int(r[0]): float(r[1]) for r in rows}
 
     def reap(self, older_than: float | dt.timedelta | None = None) -> dict[int, Status]:
         """Return expired claims to pending (or dead when no attempt is left).

@@ -114,6 +114,8 @@ class Sandbox(ABC):
     #: microVM tier returns the guest's output at the end and never calls it (``streams_stdout``).
     on_stdout: Callable[[bytes], None] | None = None
     streams_stdout: ClassVar[bool] = True
+    #: The job's processes read the host's ``time.monotonic()`` clock (not a VM's own).
+    host_clock: ClassVar[bool] = True
     #: Paths as the job sees them.
     workspace_path: str
     handlers_path: str

@@ -8,7 +8,12 @@ library only (it must not import ``fleetless``: the sandbox's python may not hav
 
     {"handler": "/handlers/kind.py", "module": true, "argv": ["/usr/bin/python3", "/handlers/kind.py"],
      "budget": 880.0, "grace": 2.0, "stdout_bytes": 65536, "stderr_bytes": 2000, "kind": "kind",
-     "jobs": [{"id": 7, "attempt": 1, "timeout": 10.0, "payload": {...}}, ...]}
+     "jobs": [{"id": 7, "attempt": 1, "timeout": 10.0, "not_after": 5123.4, "payload": {...}}, ...]}
+
+``not_after`` (optional): the last moment the job may start, on the host's ``time.monotonic()``
+clock (its lease end less its timeout). A job reached at or after it is not started (its lease
+may pass to another drainer while it runs, this one being stopped): the runner writes
+``{"i": N, "late": true}`` and exits.
 
 The process's own environment is what every job of the batch shares; each job adds what is its
 own: FLEETLESS_JOB_ID, FLEETLESS_ATTEMPT and FLEETLESS_KIND (the batch's kind).
@@ -184,6 +189,17 @@ def _end_leftovers(me: int, subreaper: bool, keep: frozenset[int], within: float
         time.sleep(0.001)
 
 
+def _late(job: dict[str, Any], out: Output, i: int) -> bool:
+    """Whether it is too late to start the job (``not_after``, the host's monotonic clock): it
+    could run on past its lease, when another drainer may run it. Reported as not started; the
+    runner stops."""
+    end = job.get("not_after")
+    if end is None or time.monotonic() < end:
+        return False
+    out.send({"i": i, "late": True})
+    return True
+
+
 def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
     handler = desc["handler"]
     jobs = desc["jobs"]
@@ -228,6 +244,8 @@ def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
             armed_at = now
         if i:
             _end_leftovers(me, subreaper, keep)  # what the previous job forked dies before this one starts
+        if _late(job, out, i):
+            return
         environ["FLEETLESS_JOB_ID"] = str(job["id"])
         attempt = str(job["attempt"])
         if attempt != attempt_was:  # most jobs of a batch are at the same attempt: one putenv less
@@ -294,6 +312,8 @@ def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
             return
         with open(payload_path, "w") as f:
             json.dump(job["payload"], f)
+        if _late(job, out, i):
+            return
         t0 = time.monotonic()
         killed = None
         with open(out_path, "wb") as fo, open(err_path, "wb") as fe:

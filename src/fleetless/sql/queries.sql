@@ -695,7 +695,9 @@ SET lease_expires_at = now() + make_interval(
 -- The claims as in cancel_requested: held ids and the drain's distinct tokens (a running row with
 -- one of its tokens is a claim it holds), so the fence is still the claim token and the status.
 WHERE j.id = ANY(%(ids)s::bigint[]) AND j.claim_token = ANY(%(tokens)s::uuid[]) AND j.status = 'running'
-RETURNING j.id;
+-- the lease left, by the database's clock: the drainer keeps each job's lease end (no job of it
+-- starts after that, also in a batch runner the drainer cannot reach while it is stopped)
+RETURNING j.id, extract(epoch FROM j.lease_expires_at - now())::float8;
 
 -- name: claim_kind
 -- Batch mode's claim: up to n due jobs of one kind (they share one sandbox and one imported

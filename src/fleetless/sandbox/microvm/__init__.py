@@ -495,6 +495,7 @@ class MicroVMSandbox(Sandbox):
 
     name: ClassVar[str] = "microvm"
     streams_stdout: ClassVar[bool] = False  # the guest's output comes back when the VM ends
+    host_clock: ClassVar[bool] = False
     workspace_path = GUEST_WORKSPACE
     overhead_seconds: ClassVar[float] = BOOT_TIMEOUT + REPORT_GRACE  # a boot, then the report
     handlers_path = GUEST_HANDLERS
