@@ -220,3 +220,47 @@ def test_the_old_advisory_fold_key_no_longer_stalls_delete_or_retention(dsn: str
         assert out.returncode == 0, out.stderr
         assert retention.run_once(queue, retention.Settings(every=None)).deleted == 1
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE id IN (%s, %s)", gone, old) == [(0,)]
+
+
+def test_the_old_advisory_counts_key_no_longer_stops_compaction_or_recount(dsn: str, queue: Queue, outsider: str,
+                                                                            sql) -> None:
+    # job_counts' fold and `init --recount` took turns on pg_advisory_xact_lock(hashtext(
+    # 'fleetless.job_counts')): an outsider holding it stopped every fold (job_counts grew a row
+    # per job-changing statement for ever) and hung the recount. Their lock is now the table's.
+    for _ in range(5):
+        queue.enqueue("k", {})
+    with psycopg.connect(outsider, autocommit=True) as attacker:
+        attacker.execute("SELECT pg_advisory_lock(hashtext('fleetless.job_counts'))")
+        queue.compact_counts()
+        assert sql("SELECT kind, status, n FROM fleetless.job_counts") == [("k", "pending", 5)]
+        out = subprocess.run([sys.executable, "-m", "fleetless.cli", "init", "--recount"],
+                             env={**os.environ, "DATABASE_URL": dsn}, capture_output=True, text=True, timeout=BOUND)
+        assert out.returncode == 0, out.stderr
+
+
+def test_a_fold_of_the_counts_skips_while_another_holds_their_lock(dsn: str, queue: Queue, sql) -> None:
+    for _ in range(3):
+        queue.enqueue("k", {})
+    with psycopg.connect(dsn) as other:
+        other.execute("LOCK TABLE fleetless.job_counts IN SHARE UPDATE EXCLUSIVE MODE")  # another fold
+        queue.compact_counts()  # folds nothing, at once, and the queue's connection stays usable
+        assert sql("SELECT count(*) FROM fleetless.job_counts") == [(3,)]
+        queue.enqueue("k", {})  # job writes go on under the fold's lock
+    queue.compact_counts()
+    assert sql("SELECT kind, status, n FROM fleetless.job_counts") == [("k", "pending", 4)]
+
+
+def test_no_advisory_lock_is_left_in_the_code() -> None:
+    # Every lock fleetless takes is a row or a table of its schema (comments may name the old ones).
+    import re
+
+    import fleetless
+
+    root = Path(fleetless.__file__).parent
+    found = []
+    for path in [*root.rglob("*.py"), *root.rglob("*.sql")]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("--")[0] if path.suffix == ".sql" else line.split("#")[0]
+            if re.search(r"pg_(try_)?advisory", code):
+                found.append(f"{path.relative_to(root)}:{n}")
+    assert found == []

@@ -246,8 +246,9 @@ class Queue:
                 self._conn = db.connect(self._dsn, autocommit=True)
             try:
                 yield self._conn
-            except psycopg.OperationalError:  # errors_translated, around this, names it
-                if self._owns_conn:  # a broken connection: the next call reconnects
+            except psycopg.OperationalError as exc:  # errors_translated, around this, names it
+                # a broken connection: the next call reconnects (a lock wait that ran out is no sign of one)
+                if self._owns_conn and not isinstance(exc, psycopg.errors.LockNotAvailable):
                     self._conn.close()
                 raise
 
@@ -974,14 +975,20 @@ class Queue:
 
     def compact_counts(self) -> None:
         """Fold job_counts' rows into one per (queue, kind, status) (``compact_counts`` in
-        queries.sql); the reads of the counts call it first, so they sum a few rows."""
-        self._run("compact_counts", {})
+        queries.sql); the reads of the counts call it first, so they sum a few rows. When another
+        fold holds the table's lock (``counts_lock``) this one folds nothing."""
+        try:
+            with db.errors_translated(self.schema), self._connection() as c, db.atomic(c), c.cursor() as cur:
+                cur.execute(self._q["counts_lock"] + " NOWAIT")
+                cur.execute(self._q["compact_counts"])
+        except db.LockTimeout:
+            pass
 
     def recount(self) -> int:
         """Make job_counts again from the jobs table, holding off job writes meanwhile (``fleetless
         init --recount``). Returns how many (queue, kind, status) counts were wrong."""
         with db.errors_translated(self.schema), self._connection() as c, c.transaction(), c.cursor() as cur:
-            cur.execute(self._q["recount_lock"])
+            cur.execute(self._q["counts_lock"])
             cur.execute(self._q["lock_jobs_share"])
             cur.execute(self._q["recount"])
             row = cur.fetchone()

@@ -477,24 +477,25 @@ LIMIT %(limit)s;
 SELECT kind, status, sum(n)::bigint AS n FROM {schema}.job_counts
 GROUP BY kind, status HAVING sum(n) <> 0 ORDER BY kind, status;
 
+-- name: counts_lock
+-- compact_counts' and recount's first statement: one folder at a time. SHARE UPDATE EXCLUSIVE
+-- conflicts with itself but not with the triggers' inserts (ROW EXCLUSIVE), so job writes go on.
+-- The fold adds NOWAIT (a second one folds nothing rather than wait: a LockTimeout, skipped);
+-- recount waits, so a fold's new rows are never left beside a recount's. A table of fleetless's
+-- own, not an advisory key that any role able to connect could hold (issue 25 item 7).
+LOCK TABLE {schema}.job_counts IN SHARE UPDATE EXCLUSIVE MODE;
+
 -- name: compact_counts
 -- Folds job_counts' rows (one per job-changing statement since the last fold) into one row per
--- (queue, kind, status), so that reading the counts stays a scan of a few rows. One folder at a
--- time (a try-lock: a second one folds nothing rather than wait); recount waits for the lock, so
--- a fold's new rows are never left beside a recount's. Readers see the rows before or after it
--- commits, which sum to the same counts.
+-- (queue, kind, status), so that reading the counts stays a scan of a few rows. Under
+-- counts_lock (NOWAIT). Readers see the rows before or after it commits, which sum to the same
+-- counts.
 WITH gone AS (
   DELETE FROM {schema}.job_counts
-  WHERE (SELECT pg_try_advisory_xact_lock(hashtext('{schema}.job_counts')))
   RETURNING queue, kind, status, n
 )
 INSERT INTO {schema}.job_counts (queue, kind, status, n)
 SELECT queue, kind, status, sum(n) FROM gone GROUP BY queue, kind, status HAVING sum(n) <> 0;
-
--- name: recount_lock
--- `fleetless init --recount`, first statement: wait for a fold in progress and hold off others
--- (their lock), so a fold's rows are never left beside the recount's.
-SELECT pg_advisory_xact_lock(hashtext('{schema}.job_counts'));
 
 -- name: lock_jobs_share
 -- Then hold off every job write until the recount commits (SHARE waits for the writers in flight
@@ -502,7 +503,7 @@ SELECT pg_advisory_xact_lock(hashtext('{schema}.job_counts'));
 LOCK TABLE {schema}.jobs IN SHARE MODE;
 
 -- name: recount
--- `fleetless init --recount`, under recount_lock and LOCK TABLE jobs IN SHARE MODE: job_counts
+-- `fleetless init --recount`, under counts_lock and LOCK TABLE jobs IN SHARE MODE: job_counts
 -- made again from the jobs table (repairs counts a trigger did not see, e.g. after the triggers
 -- were disabled by hand). Returns how many rows of job_counts were wrong (keys whose sum differed).
 WITH truth AS (
