@@ -356,3 +356,22 @@ def test_a_root_drainers_own_venv_under_a_root_only_directory_is_the_handlers_in
     finally:
         for folder in (private, outside):
             subprocess.run(["rm", "-rf", "--one-file-system", str(folder)], check=False)
+
+
+def test_doctor_with_handlers_says_per_tier_which_kinds_a_drain_would_not_claim(fleetless, tmp_path: Path) -> None:
+    """``fleetless doctor --handlers DIR``: for each tier that works here, each kind runs or is named
+    with why a drain there would refuse it before claiming (a kind's ``interpreter`` included)."""
+    h = tmp_path / "kinds"
+    h.mkdir(mode=0o755)
+    (h / "ok.py").write_text("print(1)\n")
+    (h / "bad.py").write_text("print(2)\n")
+    (h / "fleetless.toml").write_text('[kinds.bad]\ninterpreter = "/nonexistent/python3"\n')
+    for f in h.iterdir():
+        f.chmod(0o644)
+    r = fleetless("doctor", "--json", "--handlers", str(h), timeout=600)
+    assert r.returncode == 0, r.stderr
+    tiers = [t for t in json.loads(r.stdout)["tiers"] if t["ok"]]
+    assert tiers
+    for t in tiers:
+        assert t["kinds"]["ok"] is None, t
+        assert "/nonexistent/python3" in t["kinds"]["bad"], t

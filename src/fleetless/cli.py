@@ -777,16 +777,19 @@ def demo(ctx: click.Context, sandbox: str, n_jobs: int, as_json: bool) -> None:
 
 
 @cli.command()
+@click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path, file_okay=False, exists=True),
+              default=None, help="Also say, per tier, which kinds of this handlers directory a drain "
+              "would run and which it would not claim (and why).")
 @json_option
 @click.pass_context
-def doctor(ctx: click.Context, as_json: bool) -> None:
+def doctor(ctx: click.Context, handlers_dir: Path | None, as_json: bool) -> None:
     """Which sandbox tiers work on this host, why not where they do not, and their start-up."""
     from . import doctor as doctor_mod
 
     if as_json:
-        _echo_json(doctor_mod.check())
+        _echo_json(doctor_mod.check(handlers_dir))
     else:
-        doctor_mod.run()
+        doctor_mod.run(handlers_dir)
 
 
 @cli.group()

@@ -71,13 +71,14 @@ def _workdir() -> dict[str, Any]:
             "detail": f"{path}: this user's own, no one else may write or swap it"}
 
 
-def check() -> dict[str, Any]:
+def check(handlers_dir: Path | None = None) -> dict[str, Any]:
     """``{"python", "python_startup_ms", "workdir": {"path", "ok", "detail"},
     "tiers": [{"name", "ok", "detail", "python", "caps"}, ...]}``:
     ``caps`` says which resource caps hold for the tier's jobs (``Sandbox.caps``, default limits);
     ``python`` is what the process tier runs ``.py`` handlers with, each tier's its own (the
     drain's choice, not a guess: a root drainer's venv under /root is still the handlers' own
-    where the tier binds it)."""
+    where the tier binds it). With ``handlers_dir``, each working tier also has ``"kinds"``:
+    ``{kind: None or why a drain there would not claim it}`` (:func:`kinds_report`)."""
     tiers = []
     with tempfile.TemporaryDirectory(prefix="fleetless-doctor-") as tmp:
         handlers = Path(tmp)
@@ -91,12 +92,42 @@ def check() -> dict[str, Any]:
             tiers.append({"name": name, "ok": ok, "detail": detail,
                           "python": _handler_python(name, handlers) if ok else None,
                           "caps": get_backend(name).caps() if ok else None})
+    if handlers_dir is not None:
+        per_tier = kinds_report(handlers_dir, [str(t["name"]) for t in tiers if t["ok"]])
+        for t in tiers:
+            t["kinds"] = per_tier.get(str(t["name"]))
     return {"python": python, "python_startup_ms": round(startup, 1), "workdir": _workdir(),
             "tiers": tiers}
 
 
-def run() -> None:
-    report = check()
+def kinds_report(handlers_dir: Path, tiers: list[str]) -> dict[str, dict[str, str | None]]:
+    """``{tier: {kind: None (runs) or why it is not claimed}}`` for the kinds of ``handlers_dir``
+    (each with its fleetless.toml ``interpreter``), on each tier that works here: what a drain
+    there would refuse before claiming (:func:`.handlers.unrunnable`)."""
+    from dataclasses import replace
+
+    from . import handlers, kinds
+    from .sandbox import SandboxUnavailable
+
+    settings = kinds.load(handlers_dir)
+    interpreters = {k: ks.interpreter for k, ks in settings.items() if ks.interpreter is not None}
+    template = Template(handlers_dir=handlers_dir)
+    out: dict[str, dict[str, str | None]] = {}
+    for tier in tiers:
+        backend = get_backend(tier)
+        found = handlers.unrunnable(handlers_dir, backend, template, interpreters)
+        for kind, python in interpreters.items():
+            if kind not in found:
+                try:
+                    backend.check_template(replace(template, python=python))
+                except SandboxUnavailable as exc:
+                    found[kind] = f"interpreter {python}: {exc}"
+        out[tier] = {kind: found.get(kind) for kind in sorted(handlers.kinds(handlers_dir))}
+    return out
+
+
+def run(handlers_dir: Path | None = None) -> None:
+    report = check(handlers_dir)
     click.echo(f"bare {report['python']} start-up: {report['python_startup_ms']:.0f} ms (median of {RUNS})")
     click.echo(f"work dir {'ok' if report['workdir']['ok'] else 'refused':<12} {report['workdir']['detail']}")
     for tier in report["tiers"]:
@@ -104,3 +135,5 @@ def run() -> None:
         click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}{python}")
         if tier["caps"]:
             click.echo(f"         {caps_line(tier['name'], tier['caps'])}")
+        for kind, why in (tier.get("kinds") or {}).items():
+            click.echo(f"         kind {kind}: " + ("runs" if why is None else f"not claimed here: {why}"))
