@@ -13,6 +13,7 @@ import pytest
 from fleetless import Queue, Status
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.job import Outcome
+from fleetless.sandbox import get_backend
 
 from proctools import pids_with, wait_for
 
@@ -116,3 +117,38 @@ def test_cli_cancel_run_now_delete(dsn: str, queue: Queue, fleetless, sql) -> No
     r = fleetless("delete", str(running), dsn=dsn)
     assert r.returncode == 1 and r.stderr.startswith(f"fleetless: error: job {running} is running;")
     assert sql("SELECT id, status FROM fleetless.jobs") == [(running, "running")]
+
+
+def test_a_cancel_that_lands_before_the_jobs_sandbox_exists_stops_it_before_it_runs(
+        queue: Queue, sql, handlers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26.10: the drainer saw the cancel while the job's sandbox was still being made (here:
+    held at its start), so there was no sandbox to kill; on 61e842d the job then ran and ended done.
+    Now the runner looks at the cancels right before exec: the handler never runs."""
+    ran = tmp_path / "ran"
+    h = handlers(**{"job.py": f"open({str(ran)!r}, 'w').close()\nprint('ran')"})
+    backend = get_backend("process")
+    create = backend.create
+    entered, gate = threading.Event(), threading.Event()
+
+    def held_create(*args: object, **kwargs: object) -> object:
+        entered.set()
+        assert gate.wait(60)
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "create", staticmethod(held_create))
+    job_id = queue.enqueue("job", {})
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        assert entered.wait(60)
+        assert queue.cancel(job_id) is Status.RUNNING
+        wait_for(lambda: drainer._cancelled, what="the drainer to see the cancel")
+    finally:
+        gate.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not ran.exists()
+    assert sql("SELECT status, attempts, last_error FROM fleetless.jobs") == [
+        ("cancelled", 1, "cancelled: an operator cancelled the job while it ran")]
+    assert drainer.summary.cancelled == 1

@@ -497,6 +497,11 @@ class Runner:
             sbx = self._sandbox(template, slot, job.kind)
         except _Aborted:
             return job, self._stopped(None)
+        if self.cancelled(job):  # cancelled while its sandbox was made: the kill found none, so never exec
+            sbx.kill()
+            slot.detach()
+            return job, Outcome("fail", error=CANCELLED, permanent=True,
+                                run=describe_run(self.backend.name, None, "cancelled"))
         try:
             sbx.write("payload.json", job.payload_json)
             argv = handler.argv(sbx.handlers_path, sbx.python, f"{sbx.workspace_path}/payload.json")
