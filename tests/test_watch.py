@@ -108,3 +108,25 @@ def test_a_watcher_waits_instead_of_spinning_on_a_due_job_another_transaction_ho
         t.join(60)
     assert not t.is_alive()
     assert during <= 30, during
+
+
+def test_a_watcher_whose_loop_stops_turning_is_taken_over_after_its_lease(queue: Queue, sql) -> None:
+    # Issue 26 item 6, a hung watcher: its LISTEN thread lives on, but it renews the heartbeat only
+    # while the drain loop turns (alive()); once the heartbeat is older than the lease, another
+    # watcher takes the set over and the hung one, if it ever comes back, is told it lost.
+    live = Watcher(queue.conninfo, schema=queue.schema, channel=queue.channel, queues=["hung"],
+                   wake=threading.Event(), lease=3)
+    assert live.acquire()
+    try:
+        first = sql("SELECT heartbeat_at FROM fleetless.watchers WHERE queues = 'hung'")
+        wait_for(lambda: (live.alive(), sql("SELECT heartbeat_at FROM fleetless.watchers WHERE queues = 'hung'"))[1]
+                 != first, 30, "a renewed heartbeat while the loop turns")
+        assert not watcher(queue, ["hung"]).acquire()  # alive: a tick exits
+        # the loop stops turning (alive() no longer called): the heartbeat ages past the lease
+        other = watcher(queue, ["hung"])
+        wait_for(other.acquire, 30, "another watcher to take over the hung one's queues")
+        # its loop turns again: the next heartbeat finds the row taken over
+        wait_for(lambda: (live.alive(), live.lost)[1], 30, "the hung watcher to learn it lost its queues")
+        other.close()
+    finally:
+        live.close()
