@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from fleetless.queue import RESULT_CUT_MARKER
-from fleetless.sandbox import _subuid, cgroups, get_backend
+from fleetless.sandbox import _diskcap, _subuid, cgroups, get_backend
 from fleetless.sandbox._caps import NOT
 
 from .conftest import LIMITS, MICROVM_TTL, Context, Outcome, require_tier
@@ -166,8 +166,13 @@ def test_one_gib_in_many_workspace_files(tier: str, poison: Poison) -> None:
     forkserver: contained — the workspace is a tmpfs of the job's mount namespace, RAM charged to
     its memory cgroup: the memory limit kills it.
 
-    process and bwrap: **not contained** — neither caps the total size of a workspace on a
-    disk-backed ``FLEETLESS_WORKDIR`` (no disk quota; see docs/isolation.md): the job writes its
+    process under a root drainer: contained — the workspace is a tmpfs of its own (issue 25, item 8;
+    ``Limits.disk_bytes``, 512 MiB): ``No space left on device``, the job is charged.
+
+    bwrap: contained the same way where its launcher shares the drainer's mount namespace (a root
+    drainer whose handlers' interpreter every uid can reach: tests/security/test_workspace_caps.py);
+    otherwise, and on both tiers under a non-root drainer, **not contained** — the workspace is on
+    the disk-backed ``FLEETLESS_WORKDIR`` (no disk quota; see docs/isolation.md): the job writes its
     1 GiB and is done; the workspace is removed afterwards. (bwrap with the work directory on a
     tmpfs does contain it: test_one_gib_in_workspace_files_on_a_tmpfs_workdir.)"""
     o = poison("workspace_1gib_files")
@@ -180,6 +185,11 @@ def test_one_gib_in_many_workspace_files(tier: str, poison: Poison) -> None:
             or "No space left on device" in row.last_error), row
     elif tier == "forkserver":  # its workspace is a tmpfs of the job's: RAM of its memory cgroup
         assert (row.status, row.last_error) == ("dead", "killed: memory limit 256 MiB exceeded"), row
+    elif tier == "process" and _diskcap.available():
+        assert row.status == "dead" and "No space left on device" in (row.last_error or ""), row
+    elif tier == "bwrap" and row.status == "dead":  # capped (see above)
+        assert "No space left on device" in (row.last_error or "") or (row.last_error or "").startswith(
+            "killed: memory limit 256 MiB exceeded"), row
     else:
         assert (row.status, row.result) == ("done", "wrote 1024 MiB to the workspace\n"), row
 

@@ -204,8 +204,10 @@ def test_a_1500_deep_tree_is_removed_and_every_later_drain_still_works(
 
 def test_a_dead_drainers_workspace_that_cannot_be_removed_never_stops_a_drain(
         dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
-    """A leftover workspace with a mount point inside (rmdir: EBUSY) is moved aside by the first
-    drain's sweep and reported once; later drains say nothing of it and run their jobs."""
+    """A leftover workspace holding an immutable file (unlink: EPERM, even for root) is moved aside
+    by the first drain's sweep and reported once; later drains say nothing of it and run their jobs.
+    (A mount point inside one no longer stops its removal: the sweep detaches it, as it does a
+    workspace's own tmpfs, issue 25 item 8.)"""
     need_user(None)
     h = handlers_dir(shared, **{"ok.py": "print('ok')"})
     work = work_dir(shared, None)
@@ -217,19 +219,26 @@ def test_a_dead_drainers_workspace_that_cannot_be_removed_never_stops_a_drain(
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    (stale / "stuck").write_text("")
+    frozen = subprocess.run(["chattr", "+i", str(stale / "stuck")], capture_output=True, text=True)
+    if frozen.returncode != 0:
+        subprocess.run(["umount", str(stale / "mnt")], capture_output=True)
+        pytest.skip(f"cannot make a file immutable here: {frozen.stderr.strip()}")
     moved = work / "quarantine" / stale.name
     try:
         queue.enqueue("ok", {})
         first = drain(dsn, h, work)
         assert first.returncode == 0, first.stderr
         assert first.stderr.count(str(stale)) == 1 and "moved it to" in first.stderr, first.stderr
-        assert (moved / "mnt").is_mount() and not stale.exists()
+        assert (moved / "stuck").exists() and not (moved / "mnt").is_mount() and not stale.exists()
         queue.enqueue("ok", {})
         second = drain(dsn, h, work)
         assert second.returncode == 0, second.stderr
         assert stale.name not in second.stderr
         assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 2)]
     finally:
+        for path in (moved / "stuck", stale / "stuck"):
+            subprocess.run(["chattr", "-i", str(path)], capture_output=True)
         for path in (moved / "mnt", stale / "mnt"):
             subprocess.run(["umount", str(path)], capture_output=True)
 

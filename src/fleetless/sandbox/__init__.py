@@ -62,6 +62,9 @@ class Limits:
     file_size_bytes: int | None = 1024 * MiB  # RLIMIT_FSIZE: largest file the job can write
     open_files: int | None = 256  # RLIMIT_NOFILE
     tmp_bytes: int = 64 * MiB  # size of the private /tmp where the backend gives one
+    # the workspace's tmpfs where the drainer can mount one (a root drainer: process, bwrap):
+    disk_bytes: int | None = 512 * MiB  # its size (RAM, as the job writes it)
+    inodes: int | None = 16384  # how many files and directories it may hold
     network: bool = False  # False: no interface but loopback (where the tier can enforce it)
     stdout_bytes: int = 64 * 1024  # stdout kept (the job's result); the rest is read and dropped
     stderr_bytes: int = 64 * 1024  # stderr kept (its tail)

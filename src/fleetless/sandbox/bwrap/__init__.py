@@ -45,6 +45,7 @@ from .. import (
     SandboxUnavailable,
     Template,
     _capture,
+    _diskcap,
     _hostuid,
     _subuid,
     _tree,
@@ -225,8 +226,11 @@ def tier_caps(limits: Limits) -> dict[str, str]:
                       "seconds (the timeout's, or --cpu-seconds)")
     fsize = "" if limits.file_size_bytes is None else (
         f", RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
-    out["disk"] = (f"{NOT}: the workspace is on the host's disk (/tmp and /dev/shm are tmpfs of "
-                   f"{limits.tmp_bytes // MiB} MiB{fsize})")
+    out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, f" (/tmp and /dev/shm are tmpfs of "
+                                     f"{limits.tmp_bytes // MiB} MiB{fsize})")
+    if _diskcap.available() and not out["disk"].startswith(NOT):
+        out["disk"] += ("; NOT where the handlers' interpreter lives under a directory the job uids cannot "
+                        "search (/root): its launcher's own mount namespace does not see the workspace's tmpfs")
     return out
 
 
@@ -349,6 +353,7 @@ class BwrapSandbox(Sandbox):
         self._uid: int | None = None  # what the launcher drops to (see _job_uid)
         self._holder: _subuid.Holder | None = None
         self._watched: _tree.Watched | None = None  # the drainer's watch on the job's memory, if any
+        self._capped = False  # the workspace is a tmpfs of its own (issue 25, item 8)
         self._view = ""
         try:
             interp = interpreter_paths(self.python)
@@ -378,6 +383,9 @@ class BwrapSandbox(Sandbox):
                 os.chown(self._outer, -1, self._lease.gid)  # bwrap, as the job's uid, passes it
                 os.chmod(self._outer, 0o710)
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
+                if not self._view:  # (a launcher with a view of its own sees no later host mount)
+                    self._capped = _diskcap.cap(self._workspace, limits.disk_bytes, limits.inodes,
+                                                self._lease.uid, self._lease.gid)
         except BaseException:
             self.kill()
             raise
@@ -641,6 +649,9 @@ class BwrapSandbox(Sandbox):
             try:
                 if self._cgroup is not None:
                     self._cgroup.remove()
+                if self._capped and self._workspace is not None:  # its files go with the tmpfs
+                    _diskcap.release(self._workspace)
+                    self._capped = False
                 if self._outer is not None:
                     _subuid.remove(self._outer, self._holder)
                     self._outer = self._workspace = None

@@ -41,6 +41,7 @@ from .. import (
     SandboxUnavailable,
     Template,
     _capture,
+    _diskcap,
     _hostuid,
     _subuid,
     _tree,
@@ -96,10 +97,14 @@ class ProcessSandbox(Sandbox):
         self.workspace_path = str(self._workspace)
         self.python = self.handler_python(template)
         self._tmpdir = str(self._workspace / ".tmp")  # the job's TMPDIR: its own, removed with it
+        self._capped = False  # the workspace is a tmpfs of its own (issue 25, item 8)
         try:
-            os.mkdir(self._tmpdir, 0o700)
             if _hostuid.needed():  # a root drainer's job runs as a uid of its own, never as root
                 self._lease = _hostuid.lease()
+                self._capped = _diskcap.cap(self._workspace, template.limits.disk_bytes, template.limits.inodes,
+                                            self._lease.uid, self._lease.gid)
+            os.mkdir(self._tmpdir, 0o700)
+            if self._lease is not None:
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
                 os.chown(self._tmpdir, self._lease.uid, self._lease.gid)
                 self._creds = f"{self._lease.uid}:{self._lease.gid}"
@@ -232,7 +237,7 @@ class ProcessSandbox(Sandbox):
                       "or --cpu-seconds)")
         fsize = "" if limits.file_size_bytes is None else (
             f"; RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
-        out["disk"] = f"{NOT}: the workspace is on the host's disk{fsize}"
+        out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, fsize)
         return out
 
     @classmethod
@@ -433,6 +438,12 @@ class ProcessSandbox(Sandbox):
         self._stop()
         if self._cgroup is not None:
             self._cgroup.remove()
+        if self._capped:  # its files, however many, go with the tmpfs
+            try:
+                _diskcap.release(self._workspace)
+            except OSError as exc:
+                log.warning("%s", exc)
+            self._capped = False
         _subuid.remove(self._workspace, self._holder)
         if self._lease is not None:
             # every process of the job is dead by now; of its uid too, unless a supervisor could not

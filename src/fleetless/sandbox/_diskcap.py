@@ -1,0 +1,78 @@
+"""A job's workspace on a tmpfs of its own, capped in bytes and inodes (issue 25, item 8).
+
+On the work directory's disk a job could create 150,000 files or fill the disk: nothing but
+``RLIMIT_FSIZE`` (one file's size) held it. Where the drainer may mount (root, in the host's mount
+namespace), each workspace is a fresh tmpfs mounted on its directory (``size=Limits.disk_bytes``,
+``nr_inodes=Limits.inodes``, owned by the job's uid, ``nosuid,nodev``): a job that goes past either
+gets ``ENOSPC``, nothing of it reaches the disk, and its pages are charged to the memory cgroup of
+the job that writes them. :func:`release` detaches it (the files go with it, however many) before
+the directory is removed; :func:`._workspace.remove` does the same for what a dead drainer left.
+
+A non-root drainer cannot mount in the host's mount namespace: its workspaces stay on the work
+directory's disk, not capped, and :func:`missing` says so (``fleetless doctor``, the drain's caps).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+__all__ = ["available", "cap", "caps_text", "missing", "release"]
+
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
+
+
+def available() -> bool:
+    """Whether this drainer gives workspaces a capped tmpfs (a root drainer does)."""
+    return os.geteuid() == 0
+
+
+def missing() -> str:
+    """Why workspaces are not capped here ("" where they are)."""
+    if available():
+        return ""
+    return ("workspaces are on the work directory's disk, not capped in size or files (a non-root "
+            "drainer cannot mount a tmpfs for them)")
+
+
+def caps_text(disk_bytes: int | None, inodes: int | None, extra: str) -> str:
+    """The ``disk`` entry of a tier's caps (process, bwrap): the workspace's tmpfs where this drainer
+    mounts one, else the host's disk; ``extra`` is appended (what else holds)."""
+    from ._caps import NOT
+
+    if available() and (disk_bytes is not None or inodes is not None):
+        size = "" if disk_bytes is None else f" of {disk_bytes // (1024 * 1024)} MiB"
+        files = "" if inodes is None else f" and {inodes} files"
+        return f"capped by a tmpfs workspace{size}{files} (RAM, as the job writes it){extra}"
+    return f"{NOT}: {missing() or 'Limits.disk_bytes and Limits.inodes are None'}{extra}"
+
+
+def cap(path: Path, size: int | None, inodes: int | None, uid: int, gid: int) -> bool:
+    """Mount a fresh tmpfs on ``path`` (an empty directory the drainer just made), owned by
+    ``uid``:``gid``, mode 0700; True if mounted (False where this drainer cannot: see
+    :func:`missing`). OSError when the kernel refuses a root drainer."""
+    if not available():
+        return False
+    options = [f"mode=0700,uid={uid},gid={gid}"]
+    if size is not None:
+        options.append(f"size={max(size, 4096)}")
+    if inodes is not None:
+        options.append(f"nr_inodes={max(inodes, 2)}")
+    if _libc.mount(b"fleetless-workspace", str(path).encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                   ",".join(options).encode()) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot mount a tmpfs on the workspace {path}: {os.strerror(errno)}")
+    return True
+
+
+def release(path: Path) -> None:
+    """Detach the tmpfs on ``path`` (lazily: a process still inside keeps its own view)."""
+    if _libc.umount2(str(path).encode(), MNT_DETACH) != 0:
+        errno = ctypes.get_errno()
+        if errno not in (22, 2):  # EINVAL: not a mount point (any more); ENOENT: gone
+            raise OSError(errno, f"cannot unmount the workspace {path}: {os.strerror(errno)}")

@@ -1,0 +1,86 @@
+"""A job's workspace is capped in bytes and files where the drainer can mount a tmpfs for it (issue
+25, item 8): a root drainer's process and bwrap jobs. Before, a job created 150,000 files (or
+filled the disk) in its workspace on the work directory's disk. Each test runs a real
+``fleetless drain`` and reads the outcome from the jobs table and the host's work directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue
+from fleetless.sandbox import Limits, get_backend
+
+from .drains import drain, handlers_dir, need_tier, shared, work_dir
+from proctools import leftovers
+
+__all__ = ["shared"]  # the fixture, imported for the tests below
+
+#: 150,000 files in the workspace (its cwd), one at a time: how many it made, and why it stopped.
+MANY_FILES = """
+    import os
+    made = 0
+    try:
+        os.mkdir("many")
+        for made in range(150_000):
+            open(f"many/{made}", "w").close()
+        made = 150_000
+    except OSError as exc:
+        print(f"made {made} files: {exc.strerror}")
+        raise SystemExit(1)
+    print(f"made {made} files")
+"""
+
+#: What a normal job does: a few hundred files and 8 MiB.
+NORMAL = """
+    import os
+    os.mkdir("out")
+    for i in range(300):
+        open(f"out/{i}", "w").write("x" * 100)
+    open("big", "wb").write(b"y" * (8 << 20))
+    print("normal", len(os.listdir("out")), os.path.getsize("big"))
+"""
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_a_job_making_150000_files_gets_enospc_in_its_own_tmpfs_and_a_normal_job_is_unaffected(
+        tier: str, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """Root drainer: the job stops at ``Limits.inodes`` (16,384) files with ``No space left on
+    device`` and is charged (dead after its one attempt); nothing of it was ever in the work
+    directory on the host's disk, which is empty afterwards; a normal job (300 files, 8 MiB) in
+    the same drain is done. The drain's caps say the workspace is capped."""
+    need_tier(tier)
+    if os.getuid() != 0:
+        pytest.skip("only a root drainer mounts a tmpfs per workspace")
+    h = handlers_dir(shared, **{"many.py": MANY_FILES, "normal.py": NORMAL})
+    work = work_dir(shared, None)
+    many = queue.enqueue("many", {}, max_attempts=1)
+    normal = queue.enqueue("normal", {}, max_attempts=1)
+    # (an interpreter every uid reaches: a bwrap launcher then shares the drainer's mount namespace)
+    r = drain(dsn, h, work, "-v", "--python", "/usr/bin/python3", tier=tier)
+    assert r.returncode == 0, r.stderr
+    [(status, result, error)] = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", many)
+    assert status == "dead", (status, result, error)
+    said = f"{result} {error}"
+    assert "No space left on device" in said, said
+    made = int(said.split("made ", 1)[1].split()[0])
+    assert 16_000 < made < Limits().inodes, said
+    [(status, result)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", normal)
+    assert (status, result) == ("done", f"normal 300 {8 << 20}\n"), result
+    assert leftovers(work) == [] and not (work / "quarantine").exists()
+    assert "disk capped by a tmpfs workspace of 512 MiB and 16384 files" in r.stderr, r.stderr
+
+
+def test_caps_say_where_workspaces_are_not_capped() -> None:
+    """A drainer that cannot mount (non-root) says so in its caps (``fleetless doctor``, the
+    drain's first lines); a root one names the tmpfs's size and files."""
+    for tier in ("process", "bwrap"):
+        disk = get_backend(tier).caps(Limits())["disk"]
+        if os.getuid() == 0:
+            assert disk.startswith("capped by a tmpfs workspace of 512 MiB and 16384 files"), disk
+        else:
+            assert disk.startswith("NOT capped: workspaces are on the work directory's disk"), disk
