@@ -59,7 +59,7 @@ def test_a_killed_attempt_records_the_kill_reason_and_the_dead_outcome(queue: Qu
 
 def test_a_job_with_no_handler_records_an_attempt_that_never_ran(queue: Queue, handlers) -> None:
     job_id = queue.enqueue("nobody", {})
-    drain(queue, handlers())
+    drain(queue, handlers(), no_handler_delay=None)
     (a,) = queue.attempts(job_id)
     assert (a["outcome"], a["exit_code"], a["signal"]) == ("dead", None, None)
     assert a["error_head"].startswith("no handler for kind 'nobody'")

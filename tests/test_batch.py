@@ -142,8 +142,10 @@ def test_a_module_that_cannot_be_imported_fails_each_job(handlers: Callable[...,
         "cannot import the handler: ModuleNotFoundError: No module named 'no_such_module'")
 
 
-def test_a_job_without_handler_is_dead_at_once(handlers: Callable[..., Path]) -> None:
-    outcomes, _ = runner("process", handlers()).run(jobs("nothing", [1]), Slot())
+def test_a_job_without_handler_is_given_back_with_a_delay_or_dead_at_once(handlers: Callable[..., Path]) -> None:
+    (given_back,), _ = runner("process", handlers()).run(jobs("nothing", [1]), Slot())
+    assert (given_back[1].action, given_back[1].delay) == ("release", 60.0)
+    outcomes, _ = runner("process", handlers(), no_handler_delay=None).run(jobs("nothing", [1]), Slot())  # type: ignore[arg-type]
     assert outcomes[0][1].permanent and (outcomes[0][1].error or "").startswith("no handler for kind 'nothing'")
 
 

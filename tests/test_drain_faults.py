@@ -216,7 +216,7 @@ def _drain_across_a_deploy(queue: Queue, sql, tmp_path: Path, *, v2_has_later: b
     (root / "signals").chmod(0o777)  # the job may run as another uid (a root drainer's process tier)
     queue.enqueue("first", {"until": str(root / "signals" / "go")}, priority=9)
     threading.Thread(target=_swap_while_first_runs, args=(root, current, v2), daemon=True).start()
-    drain(queue, current, concurrency=1, batch=1)
+    drain(queue, current, concurrency=1, batch=1, no_handler_delay=None)
 
 
 def test_a_deploy_that_swaps_the_handlers_symlink_mid_drain_is_followed(queue: Queue, sql, tmp_path: Path) -> None:
@@ -238,7 +238,7 @@ def test_a_kind_whose_handler_vanishes_mid_drain_is_retried_not_dead(queue: Queu
 def test_a_kind_that_never_had_a_handler_is_dead_at_once(queue: Queue, handlers, sql) -> None:
     h = handlers(**{"a.py": "print(1)"})
     queue.enqueue("nowhere", {}, max_attempts=3)
-    drain(queue, h)
+    drain(queue, h, no_handler_delay=None)
     ((status, attempts, error),) = sql("SELECT status, attempts, last_error FROM fleetless.jobs")
     assert (status, attempts) == ("dead", 1)
     assert "no handler for kind 'nowhere'" in str(error) and "it had one" not in str(error)

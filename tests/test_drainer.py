@@ -95,10 +95,29 @@ def test_backoff_settings_are_the_drainers(queue: Queue, handlers, sql) -> None:
     assert 18 <= float(wait) <= 20
 
 
-def test_a_kind_with_no_handler_is_dead_at_once_and_not_retried(queue: Queue, handlers, sql) -> None:
+def test_a_kind_with_no_handler_here_is_given_back_uncharged_for_a_drainer_that_has_it(queue: Queue, handlers,
+                                                                                       sql) -> None:
+    # A rolling deploy: this drainer's release lacks the kind; the next release's drainers have it.
+    h = handlers(**{"other.py": "print(1)"})
+    queue.enqueue("resize-image", {}, max_attempts=3)
+    drain(queue, h)
+    status, attempts, due_in, error = sql("SELECT status, attempts, extract(epoch FROM run_after - now()),"
+                                          " last_error FROM fleetless.jobs")[0]
+    assert (status, attempts) == ("pending", 0) and 50 < due_in <= 60
+    assert "no handler for kind 'resize-image'" in error and "given back uncharged, due again in 60 s" in error
+    with_it = handlers(**{"resize-image.py": "print('resized')"})
+    sql("UPDATE fleetless.jobs SET run_after = now()")
+    drain(queue, with_it)
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs WHERE kind = 'resize-image'") == [
+        ("done", 1, "resized\n")]
+
+
+def test_a_kind_with_no_handler_is_dead_at_once_when_the_delay_is_zero(queue: Queue, handlers, sql,
+                                                                         fleetless, dsn: str) -> None:
     h = handlers(**{"other.py": "print(1)"})
     queue.enqueue("resize-image", {}, max_attempts=5)
-    drain(queue, h)
+    r = fleetless("drain", "--handlers", str(h), "--no-handler-delay", "0", dsn=dsn)
+    assert r.returncode == 0, r.stderr
     status, attempts, error = sql("SELECT status, attempts, last_error FROM fleetless.jobs")[0]
     assert (status, attempts) == ("dead", 1)
     assert "no handler for kind 'resize-image'" in error

@@ -285,6 +285,10 @@ class Runner:
     #: kinds that had a handler when the drain started: one missing now was taken away by a
     #: deploy mid-drain, and its jobs are retried (not dead) so the new release can run them
     had_handler: frozenset[str] = frozenset()
+    #: A job of a kind with no handler here is given back (not charged) to come back after this
+    #: long: during a rolling deploy, the drainers of the release that has it run it. None: it
+    #: fails at once, permanently (dead), as an unknown kind does nowhere else.
+    no_handler_delay: float | None = 60.0
     #: Watch mode: keep sandboxes started ahead for batches of up to this many jobs (0: never)...
     spare_jobs: int = 0
     #: ... this many of them.
@@ -326,9 +330,15 @@ class Runner:
             error = (f"no handler for kind {kind!r}: neither {kind}.py nor an executable {kind} in "
                      f"{self.template.handlers_dir}")
             vanished = kind in self.had_handler
+            never = Run(tier=self.backend.name)
+            if self.no_handler_delay is not None:
+                # not the job's fault: another drainer (the next release's) may have the handler
+                error += (f"; given back uncharged, due again in {self.no_handler_delay:g} s (a drainer that"
+                          " has it can run it; five give-backs in a row are charged as one attempt)")
+                return [(j, Outcome("release", error=error, delay=self.no_handler_delay, run=never))
+                        for j in jobs], None
             if vanished:
                 error += " (it had one when the drain started: retried, for the release that replaced it)"
-            never = Run(tier=self.backend.name)
             return [(j, Outcome("fail", error=error, permanent=not vanished, run=never)) for j in jobs], None
         done: list[tuple[Job, Outcome]] = []
         left = list(jobs)

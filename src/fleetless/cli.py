@@ -267,6 +267,9 @@ def drain_options(f: F) -> F:
                      help="Per-job timeout unless the job sets its own."),
         click.option("--ttl", callback=_duration, default="900", show_default=True,
                      help="Sandbox lifetime; hard upper bound on a job."),
+        click.option("--no-handler-delay", callback=_duration, default="60", show_default=True,
+                     help="A job whose kind has no handler here is given back (not charged) and due again "
+                          "after this long, for a drainer that has it (a rolling deploy); 0: dead at once."),
         click.option("--lease-grace", callback=_duration, default="60", show_default=True,
                      help="Lease = timeout + this (at least 3 s); past it the reaper returns the claim."),
         click.option("--shutdown-grace", callback=_duration, default="30", show_default=True,
@@ -323,6 +326,7 @@ def _drain_config(kw: dict[str, Any]) -> DrainConfig:
         retry=RetryPolicy(base_seconds=kw["backoff_base"], max_jitter_seconds=kw["max_jitter"]),
         sandbox=kw["sandbox"], limits=limits, pass_env=tuple(kw["pass_env"]), python=kw["python"],
         per_sandbox=kw["per_sandbox"], watch=kw["watch"], idle_exit=kw["idle_exit"],
+        no_handler_delay=kw["no_handler_delay"] or None,
         watch_lease=kw["watch_lease"],
         maintenance=maintenance.Settings(
             retention=maintenance.retention.Settings(

@@ -109,6 +109,8 @@ class DrainConfig:
     per_sandbox: int = 1  # batch mode above 1: up to this many claimed jobs of one kind per sandbox
     watch: bool = False  # wait for work (NOTIFY, next due time) instead of exiting when idle
     idle_exit: float | None = None  # watch mode: exit after this long with nothing to do (None: never)
+    #: a job of a kind with no handler here: given back, due again after this long (None: dead at once)
+    no_handler_delay: float | None = 60.0
     watch_lease: float | None = None  # watch mode: a cron tick takes over a watcher silent this long
     flush_size: int = 500  # batch mode: a write starts once this many outcomes wait
     flush_interval: float = 0.05  # batch mode: an outcome waits at most this long to be written
@@ -372,6 +374,7 @@ class Drainer:
                 return self.summary
         runner = Runner(self._backend, self._template, ttl=c.ttl, default_timeout=c.timeout, kinds=self._kinds,
                         cancelled=lambda job: _claim_of(job) in self._cancelled, had_handler=self._had_handler,
+                        no_handler_delay=c.no_handler_delay,
                         teardown=self._teardown, not_after=lambda job: self._lease_ends.get(_claim_of(job)))
         self._runners = {tier: replace(runner, backend=backend) for tier, backend in self._backends.items()}
         if c.watch:  # a sandbox of the drain's own tier started ahead: a job that comes skips its start

@@ -618,7 +618,10 @@ SET status = CASE
                     ELSE j.attempts END,
     run_after = CASE WHEN o.act = 'fail' AND j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts
                           AND NOT o.permanent
-                     THEN now() + make_interval(secs => o.delay) ELSE j.run_after END,
+                     THEN now() + make_interval(secs => o.delay)
+                     -- a release with a delay (a kind with no handler here yet) comes back after it
+                     WHEN o.act = 'release' AND o.delay > 0 THEN now() + make_interval(secs => o.delay)
+                     ELSE j.run_after END,
     finished_at = CASE
       WHEN o.act = 'done' THEN now()
       WHEN j.cancel_requested_at IS NOT NULL THEN now()
