@@ -46,10 +46,11 @@ NORMAL = """
 """
 
 
-@pytest.mark.parametrize("tier", ["process", "bwrap"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
 def test_a_job_making_150000_files_gets_enospc_in_its_own_tmpfs_and_a_normal_job_is_unaffected(
         tier: str, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
-    """Root drainer: the job stops at ``Limits.inodes`` (16,384) files with ``No space left on
+    """Root drainer (forkserver: its workspace always was a tmpfs, now with ``nr_inodes`` too): the
+    job stops at ``Limits.inodes`` (16,384) files with ``No space left on
     device`` and is charged (dead after its one attempt); nothing of it was ever in the work
     directory on the host's disk, which is empty afterwards; a normal job (300 files, 8 MiB) in
     the same drain is done. The drain's caps say the workspace is capped."""
@@ -72,7 +73,10 @@ def test_a_job_making_150000_files_gets_enospc_in_its_own_tmpfs_and_a_normal_job
     [(status, result)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", normal)
     assert (status, result) == ("done", f"normal 300 {8 << 20}\n"), result
     assert leftovers(work) == [] and not (work / "quarantine").exists()
-    assert "disk capped by a tmpfs workspace of 512 MiB and 16384 files" in r.stderr, r.stderr
+    if tier == "forkserver":  # its workspace was a tmpfs of its own already: now with an inode cap
+        assert "(workspace 512 MiB and 16384 files)" in r.stderr, r.stderr
+    else:
+        assert "disk capped by a tmpfs workspace of 512 MiB and 16384 files" in r.stderr, r.stderr
 
 
 def test_caps_say_where_workspaces_are_not_capped() -> None:

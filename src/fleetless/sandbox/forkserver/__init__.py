@@ -171,13 +171,18 @@ class ForkServerSandbox(Sandbox):
     @classmethod
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
         """As bwrap's (the same cgroups), but the workspace: a tmpfs of the job's memory size."""
+        from .._caps import NOT
         from ..bwrap import tier_caps
 
         limits = limits or Limits()
         out = tier_caps(limits)
-        if limits.memory_bytes is not None:
+        caps = ([] if limits.memory_bytes is None else [f"{limits.memory_bytes // (1024 * 1024)} MiB"]) + (
+            [] if limits.inodes is None else [f"{limits.inodes} files"])
+        if caps:
             out["disk"] = (f"capped by tmpfs: the workspace, /tmp and /dev/shm live in the job's memory "
-                           f"(workspace {limits.memory_bytes // (1024 * 1024)} MiB)")
+                           f"(workspace {' and '.join(caps)})")
+        else:
+            out["disk"] = f"{NOT}: the workspace is a tmpfs of no size (--memory and Limits.inodes not set)"
         return out
 
     missing_program_hint: ClassVar[str] = (
@@ -279,6 +284,7 @@ class ForkServerSandbox(Sandbox):
             "uid": lease.uid, "gid": lease.gid, "rlimits": rlimits,
             "deadline": max(budget, 0) + OWN_DEADLINE_SLACK, "network": limits.network,
             "tmp_bytes": limits.tmp_bytes, "workspace_bytes": limits.memory_bytes,
+            "workspace_inodes": limits.inodes,
         }
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()

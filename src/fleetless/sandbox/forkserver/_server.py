@@ -198,8 +198,10 @@ def _prepare(network: bool) -> None:
 
 def _mount_job(spec: dict) -> None:  # type: ignore[type-arg]
     """The job's own size caps: its workspace's, ``/tmp`` and ``/dev/shm``."""
-    if spec["workspace_bytes"]:
-        _mount(None, "/workspace", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, f"size={int(spec['workspace_bytes'])}")
+    caps = ([f"size={int(spec['workspace_bytes'])}"] if spec["workspace_bytes"] else []) + (
+        [f"nr_inodes={int(spec['workspace_inodes'])}"] if spec.get("workspace_inodes") else [])
+    if caps:  # its size and how many files it may hold (issue 25, item 8)
+        _mount(None, "/workspace", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, ",".join(caps))
     tmp = f"mode=1777,size={int(spec['tmp_bytes'])}"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
