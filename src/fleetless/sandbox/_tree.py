@@ -1,11 +1,12 @@
 """The drainer's watch on a job's memory where no memory cgroup holds it (the process tier, and bwrap
 for a drainer that cannot write one): RLIMIT_AS caps each process, not the tree, so a job that forks
 could hold the cap many times over. One daemon thread per drainer sums, every :data:`INTERVAL`
-seconds, the resident anonymous memory (``statm``'s resident less shared pages) of each watched
+seconds, the resident anonymous and shared memory (``RssAnon`` + ``RssShmem``) of each watched
 tree, found from its root through ``/proc/<pid>/task/<tid>/children`` (readable by any user, so a
 job under another uid is seen too), and calls the tree's ``over`` once when the sum passes its cap;
 the sandbox then kills the tree and says ``memory limit N exceeded``
-(tests/security/test_caps.py). Pages that forked processes still share are counted in each.
+(tests/security/test_caps.py). Pages that forked processes still share are counted in each; pages
+no process maps (a memfd only written to) are not seen.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Callable
 __all__ = ["INTERVAL", "Watched", "descendants", "resident_bytes", "watch"]
 
 INTERVAL = 0.1
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def descendants(root: int) -> list[int]:
@@ -42,13 +42,15 @@ def descendants(root: int) -> list[int]:
 
 
 def resident_bytes(pids: list[int]) -> int:
-    """The resident anonymous memory of ``pids``, summed (a process gone meanwhile counts 0)."""
+    """The resident anonymous and shared-memory pages of ``pids`` (``RssAnon`` + ``RssShmem``, so a
+    mapped memfd or /dev/shm file counts too), summed; a process gone meanwhile counts 0."""
     total = 0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/statm", "rb") as f:
-                fields = f.read().split()
-            total += max(int(fields[1]) - int(fields[2]), 0) * _PAGE
+            with open(f"/proc/{pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith((b"RssAnon:", b"RssShmem:")):
+                        total += int(line.split()[1]) * 1024
         except (OSError, ValueError, IndexError):
             continue
     return total
