@@ -257,15 +257,13 @@ def test_a_long_batch_keeps_its_leases_while_its_drainer_lives(tier: str, queue:
 
 
 def _spares_waiting() -> int:
-    """How many spare sandboxes' runners of this test's own drain (a thread of this process: its
-    sandboxes are descendants of it) have their pipe open, waiting for a batch (its fd names
-    ``batch.fifo``: the host's path, or the one inside the sandbox's mount namespace). Other
-    processes on the host, another drain's spares among them, are not looked at."""
+    """How many spare sandboxes' runners wait for a batch: this process (the drainer) holds the
+    drainer's end of each one's job pipe (``batch.in``), which the runner unlinks once it has it
+    open. Hermetic: only this process's own fds are read."""
     waiting = 0
-    for pid in descendants(os.getpid()):
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}").endswith("/batch.fifo") for fd in fds):
+            if os.readlink(f"/proc/self/fd/{fd}").endswith("/batch.in (deleted)"):
                 waiting += 1
         except OSError:
             continue
@@ -312,8 +310,8 @@ def test_a_watchers_job_runs_in_a_sandbox_started_before_it_came_and_none_outliv
     require_tier(tier)
     h = handlers(**{"born.py": """
         import os
-        def handle(payload):  # when this interpreter (the batch runner) started, in seconds since boot
-            with open("/proc/self/stat") as f:
+        def handle(payload):  # when the batch runner (this job's parent) started, in seconds since boot
+            with open(f"/proc/{os.getppid()}/stat") as f:
                 ticks = int(f.read().rsplit(")", 1)[1].split()[19])
             return ticks / os.sysconf("SC_CLK_TCK")
     """})
@@ -335,7 +333,7 @@ def test_a_watchers_job_runs_in_a_sandbox_started_before_it_came_and_none_outliv
         t.join(SLOW[tier])
     assert done and (done[0].claimed, done[0].done) == (2, 2)
     assert not _spare_waiting()
-    assert not private_workdir.exists() or not list(private_workdir.rglob("batch.fifo"))
+    assert not private_workdir.exists() or not list(private_workdir.rglob("batch.in"))
 
 
 def test_a_watcher_keeps_one_spare_sandbox_more_than_its_slots(queue: Queue, handlers, private_workdir: Path,

@@ -5,22 +5,29 @@ the completer writes them. How a batch runs:
 
 - A script or executable handler with one job: the seed's shape, ``exec`` of the handler itself.
 - Otherwise the in-sandbox batch runner (``sandbox/_batch_runner.py``) is written into the
-  workspace with the jobs and runs them in order, one result line each: a ``handle(payload)``
-  module is imported once and called per job; a script runs as one process per job.
-- Each job keeps its own outcome. A job that takes the sandbox down (os._exit, a segfault, the
-  memory limit, a timeout the interpreter could not stop, the TTL) is charged alone: the jobs
-  before it keep their results, and the ones after it run on in a fresh sandbox, charged nothing.
+  workspace and runs the jobs in order, each in a fork of its own (a ``handle(payload)`` module
+  is imported once, before the first fork; a script is exec'd by the fork). Where the workspace
+  is a host directory (process, bwrap) the drainer talks to it over two named pipes that only
+  the two of them hold (:class:`_Channel`): a job is sent only when the one before it has ended
+  and its processes are dead, a result comes back with that job's random tag, and a cancelled
+  job that has not started is never sent. Elsewhere (microvm, forkserver) every job is in a file
+  the runner reads and removes before the first job starts.
+- Each job keeps its own outcome and its own output. A job that takes the sandbox down (the
+  memory limit, the TTL) is charged alone: the jobs before it keep their results, and the ones
+  after it run on in a fresh sandbox, charged nothing.
 - When the drainer stops (:meth:`Slot.abort`), the sandbox is destroyed and every job without a
   result is released: back to pending with its attempt given back.
 """
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import json
 import logging
 import os
 import re
+import secrets
+import select
 import signal
 import threading
 import time
@@ -42,9 +49,10 @@ __all__ = ["RUNNER_NAME", "Runner", "Slot", "Teardown", "describe_failure", "des
 log = logging.getLogger("fleetless.batch")
 RUNNER = Path(__file__).parent / "sandbox" / "_batch_runner.py"
 RUNNER_NAME = "_fleetless_batch.py"
-#: The named pipe a spare sandbox's runner reads its batch from (watch mode).
-FIFO_NAME = "batch.fifo"
-#: Seconds a spare's runner may take to open its pipe once a batch is handed to it.
+_RUNNER_BYTES = RUNNER.read_bytes()
+#: The named pipes of the channel to a batch runner: jobs in, results out (unlinked once open).
+CHANNEL_IN, CHANNEL_OUT = "batch.in", "batch.out"
+#: Seconds a batch waits for a spare sandbox that is being started.
 FEED_SECONDS = 10.0
 #: Seconds the batch runner's watchdog allows past a job's timeout before it stops the sandbox.
 HARD_GRACE = 2.0
@@ -67,6 +75,7 @@ _FAST_RESULT_CHARS = 64 * 1024 + 64
 RELEASED_STOPPING = "released: the drainer stopped before the job finished"
 CANCELLED = "cancelled: an operator cancelled the job while it ran"
 LEASE_ENDED = "released: its lease ended before it started (its drainer was stopped or cut off)"
+CANCELLED_WAITING = "cancelled: an operator cancelled the job before its turn in its batch"
 
 
 def _signal_name(exit_code: int) -> str:
@@ -118,25 +127,32 @@ class Slot:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sandbox: Sandbox | None = None
+        self._on_cancel: Callable[[], None] | None = None
         self.aborted = False
 
-    def attach(self, sbx: Sandbox) -> bool:
-        """Use ``sbx``; False (and nothing attached) when the slot was aborted already."""
+    def attach(self, sbx: Sandbox, on_cancel: Callable[[], None] | None = None) -> bool:
+        """Use ``sbx``; False (and nothing attached) when the slot was aborted already. With
+        ``on_cancel``, a cancel calls it instead of destroying the sandbox (a batch's channel
+        stops the cancelled job alone)."""
         with self._lock:
             if self.aborted:
                 return False
-            self._sandbox = sbx
+            self._sandbox, self._on_cancel = sbx, on_cancel
             return True
 
     def detach(self) -> None:
         with self._lock:
-            self._sandbox = None
+            self._sandbox = self._on_cancel = None
 
     def kill_current(self) -> None:
-        """Destroy the sandbox in use (its job was cancelled); the rest go on in a fresh one."""
+        """A job of this slot was cancelled: stop it. Through a batch's channel only the job
+        running is stopped, and only if it is the one cancelled (one that has not started is
+        never sent); otherwise the sandbox in use is destroyed, the rest go on in a fresh one."""
         with self._lock:
-            sbx = self._sandbox
-        if sbx is not None:
+            sbx, hook = self._sandbox, self._on_cancel
+        if hook is not None:
+            hook()
+        elif sbx is not None:
             sbx.kill()
 
     def abort(self) -> None:
@@ -161,7 +177,7 @@ class _Spare:
 
     def __init__(self) -> None:
         self.lock = threading.Condition()
-        self.ready: list[tuple[Sandbox, Future[ExecResult], float]] = []  # oldest first, with its start
+        self.ready: list[tuple[Sandbox, _Channel, float]] = []  # oldest first, with its start
         self.starting = 0
         self.closed = False
 
@@ -342,6 +358,7 @@ class Runner:
             return [(j, Outcome("fail", error=error, permanent=not vanished, run=never)) for j in jobs], None
         done: list[tuple[Job, Outcome]] = []
         left = list(jobs)
+        size = self._kind(kind).batch_size or len(jobs)  # a kind's batch_size = 1 refuses batching
         while left:
             if slot.aborted:
                 done += [(j, self._stopped(None)) for j in left]
@@ -351,11 +368,11 @@ class Runner:
                 left = left[1:]
                 continue
             try:
-                if len(left) == 1 and not handler.module:
+                if not handler.module and (len(left) == 1 or size == 1):
                     got = [self._single(left[0], handler, slot)]
                     r = None
                 else:
-                    got, r = self._batch(left, handler, slot)
+                    got, r = self._batch(left[:size], handler, slot)
             except SandboxBroken as exc:
                 error = f"sandbox error ({self.backend.name}): {exc}"
                 broke = describe_run(self.backend.name, None, "sandbox error")
@@ -400,7 +417,7 @@ class Runner:
             threading.Thread(target=self._start_spare, name="spare", daemon=True).start()
 
     def _start_spare(self) -> None:
-        spare, sbx = self._spare, None
+        spare, sbx, chan = self._spare, None, None
         try:
             sbx = self.backend.create(self._spare_template(), self.ttl)
             host = sbx.host_workspace
@@ -408,36 +425,30 @@ class Runner:
                 with spare.lock:
                     spare.closed = True
                 return
-            sbx.write(RUNNER_NAME, RUNNER.read_bytes())
-            fifo = host / FIFO_NAME
-            os.mkfifo(fifo, 0o600)
-            owner = host.stat()  # the job's uid owns its workspace, and so its pipe
-            os.chown(fifo, owner.st_uid, owner.st_gid)
-            ws, started = sbx.workspace_path, sbx
-            result: Future[ExecResult] = Future()
-
-            def run() -> None:
-                try:
-                    result.set_result(started.exec([started.python, f"{ws}/{RUNNER_NAME}", f"{ws}/{FIFO_NAME}"],
-                                                   self.ttl))
-                except BaseException as exc:
-                    result.set_exception(exc)
-
-            threading.Thread(target=run, name="spare-exec", daemon=True).start()
+            sbx.write(RUNNER_NAME, _RUNNER_BYTES)
+            chan = _channel(host)
+            if chan is None:  # no pipe can be made there: no spares (file mode starts its own)
+                with spare.lock:
+                    spare.closed = True
+                return
+            ws = sbx.workspace_path
+            chan.start(sbx, [sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/{CHANNEL_IN}", f"{ws}/{CHANNEL_OUT}"], self.ttl)
             with spare.lock:
                 if not spare.closed:
-                    spare.ready.append((started, result, time.monotonic()))
-                    sbx = None
+                    spare.ready.append((sbx, chan, time.monotonic()))
+                    sbx = chan = None
         except Exception as exc:  # no spare this time: the next batch starts its own sandbox
             log.debug("could not start a spare sandbox: %s", exc)
         finally:
             if sbx is not None:
                 sbx.kill()
+            if chan is not None:
+                chan.close()
             with spare.lock:
                 spare.starting -= 1
                 spare.lock.notify_all()
 
-    def _take_spare(self, jobs: Sequence[Job]) -> tuple[Sandbox, Future[ExecResult]] | None:
+    def _take_spare(self, jobs: Sequence[Job]) -> tuple[Sandbox, _Channel] | None:
         """The spare sandbox for ``jobs``, if it fits them and its runner still waits (a kind with
         settings of its own, in fleetless.toml, always starts its own sandbox)."""
         kind = jobs[0].kind
@@ -453,15 +464,16 @@ class Runner:
             # one on its way started before this batch came: it is ready sooner than a new sandbox
             spare.lock.wait_for(lambda: spare.ready or not spare.starting, timeout=FEED_SECONDS)
             while spare.ready and taken is None:
-                sbx, result, born = spare.ready.pop(0)
-                if result.done() or time.monotonic() - born + need > self.ttl:
+                sbx, chan, born = spare.ready.pop(0)
+                if chan.result.done() or time.monotonic() - born + need > self.ttl:
                     spare.lock.release()  # gone, or too little TTL left: replaced below
                     try:
                         sbx.kill()
+                        chan.close()
                     finally:
                         spare.lock.acquire()
                 else:
-                    taken = sbx, result
+                    taken = sbx, chan
         self.prewarm()  # for the batches after this one
         return taken
 
@@ -472,8 +484,9 @@ class Runner:
             spare.closed = True
             spare.lock.wait_for(lambda: not spare.starting, timeout=60)  # each kills what it made
             ready, spare.ready = spare.ready, []
-        for sbx, _, _ in ready:
+        for sbx, chan, _ in ready:
             sbx.kill()
+            chan.close()
 
     # -- one sandbox ---------------------------------------------------------------------------
 
@@ -546,73 +559,56 @@ class Runner:
         base = self.template_of(kind)
         limits = base.limits
 
-        # Every job's line of the batch, written once for this run (a fresh sandbox for the jobs
-        # left reuses them): each payload as the table gave it (jsonb's own output, valid JSON),
-        # so the host neither decodes nor re-encodes a payload.
-        # not_after: the last moment the job may start (its lease end less its timeout) on the
-        # host's monotonic clock, which the runner reads too (not a microVM's guest: its jobs are
-        # checked before the VM starts only)
-        host_clock = self.backend.host_clock
-
-        def line(j: Job) -> str:
-            end = self._start_by(j) if host_clock else None
-            late = "" if end is None else f'"not_after":{end!r},'
-            head = f'{{"id":{j.id},"attempt":{j.attempts},"timeout":{self.timeout_of(j)!r},'
-            return f'{head}{late}"payload":{j.payload_json}}}'
-
-        lines = [line(j) for j in jobs]
-
-        def describe(sbx: Sandbox) -> bytes:
-            head = json.dumps({
+        def header(sbx: Sandbox) -> str:
+            return json.dumps({
                 "handler": f"{sbx.handlers_path}/{handler.filename}", "module": handler.module,
                 "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
                 "budget": self.ttl_of(kind), "grace": HARD_GRACE, "kind": kind,
                 "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS})
-            return f'{head[:-1]},"jobs":[{",".join(lines)}]}}'.encode()
 
         timeouts = [self.timeout_of(j) for j in jobs]
         spare = self._take_spare(jobs)
         if spare is not None:
-            sbx, result = spare
-            if not slot.attach(sbx):
-                sbx.kill()
-                return [(j, self._stopped(None)) for j in jobs], None
-            pacer = None
             try:
-                host = sbx.host_workspace
-                assert host is not None
-                pacer = _Pacer(sbx, timeouts)
-                if _feed(host / FIFO_NAME, describe(sbx) + b"\n", result):
-                    r = result.result()
-                    got = self._parse(jobs, r.stdout)
-                    return got, _timed_out(r, got, timeouts, pacer)
-            except Exception as exc:
-                raise SandboxBroken(str(exc)) from None
+                return self._converse(jobs, spare[0], spare[1], header(spare[0]), slot)
             finally:
-                if pacer is not None:
-                    pacer.stop()
-                sbx.kill()
+                spare[0].kill()
+                spare[1].close()
                 slot.detach()
-            # its runner was gone before it took the batch: nothing ran, start a sandbox of its own
         per_job = limits.stdout_bytes + RECORD_OVERHEAD
         template = replace(base, limits=replace(limits, stdout_bytes=per_job * len(jobs) + 65536))
         try:
             sbx = self._sandbox(template, slot, kind)
         except _Aborted:
             return [(j, self._stopped(None)) for j in jobs], None
+        chan: _Channel | None = None
         pacer = None
+        # The whole run is held to the sum of its jobs' deadlines by the tier itself (also while the
+        # drainer is stopped); each job to its own by the runner (a SIGKILL from outside the job's
+        # process) and, from the drainer's side, by the channel's wait or the pacer.
+        bound = min(self.ttl_of(kind), timeouts[0] + HARD_GRACE if len(timeouts) == 1
+                    else sum(timeouts) + HOST_GRACE * len(timeouts))
         try:
-            desc = describe(sbx)
-            sbx.write(RUNNER_NAME, RUNNER.read_bytes())
-            sbx.write("batch.json", desc)
-            ws = sbx.workspace_path
-            # The whole run is held to the sum of its jobs' deadlines by the tier itself (one job:
-            # its own, also while the drainer is stopped); each job to its own by the pacer.
-            bound = min(self.ttl_of(kind), timeouts[0] + HARD_GRACE if len(timeouts) == 1
-                        else sum(timeouts) + HOST_GRACE * len(timeouts))
+            sbx.write(RUNNER_NAME, _RUNNER_BYTES)
+            ws, host = sbx.workspace_path, sbx.host_workspace
+            if host is not None:
+                chan = _channel(host)
+            if chan is not None:
+                chan.start(sbx, [sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/{CHANNEL_IN}", f"{ws}/{CHANNEL_OUT}"],
+                           bound)
+                return self._converse(jobs, sbx, chan, header(sbx), slot)
+            # a copied workspace (microvm, forkserver): every job in a file the runner removes first
+            # (or a drainer that cannot make pipes in its jobs' workspaces: a non-root one's subordinate uids)
+            tags = [secrets.token_hex(16) for _ in jobs]
+            lines = [self._job_line(j, t).encode() for j, t in zip(jobs, tags, strict=True)]
+            head = header(sbx)[:-1] + f',"sizes":{json.dumps([len(x) for x in lines])}}}'
+            body = b"\n".join([head.encode(), *lines])
+            sbx.write("batch.json", body + b"\n")
             if len(jobs) > 1 and sbx.streams_stdout:
                 pacer = _Pacer(sbx, timeouts)
             r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], bound)
+            got = self._parse(jobs, tags, r.stdout)
+            return got, _timed_out(r, got, timeouts, pacer, bound)
         except Exception as exc:
             if slot.aborted:  # destroyed under it by the drainer's stop: not a broken sandbox
                 return [(j, self._stopped(None)) for j in jobs], None
@@ -621,9 +617,102 @@ class Runner:
             if pacer is not None:
                 pacer.stop()
             sbx.kill()
+            if chan is not None:
+                chan.close()
             slot.detach()
-        got = self._parse(jobs, r.stdout)
-        return got, _timed_out(r, got, timeouts, pacer, bound)
+
+    def _job_line(self, job: Job, tag: str) -> str:
+        # the payload as the table gave it (jsonb's own output, valid JSON): never decoded here.
+        # not_after: the last moment the job may start (its lease end less its timeout) on the
+        # host's monotonic clock, which the runner reads too (not a microVM's guest: its jobs are
+        # checked before the VM starts only)
+        end = self._start_by(job) if self.backend.host_clock else None
+        late = "" if end is None else f'"not_after":{end!r},'
+        return (f'{{"id":{job.id},"attempt":{job.attempts},"timeout":{self.timeout_of(job)!r},{late}'
+                f'"tag":"{tag}","payload":{job.payload_json}}}')
+
+    def _converse(self, jobs: Sequence[Job], sbx: Sandbox, chan: _Channel, header: str,
+                  slot: Slot) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
+        """Run ``jobs`` one at a time through a runner's channel: each job is sent when the one
+        before it has ended (so no job sees another's payload), one cancelled before its turn is
+        never sent, and a cancel of the job running stops it alone."""
+        running: list[tuple[Job, str]] = []
+
+        def cancel() -> None:
+            now = running[-1] if running else None
+            if now is not None and self.cancelled(now[0]):
+                chan.send(json.dumps({"cancel": now[1]}))
+
+        if not slot.attach(sbx, cancel):
+            return [(j, self._stopped(None)) for j in jobs], None
+        out: list[tuple[Job, Outcome]] = []
+        tier = self.backend.name
+        overdue: float | None = None
+        late = ""
+        if chan.send(header):
+            for job in jobs:
+                if self.cancelled(job):  # cancelled while it waited: it never starts
+                    out.append((job, Outcome("fail", error=CANCELLED_WAITING, permanent=True,
+                                             run=Run(tier=tier, kill_reason="cancelled"))))
+                    continue
+                if slot.aborted:
+                    break
+                tag = secrets.token_hex(16)
+                running.append((job, tag))
+                if not chan.send(self._job_line(job, tag)):
+                    break
+                line = chan.recv(time.monotonic() + self.timeout_of(job) + HOST_GRACE)
+                if line is not None and _said_late(line):  # not started: too late for its lease
+                    late = line
+                    break
+                if line is None:
+                    if not chan.result.done():  # past its deadline without a result: stopped from here
+                        overdue = self.timeout_of(job)
+                        sbx.kill()
+                    break
+                outcome = self._record(job, tag, line)
+                if outcome is None:
+                    log.warning("job %d: the batch runner sent a malformed result; its sandbox is destroyed", job.id)
+                    sbx.kill()
+                    break
+                out.append((job, outcome))
+        chan.finish()
+        try:
+            r = chan.result.result()
+        except Exception as exc:
+            if slot.aborted:
+                return out, None
+            raise SandboxBroken(str(exc)) from None
+        if overdue is not None and not r.ok:
+            r = replace(r, killed=f"killed: timeout after {overdue:g} s")
+        if late:  # the caller reads it where file mode's runner writes it
+            r = replace(r, stdout=late)
+        return out, r
+
+    def _record(self, job: Job, tag: str, line: str) -> Outcome | None:
+        """One job's result line, which must carry its tag (None when it is not well formed).
+
+        A handle() result line, ``{"tag":T,"ok":true,"result":TEXT}``, is taken without decoding:
+        TEXT goes to the completer as it is, when it is ASCII (the runner's json.dumps escapes
+        the rest) with no escape jsonb refuses (``\u0000``, a surrogate: those lines take the full
+        decode, which replaces them). TEXT is passed as one value, never spliced into a
+        statement, and the server's jsonb cast is its check (TEXT that is not JSON fails that
+        job alone, in the completer's one-by-one write)."""
+        head = f'{{"tag":"{tag}","ok":true,"result":'
+        if (line.startswith(head) and line.endswith("}") and line.isascii()
+                and len(line) <= _FAST_RESULT_CHARS and _REFUSED_ESCAPE.search(line) is None):
+            return done_with_json(line[len(head):-1], _done_run(self.backend.name))
+        try:
+            rec = json.loads(line)
+            if rec["tag"] != tag:
+                return None
+            outcome = _outcome(self.backend.name, rec)
+        except (ValueError, KeyError, TypeError):
+            return None
+        if self.cancelled(job) and outcome.action != "done":
+            return Outcome("fail", error=CANCELLED, permanent=True,
+                           run=replace(outcome.run or Run(tier=self.backend.name), kill_reason="cancelled"))
+        return outcome
 
     def _lease_over(self, job: Job) -> bool:
         start_by = self._start_by(job)
@@ -640,37 +729,17 @@ class Runner:
     def _stopped(self, r: ExecResult | None) -> Outcome:
         return Outcome("release", error=RELEASED_STOPPING, run=describe_run(self.backend.name, r, "drainer stopped"))
 
-    def _parse(self, jobs: Sequence[Job], stdout: str) -> list[tuple[Job, Outcome]]:
-        """The records, in order, up to the first that is missing or not well formed.
-
-        A handle() result line, ``{"i":N,"ok":true,"result":TEXT}``, is taken without decoding:
-        TEXT goes to the completer as it is, when it is ASCII (the runner's json.dumps escapes
-        the rest) with no escape jsonb refuses (``\u0000``, a surrogate: those lines take the full
-        decode, which replaces them). The sandbox is not trusted for it: a line is read only at
-        the place of the job expected next (``i``), TEXT is passed as one value, never spliced into
-        a statement, and the server's jsonb cast is its check (TEXT that is not JSON fails that
-        job alone, in the completer's one-by-one write)."""
+    def _parse(self, jobs: Sequence[Job], tags: Sequence[str], stdout: str) -> list[tuple[Job, Outcome]]:
+        """File mode's records, in order, up to the first that is missing or not well formed."""
         out: list[tuple[Job, Outcome]] = []
-        n = len(jobs)
-        done_run = _done_run(self.backend.name)
         for line in stdout.splitlines():
             i = len(out)
-            if i == n:
+            if i == len(jobs):
                 break
-            head = f'{{"i":{i},"ok":true,"result":'
-            if (line.startswith(head) and line.endswith("}") and line.isascii()
-                    and len(line) <= _FAST_RESULT_CHARS and _REFUSED_ESCAPE.search(line) is None):
-                out.append((jobs[i], done_with_json(line[len(head):-1], done_run)))
-                continue
-            try:
-                rec = json.loads(line)
-                if rec["i"] != i:
-                    break
-                if rec.get("late") is True:  # not started, too late by the lease the runner was given
-                    break
-                out.append((jobs[i], _outcome(self.backend.name, rec)))
-            except (ValueError, KeyError, TypeError):
+            outcome = self._record(jobs[i], tags[i], line)
+            if outcome is None:
                 break
+            out.append((jobs[i], outcome))
         return out
 
     def _death(self, job: Job, handler: handlers.Handler, r: ExecResult) -> str:
@@ -750,36 +819,111 @@ def _timed_out(r: ExecResult, got: Sequence[object], timeouts: Sequence[float], 
     return r
 
 
+class _Channel:
+    """The drainer's ends of a batch runner's two named pipes, and the exec that runs the runner.
+
+    Both pipes are made in the workspace and opened here (read-write: neither open waits for
+    the runner) before the runner starts; the runner opens and unlinks them before it reads a
+    job, and is non-dumpable, so no job can reach either. Writes wait for room, reads for a
+    line, each until the runner's exec has returned (a pipe this side holds read-write never
+    reports the other side's end)."""
+
+    def __init__(self, host: Path) -> None:
+        owner = host.stat()  # the job's uid owns its workspace, and so its pipes
+        self._fds: list[int] = []
+        paths = [host / CHANNEL_IN, host / CHANNEL_OUT]
+        for path in paths:
+            os.mkfifo(path, 0o600)
+            os.chown(path, owner.st_uid, owner.st_gid)
+            self._fds.append(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
+        self._to, self._from = self._fds
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._fds += [self._wake_r, self._wake_w]
+        self._buf = b""
+        self._lock = threading.Lock()
+        self._closed = False
+        self.result: Future[ExecResult] = Future()
+
+    def start(self, sbx: Sandbox, argv: list[str], ttl: float) -> None:
+        def run() -> None:
+            try:
+                self.result.set_result(sbx.exec(argv, ttl))
+            except BaseException as exc:
+                self.result.set_exception(exc)
+            finally:
+                with self._lock:
+                    if not self._closed:
+                        os.write(self._wake_w, b"x")
+
+        threading.Thread(target=run, name="batch-exec", daemon=True).start()
+
+    def send(self, line: str) -> bool:
+        """Write one line; False when the runner ended before it could take it."""
+        view = memoryview((line + "\n").encode())
+        with self._lock:
+            if self._closed or self._to < 0:
+                return False
+            while view:
+                try:
+                    view = view[os.write(self._to, view):]
+                    continue
+                except BlockingIOError:
+                    pass
+                if self._wake_r in select.select([self._wake_r], [self._to], [])[0]:
+                    return False
+        return True
+
+    def recv(self, deadline: float) -> str | None:
+        """The runner's next line; None when it ended without one, or at ``deadline``."""
+        while b"\n" not in self._buf:
+            try:
+                data = os.read(self._from, 1 << 16)
+                self._buf += data
+                continue
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if self.result.done() or left <= 0:  # it has ended, and the pipe is read to the end
+                return None
+            select.select([self._from, self._wake_r], [], [], left)
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line.decode("utf-8", "replace")
+
+    def finish(self) -> None:
+        """No more jobs: the runner reads the end of its input and exits."""
+        with self._lock:
+            if self._to >= 0 and not self._closed:
+                os.close(self._to)
+                self._fds.remove(self._to)
+                self._to = -1
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in self._fds:
+                os.close(fd)
+            self._fds = []
+
+
 def _said_late(stdout: str) -> bool:
     """Whether the runner's last record says it did not start a job, too late for its lease."""
     last = stdout.rstrip("\n").rpartition("\n")[2]
-    return last.endswith('"late":true}') and last.startswith('{"i":')
+    return last.endswith('"late":true}') and last.startswith('{"tag":')
 
 
-def _feed(fifo: Path, data: bytes, result: Future[ExecResult]) -> bool:
-    """Hand a batch to a spare's runner through its pipe. False when the runner is not there to
-    read it (it ended, or never opened the pipe within FEED_SECONDS): it then ran nothing."""
-    deadline = time.monotonic() + FEED_SECONDS
-    while True:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            break
-        except OSError as exc:
-            if exc.errno != errno.ENXIO:  # ENXIO: the runner has not opened it yet
-                return False
-        if result.done() or time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
+def _channel(host: Path) -> _Channel | None:
+    """A channel in ``host``, or None where this drainer cannot make one (a non-root drainer whose
+    jobs' workspaces belong to its subordinate uids): the batch then runs in file mode."""
     try:
-        os.set_blocking(fd, True)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    except OSError:  # the runner went away while reading: it cannot have started a job
-        return False
-    finally:
-        os.close(fd)
-    return True
+        return _Channel(host)
+    except OSError as exc:
+        for name in (CHANNEL_IN, CHANNEL_OUT):
+            with contextlib.suppress(OSError):
+                (host / name).unlink()
+        log.debug("no batch channel in %s (%s): every job in a file", host, exc)
+        return None
 
 
 def _text(value: object) -> str:
@@ -807,13 +951,20 @@ def _done_run(tier: str) -> Run:
 
 def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
     if "ok" in rec:  # handle(): it returned (exit code 0 in the history) or raised (no exit code)
+        stdout = _text(rec.get("stdout") or "") or None  # what this job printed, its own alone
         if rec["ok"]:
+            if rec["result"] is None and stdout is not None:  # returned nothing, printed: as a script
+                return Outcome("done", result=stdout, run=_done_run(tier))
             text = _RESULT_JSON.encode(rec["result"])
             return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)), run=_done_run(tier))
         error = _text(rec["error"])
         timed_out = error.startswith("killed: ")
-        return Outcome("fail", error=error,
-                       run=Run(tier=tier, kill_reason=error.removeprefix("killed: ") if timed_out else None))
+        stderr = _text(rec.get("stderr") or "").rstrip()
+        if stderr:  # its own stderr's tail after the error's head
+            error = error[:MAX_ERROR_CHARS // 2].rstrip() + "\n" + stderr[-(MAX_ERROR_CHARS // 2 - 1):]
+        return Outcome("fail", error=error, result=stdout,
+                       run=Run(tier=tier, kill_reason=error.split("\n", 1)[0].removeprefix("killed: ")
+                               if timed_out else None))
     r = ExecResult(int(rec["exit"]), _text(rec["stdout"]), _text(rec["stderr"]), float(rec["duration"]),
                    _text(rec["killed"]) if isinstance(rec["killed"], str) else None,
                    stdout_cut=rec.get("stdout_cut") is True)

@@ -1,71 +1,62 @@
-"""The in-sandbox batch runner: many jobs of one kind in one sandbox, one result line each.
+"""The in-sandbox batch runner: many jobs of one kind in one sandbox, each in a process of its own.
 
-The drainer writes this file and ``batch.json`` into a sandbox's workspace and runs
-``python _fleetless_batch.py batch.json`` there, on every tier alike. In watch mode a spare
-sandbox's runner starts ahead with a named pipe instead and reads the batch from it when jobs
-come (see ``read_batch``). It uses the standard
-library only (it must not import ``fleetless``: the sandbox's python may not have it)::
+The drainer writes this file into a sandbox's workspace and runs ``python _fleetless_batch.py IN
+[OUT]`` there, on every tier alike. It uses the standard library only (it must not import
+``fleetless``: the sandbox's python may not have it). It speaks in JSON lines:
+
+- IN carries a header, then one job per line::
 
     {"handler": "/handlers/kind.py", "module": true, "argv": ["/usr/bin/python3", "/handlers/kind.py"],
-     "budget": 880.0, "grace": 2.0, "stdout_bytes": 65536, "stderr_bytes": 2000, "kind": "kind",
-     "jobs": [{"id": 7, "attempt": 1, "timeout": 10.0, "not_after": 5123.4, "payload": {...}}, ...]}
+     "budget": 880.0, "grace": 2.0, "stdout_bytes": 65536, "stderr_bytes": 2000, "kind": "kind"}
+    {"id": 7, "attempt": 1, "timeout": 10.0, "not_after": 5123.4, "tag": "9f1c...", "payload": {...}}
 
-``not_after`` (optional): the last moment the job may start, on the host's ``time.monotonic()``
-clock (its lease end less its timeout). A job reached at or after it is not started (its lease
-may pass to another drainer while it runs, this one being stopped): the runner writes
-``{"i": N, "late": true}`` and exits.
+  ``not_after`` (optional): the last moment the job may start, on the host's ``time.monotonic()``
+  clock (its lease end less its timeout). A job reached at or after it is not started (its lease
+  may pass to another drainer while it runs, this one being stopped): the runner answers
+  ``{"tag": TAG, "late": true}`` and exits.
 
-The process's own environment is what every job of the batch shares; each job adds what is its
-own: FLEETLESS_JOB_ID, FLEETLESS_ATTEMPT and FLEETLESS_KIND (the batch's kind).
+- each job's result goes back as one line, tagged with the job's own random tag::
 
-``module``: the handler defines ``handle(payload)``. It is imported once and called once per
-job in this process, so a tiny job costs a function call; ``handle``'s return value is the job's
-result (JSON). A per-job timer (SIGALRM) raises in ``handle`` at the job's timeout; a job stuck
-where no signal reaches it (a long C call) is stopped by faulthandler's watchdog, which exits
-this process a little later. Otherwise the handler is a script or executable: each job runs as
-its own process (own process group, killed with its leftovers after the job) with the payload
-in ``payload.json``, as in per-job mode.
+    {"tag": "9f1c...", "ok": true, "result": ...}                      (module; the result last)
+    {"tag": "...", "ok": false, "error": "ValueError: ...", "stdout": "...", "stderr": "..."}
+    {"tag": "...", "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
 
-Results go to stdout, one JSON line per job, in order, written as soon as the job ends::
+**Channel mode** (IN and OUT are named pipes, process and bwrap tiers): the drainer holds both
+pipes open before the runner starts; the runner opens them, unlinks them, and makes itself
+non-dumpable, so no job can open them again (by path, or through ``/proc/<runner>/fd``). The
+drainer sends a job only when the one before it has ended and its leftovers are dead, so no job
+ever sees another's payload; a line ``{"cancel": TAG}`` kills the job running with that tag.
+**File mode** (IN is a file, tiers whose workspace is a copy: microvm, forkserver): every job is
+in IN, which the runner unlinks before the first job starts; results go to stdout.
 
-    {"i": 0, "ok": true, "result": ...}                                 (module; the result last)
-    {"i": 1, "ok": false, "error": "ValueError: ...", "duration": ...}  (module)
-    {"i": 2, "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
-
-A job that takes this process down (os._exit, a segfault, the memory limit, the watchdog) leaves
-no line: the host charges the first job without one and runs the rest in a fresh sandbox. The
-runner starts no job that could not finish within ``budget`` seconds of its own start (the
-sandbox's TTL): it exits 0 and the host runs the rest elsewhere, charging nobody.
+Each job runs in a fork of this runner (``handle(payload)`` modules: the module is imported once,
+before the first fork; scripts: the fork execs the handler with ``payload.json``), in its own
+process group, in a directory of its own (its cwd, TMPDIR, and where its stdout and stderr go:
+they are that job's alone). The runner enforces the timeout from outside (SIGKILL of the job's
+group), then kills every process the job left (it is a child subreaper: setsid daemons included)
+and checks none is left before it writes the result. A job that dies (os._exit, a segfault) is
+charged alone; the runner goes on. The runner starts no job that could not finish within
+``budget`` seconds of its own start (the sandbox's TTL): it exits 0 and the host runs the rest
+elsewhere, charging nobody.
 """
 
 from __future__ import annotations
 
-import faulthandler
 import importlib.util
 import json
 import os
+import select
 import signal
 import stat
 import sys
 import time
 from typing import Any
 
-# subprocess and traceback are imported where they are used (scripts, a failed job): a batch of
-# handle() jobs that all return does not pay for them at each sandbox's start.
-
 #: The error text kept for a failed job (as the queue's MAX_ERROR_CHARS).
 ERROR_CHARS = 2000
 #: Largest JSON result of handle(), in bytes (as the queue's MAX_RESULT_CHARS).
 RESULT_BYTES = 64 * 1024
-
-
-class JobTimeout(BaseException):
-    """Raised in handle() at the job's timeout (BaseException: ``except Exception`` in a handler
-    does not swallow it)."""
-
-
-def _on_alarm(signum: int, frame: object) -> None:
-    raise JobTimeout()
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -83,290 +74,387 @@ def _fmt(seconds: float) -> str:
     return f"{seconds:g}"
 
 
-class Output:
-    """The result channel: the process's real stdout, kept on a private fd. fd 1 and 2 both become
-    the runner's stderr, so a handler's print() cannot corrupt the records."""
-
-    def __init__(self) -> None:
-        self.fd = os.dup(1)
-        os.dup2(2, 1)
-        sys.stdout = sys.stderr
-
-    def send(self, record: dict[str, Any]) -> None:
-        self.write(json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n")
-
-    def write(self, line: str) -> None:
-        data = line.encode("utf-8", "replace")
-        while data:
-            n = os.write(self.fd, data)
-            data = data[n:]
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
-def _arm_watchdog(seconds: float) -> None:
-    """``faulthandler.dump_traceback_later``, which starts a thread: retried for up to 10 s while
-    the uid's process limit leaves no room for one (a fork bomb's last copies, each exiting as
-    its fork fails, still hold it just after its job). Raising here would take the runner down
-    and charge the next job, which did nothing wrong."""
-    give_up = time.monotonic() + 10.0
-    while True:
-        try:
-            faulthandler.dump_traceback_later(seconds, exit=True)
-            return
-        except RuntimeError:
-            if time.monotonic() >= give_up:
-                raise
-            time.sleep(0.02)
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
 
 
-def _become_subreaper() -> bool:
-    """Orphans of the jobs' processes come to this runner (not to the sandbox's init), so that
-    :func:`_end_leftovers` finds them. False where prctl cannot be reached (a guest without
-    ctypes): leftovers are then also found by their process group."""
+def _prctl(option: int, value: int) -> bool:
     try:
         import ctypes
 
-        return bool(ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0)  # PR_SET_CHILD_SUBREAPER
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0)
     except Exception:  # a guest without ctypes
         return False
 
 
-def _stat(pid: str) -> tuple[int, int]:
-    """(parent pid, process group) of a process, from ``/proc/<pid>/stat``."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return int(fields[1]), int(fields[2])
-
-
-def _self_and_ancestors(me: int) -> frozenset[int]:
-    """This runner and the processes above it, which may share its process group (a shell, the
-    guest's agent) and are never a job's leftovers; they do not change during a batch."""
-    keep = {me}
-    pid = me
-    while pid > 1:
+def _children(me: int) -> list[int]:
+    """This runner's children, from ``/proc`` (orphans of the jobs come to it: it is a subreaper)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
         try:
-            pid = _stat(str(pid))[0]
+            with open(f"/proc/{name}/stat", "rb") as f:
+                st = f.read()
+            if int(st[st.rindex(b")") + 2:].split()[1]) == me:
+                out.append(int(name))
         except (OSError, ValueError, IndexError):
-            break
-        keep.add(pid)
-    return frozenset(keep)
+            continue
+    return out
 
 
-def _end_leftovers(me: int, subreaper: bool, keep: frozenset[int], within: float = 5.0) -> None:
-    """Kill every process a module job left behind (its forks, a fork bomb's copies, their
-    children) before the next job starts: a job's processes die with the job, and must not take
-    the sandbox down (or hold its pids limit) while a neighbour runs. As a subreaper with no child
-    at all this is one ``waitpid``; otherwise ``/proc`` is scanned for this runner's children
-    (orphans come to it) and, without a subreaper, for the other members of its process group
-    that are not its ancestors, until none is left, at most ``within`` seconds."""
-    if subreaper:
-        try:
-            os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return  # no child, so no descendant: the common case
-    group = os.getpgrp()
-    give_up = time.monotonic() + within
-    while True:
-        found = False
-        for name in os.listdir("/proc"):
-            if not name.isdigit() or int(name) in keep:
-                continue
-            try:
-                parent, pgrp = _stat(name)
-                if parent == me or (not subreaper and pgrp == group):
-                    found = True
-                    os.kill(int(name), signal.SIGKILL)
-            except (OSError, ValueError, IndexError):
-                continue  # gone already
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0] > 0:
-                pass
-        except ChildProcessError:
-            if subreaper:
-                return
-        if not found or time.monotonic() >= give_up:
-            return
-        time.sleep(0.001)
-
-
-def _late(job: dict[str, Any], out: Output, i: int) -> bool:
-    """Whether it is too late to start the job (``not_after``, the host's monotonic clock): it
-    could run on past its lease, when another drainer may run it. Reported as not started; the
-    runner stops."""
-    end = job.get("not_after")
-    if end is None or time.monotonic() < end:
+def _reap() -> bool:
+    """Reap every child that has exited; False when this runner has no child at all."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
         return False
-    out.send({"i": i, "late": True})
     return True
 
 
-def run_modules(desc: dict[str, Any], out: Output, started: float) -> None:
-    handler = desc["handler"]
-    jobs = desc["jobs"]
-    grace = float(desc.get("grace", 2.0))
-    budget = float(desc.get("budget", 1e9))
-    longest = max(float(j["timeout"]) for j in jobs)
-    handle = None
-    import_error = None
-    sys.path[0] = os.path.dirname(handler)  # as when the file runs as a script
+def end_leftovers(me: int, group: int, subreaper: bool, within: float = 10.0) -> bool:
+    """Kill the job's process group, then every process left as this runner's child (a daemon
+    that called setsid() and double-forked comes back to it), until it has no child at all.
+    True when none is left (always so for a subreaper that returns)."""
     try:
-        spec = importlib.util.spec_from_file_location("fleetless_handler", handler)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["fleetless_handler"] = module
-        spec.loader.exec_module(module)
-        handle = getattr(module, "handle", None)
-        if not callable(handle):
-            raise TypeError(f"{handler} has no callable handle(payload)")
-    except BaseException as exc:  # the import fails for every job alike: each job's failure
-        import_error = "cannot import the handler: " + describe_exception(exc)
-    me = os.getpid()
-    subreaper = _become_subreaper()
-    keep = _self_and_ancestors(me)
-    encode = json.JSONEncoder(allow_nan=False, separators=(",", ":")).encode  # built once, not per job
-    environ = os.environ
-    environ["FLEETLESS_KIND"] = desc["kind"]
-    signal.signal(signal.SIGALRM, _on_alarm)
-    armed_at = -10.0
-    attempt_was: str | None = None
-    for i, job in enumerate(jobs):
-        timeout = float(job["timeout"])
-        now = time.monotonic()
-        if i and now - started + timeout + grace > budget:
-            return
-        if import_error is not None:
-            out.send({"i": i, "ok": False, "error": import_error, "duration": 0.0})
-            continue
-        if now - armed_at > 1.0:
-            # The hard stop, re-armed at most once a second (each arm starts a thread): it fires
-            # no earlier than timeout + grace after any job's start, and at most 1 s later.
-            _arm_watchdog(longest + grace + 1.0)
-            armed_at = now
-        if i:
-            _end_leftovers(me, subreaper, keep)  # what the previous job forked dies before this one starts
-        if _late(job, out, i):
-            return
-        environ["FLEETLESS_JOB_ID"] = str(job["id"])
-        attempt = str(job["attempt"])
-        if attempt != attempt_was:  # most jobs of a batch are at the same attempt: one putenv less
-            environ["FLEETLESS_ATTEMPT"] = attempt_was = attempt
-        t0 = time.monotonic()
-        try:
-            signal.setitimer(signal.ITIMER_REAL, timeout)
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+    give_up = time.monotonic() + within
+    while True:
+        if not _reap():
+            return True
+        for pid in _children(me):
             try:
-                value = handle(job["payload"])  # type: ignore[misc]
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            if os.getpid() != me:  # a fork of this runner made by the job: never report twice
-                os._exit(0)
-            text = "null" if value is None else encode(value)  # most jobs return nothing
-            if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
-                raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
-                                 f"at {RESULT_BYTES} bytes")
-            # the result last, as json.dumps wrote it: the host takes it without decoding the line
-            out.write(f'{{"i":{i},"ok":true,"result":{text}}}\n')
-            continue
-        except JobTimeout:
-            if os.getpid() != me:
-                os._exit(0)
-            error = f"killed: timeout after {_fmt(timeout)} s"
-        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
-            if os.getpid() != me:
-                os._exit(0)
-            error = describe_exception(exc)
-        out.send({"i": i, "ok": False, "error": error, "duration": time.monotonic() - t0})
-    faulthandler.cancel_dump_traceback_later()
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if not subreaper:  # leftovers that were not its children cannot be seen: best effort
+            _reap()
+            return False
+        if time.monotonic() >= give_up:
+            return False
+        time.sleep(0.001)
 
 
-def _own_env(desc: dict[str, Any], job: dict[str, Any]) -> dict[str, str]:
-    return {"FLEETLESS_JOB_ID": str(job["id"]), "FLEETLESS_ATTEMPT": str(job["attempt"]),
-            "FLEETLESS_KIND": desc["kind"]}
-
-
-def _head(path: str, limit: int) -> str:
-    with open(path, "rb") as f:
-        return f.read(limit).decode("utf-8", "replace")
+def _head(path: str, limit: int) -> tuple[str, bool]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError:
+        return "", False
+    return data[:limit].decode("utf-8", "replace"), len(data) > limit
 
 
 def _tail(path: str, limit: int) -> str:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - limit))
-        return f.read().decode("utf-8", "replace")
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - limit))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
 
 
-def run_scripts(desc: dict[str, Any], out: Output, started: float) -> None:
-    import subprocess
+def _remove(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        import shutil
 
-    argv0 = list(desc["argv"])
-    budget = float(desc.get("budget", 1e9))
-    grace = float(desc.get("grace", 2.0))
-    stdout_bytes = int(desc.get("stdout_bytes", RESULT_BYTES))
-    stderr_bytes = int(desc.get("stderr_bytes", ERROR_CHARS))
-    cwd = os.getcwd()
-    payload_path = os.path.join(cwd, "payload.json")
-    out_path, err_path = os.path.join(cwd, ".job-stdout"), os.path.join(cwd, ".job-stderr")
-    for i, job in enumerate(desc["jobs"]):
-        timeout = float(job["timeout"])
-        if i and time.monotonic() - started + timeout + grace > budget:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Runner:
+    def __init__(self, inp: int, out: int, channel: bool) -> None:
+        self.inp, self.out, self.channel = inp, out, channel
+        self.buf = b""
+        self.offset = 0
+        self.sizes: list[int] | None = None  # file mode: each job's line's size, from the header
+        self.me = os.getpid()
+        self.cwd = os.getcwd()
+        self.handle: Any = None
+        self.import_error: str | None = None
+        self.desc: dict[str, Any] = {}
+        self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+    # -- the channel -----------------------------------------------------------------------
+    def read_line(self, block: bool = True) -> bytes | None:
+        """The next line from IN; b"" at its end; None when not ``block`` and none is there. In
+        file mode exactly one line is read (the header byte by byte, then each job by the size
+        the header gives): a later job's payload is never in this process's memory before its turn."""
+        if not self.channel:
+            if self.sizes is None:  # the header
+                line = b""
+                while not line.endswith(b"\n"):
+                    byte = os.pread(self.inp, 1, self.offset)
+                    if not byte:
+                        break
+                    line += byte
+                    self.offset += 1
+                return line.rstrip(b"\n")
+            if not self.sizes:
+                return b""
+            size = self.sizes.pop(0)
+            line = os.pread(self.inp, size, self.offset)
+            self.offset += size + 1
+            return line
+        while b"\n" not in self.buf:
+            if not block and not select.select([self.inp], [], [], 0)[0]:
+                return None
+            data = os.read(self.inp, 65536)
+            if not data:
+                line, self.buf = self.buf, b""
+                return line
+            self.buf += data
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line
+
+    def send(self, text: str) -> None:
+        _write_all(self.out, text.encode("utf-8", "replace") + b"\n")
+
+    # -- the jobs ---------------------------------------------------------------------------
+    def load(self, desc: dict[str, Any]) -> None:
+        self.desc = desc
+        if not self.channel:
+            self.sizes = list(desc.get("sizes", []))
+        os.environ["FLEETLESS_KIND"] = desc["kind"]
+        if not desc["module"]:
             return
-        with open(payload_path, "w") as f:
-            json.dump(job["payload"], f)
-        if _late(job, out, i):
-            return
-        t0 = time.monotonic()
-        killed = None
-        with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
-            try:
-                proc = subprocess.Popen([*argv0, payload_path], stdin=subprocess.DEVNULL, stdout=fo, stderr=fe,
-                                        env={**os.environ, **_own_env(desc, job)}, start_new_session=True,
-                                        cwd=cwd)
-            except OSError as exc:
-                out.send({"i": i, "exit": 127 if isinstance(exc, FileNotFoundError) else 126, "stdout": "",
-                          "stderr": f"cannot execute {argv0[0]}: {exc.strerror or exc}", "killed": None,
-                          "duration": 0.0})
+        handler = desc["handler"]
+        sys.path[0] = os.path.dirname(handler)  # as when the file runs as a script
+        try:
+            spec = importlib.util.spec_from_file_location("fleetless_handler", handler)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["fleetless_handler"] = module
+            spec.loader.exec_module(module)
+            handle = getattr(module, "handle", None)
+            if not callable(handle):
+                raise TypeError(f"{handler} has no callable handle(payload)")
+            self.handle = handle
+        except BaseException as exc:  # the import fails for every job alike: each job's failure
+            self.import_error = "cannot import the handler: " + describe_exception(exc)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+    def run(self, started: float) -> None:
+        desc = self.desc
+        budget = float(desc.get("budget", 1e9))
+        grace = float(desc.get("grace", 2.0))
+        first = True
+        while True:
+            line = self.read_line()
+            if not line:
+                return
+            job = json.loads(line)
+            if "cancel" in job:  # for a job that has ended already
                 continue
+            timeout = float(job["timeout"])
+            if not first and time.monotonic() - started + timeout + grace > budget:
+                return
+            first = False
+            tag = str(job["tag"])
+            end = job.get("not_after")
+            if end is not None and time.monotonic() >= end:
+                # too late to start: it could run on past its lease, when another drainer may run
+                # it (this one being stopped). Reported as not started; the runner stops.
+                self.send(json.dumps({"tag": tag, "late": True}, separators=(",", ":")))
+                return
+            if self.import_error is not None:
+                self.send(json.dumps({"tag": tag, "ok": False, "error": self.import_error, "duration": 0.0}))
+                continue
+            self.send(self.one(job, tag, timeout))
+
+    def one(self, job: dict[str, Any], tag: str, timeout: float) -> str:
+        desc = self.desc
+        module = bool(desc["module"])
+        home = os.path.join(self.cwd, f"job-{job['id']}-{tag[:12]}")
+        os.mkdir(home, 0o700)
+        out_path, err_path = os.path.join(home, ".stdout"), os.path.join(home, ".stderr")
+        payload_path = os.path.join(home, "payload.json")
+        argv: list[str] = []
+        if not module:
+            with open(payload_path, "w") as f:
+                json.dump(job["payload"], f)
+            argv = [*desc["argv"], payload_path]
+        r, w = os.pipe()
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:  # the job's own process: it never returns
+            self.child(job, home, out_path, err_path, argv, r, w)
+        os.close(w)
+        try:
+            os.setpgid(pid, pid)  # also here: no race with the first kill
+        except OSError:
+            pass
+        killed, data = self.wait(pid, r, t0 + timeout, tag, timeout)
+        os.close(r)
+        try:
+            _, status = os.waitpid(pid, 0)
+        except ChildProcessError:
+            status = 0
+        clean = end_leftovers(self.me, pid, self.subreaper)
+        duration = time.monotonic() - t0
+        stdout, cut = _head(out_path, int(desc.get("stdout_bytes", RESULT_BYTES)))
+        stderr = _tail(err_path, int(desc.get("stderr_bytes", ERROR_CHARS)))
+        _remove(home)
+        if not clean:
+            stderr += "\n(fleetless: processes of this job could not all be killed)"
+        code = os.waitstatus_to_exitcode(status)
+        if not module:
+            if killed is None and data.startswith(b"E"):
+                code = int(data[1:4])
+                stderr = data[4:].decode("utf-8", "replace")
+            return json.dumps({"tag": tag, "exit": code, "stdout": stdout, "stdout_cut": cut, "stderr": stderr,
+                               "killed": killed, "duration": duration}, ensure_ascii=False)
+        if killed is None and data.startswith(b"R") and b"\n" not in data:  # returned: the result last, as it is
+            extra = ""
+            if stdout or stderr:
+                extra = f',"stdout":{json.dumps(stdout)},"stderr":{json.dumps(stderr)}'
+            return f'{{"tag":"{tag}","ok":true{extra},"result":{data[1:].decode()}}}'
+        if killed is not None:
+            error = killed
+        elif data.startswith(b"X"):
+            error = data[1:].decode("utf-8", "replace")
+        elif code < 0:
+            error = f"killed by {_signal_name(-code)}"
+        else:
+            error = f"exit code {code} (handle() did not return)"
+        return json.dumps({"tag": tag, "ok": False, "error": error, "stdout": stdout, "stderr": stderr,
+                           "duration": duration}, ensure_ascii=False)
+
+    def wait(self, pid: int, r: int, deadline: float, tag: str, timeout: float) -> tuple[str | None, bytes]:
+        """The job's report, read until its process has exited (not until its pipe closes: a
+        process the job left may hold it), or why it was killed: its timeout, or a cancel."""
+        data = b""
+        os.set_blocking(r, False)
+        try:
+            ended: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):  # an old kernel: the pipe's end stands for the job's
+            ended = None
+        watch = [r] if ended is None else [r, ended]
+        if self.channel:
+            watch.append(self.inp)
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    os.killpg(pid, signal.SIGKILL)
+                    return f"killed: timeout after {_fmt(timeout)} s", b""
+                ready = select.select(watch, [], [], left)[0]
+                if r in watch and (r in ready or (ended is not None and ended in ready)):
+                    while True:
+                        try:
+                            chunk = os.read(r, 65536)
+                        except BlockingIOError:
+                            break
+                        if not chunk:  # closed (a script's exec closes it): wait for the process
+                            if ended is None:
+                                return None, data
+                            watch.remove(r)
+                            break
+                        data += chunk
+                if ended is not None and ended in ready:
+                    return None, data
+                if self.channel and self.inp in ready:
+                    line = self.read_line(block=False)
+                    if line == b"":  # the drainer is gone: so is the job
+                        os.killpg(pid, signal.SIGKILL)
+                        return "killed: sandbox destroyed", b""
+                    if line and json.loads(line).get("cancel") == tag:
+                        os.killpg(pid, signal.SIGKILL)
+                        return "cancelled", b""
+        finally:
+            if ended is not None:
+                os.close(ended)
+
+    def child(self, job: dict[str, Any], home: str, out_path: str, err_path: str, argv: list[str],
+              r: int, w: int) -> None:
+        try:
+            os.setpgid(0, 0)
+            os.close(r)
+            os.close(self.inp)
+            os.close(self.out)
+            os.chdir(home)
+            for fd, path in ((1, out_path), (2, err_path)):
+                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(f, fd)
+                os.close(f)
+            sys.stdout = sys.__stdout__  # fd 1 again: this job's own stdout
+            env = os.environ
+            env["FLEETLESS_JOB_ID"] = str(job["id"])
+            env["FLEETLESS_ATTEMPT"] = str(job["attempt"])
+            env["TMPDIR"] = env["HOME"] = home
+            if argv:
+                os.set_inheritable(w, False)
+                try:
+                    os.execve(argv[0], argv, env)
+                except OSError as exc:
+                    code = 127 if isinstance(exc, FileNotFoundError) else 126
+                    _write_all(w, f"E{code}cannot execute {argv[0]}: {exc.strerror or exc}".encode())
+                    os._exit(code)
+            self.module_job(job, w)
+        except BaseException:
+            pass
+        os._exit(1)
+
+    def module_job(self, job: dict[str, Any], w: int) -> None:
+        try:
+            value = self.handle(job["payload"])
+            text = "null" if value is None else json.dumps(value, allow_nan=False, separators=(",", ":"))
+            if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
+                raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
+                                 f"at {RESULT_BYTES} bytes")
+            report = b"R" + text.encode()
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
+            report = b"X" + describe_exception(exc).encode("utf-8", "replace")
+        for stream in (sys.stdout, sys.stderr):
             try:
-                code = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                killed = f"killed: timeout after {_fmt(timeout)} s"
-                code = None
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the job's leftovers go with it
-            except OSError:
+                stream.flush()
+            except Exception:
                 pass
-            if code is None:
-                code = proc.wait()
-        out.send({"i": i, "exit": code, "stdout": _head(out_path, stdout_bytes),
-                  "stdout_cut": os.path.getsize(out_path) > stdout_bytes,
-                  "stderr": _tail(err_path, stderr_bytes), "killed": killed, "duration": time.monotonic() - t0})
-        for path in (out_path, err_path, payload_path):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        _write_all(w, report)
+        os._exit(0)
 
 
-def read_batch(path: str) -> Any:
-    """The batch: a file, or in a spare sandbox (watch mode) a named pipe on which the drainer
-    writes it as one line when jobs come. The pipe is opened read-write, which never blocks and
-    shows (as an open fd) that the runner is waiting."""
-    if not stat.S_ISFIFO(os.stat(path).st_mode):
-        with open(path) as f:
-            return json.load(f)
-    with os.fdopen(os.open(path, os.O_RDWR), "rb") as pipe:
-        return json.loads(pipe.readline())
+def _open_channel(args: list[str]) -> tuple[int, int, bool]:
+    """(IN, OUT, channel mode): the pipes, opened and then unlinked, or the file and stdout."""
+    if len(args) > 1 and stat.S_ISFIFO(os.stat(args[0]).st_mode):
+        inp = os.open(args[0], os.O_RDONLY)  # the drainer holds both open: neither open blocks
+        out = os.open(args[1], os.O_WRONLY)
+        for path in args[:2]:
+            os.unlink(path)
+        return inp, out, True
+    inp = os.open(args[0], os.O_RDONLY)
+    os.unlink(args[0])
+    return inp, os.dup(1), False
 
 
 def main() -> None:
     started = time.monotonic()  # a spare's waiting counts against its budget (the sandbox's TTL)
-    desc = read_batch(sys.argv[1])
-    os.unlink(sys.argv[1])
-    out = Output()
-    if desc["module"]:
-        run_modules(desc, out, started)
-    else:
-        run_scripts(desc, out, started)
+    inp, out, channel = _open_channel(sys.argv[1:])
+    _prctl(PR_SET_DUMPABLE, 0)  # /proc/<this>/fd is then out of the jobs' reach, even as its uid
+    os.dup2(2, 1)  # the runner's own prints cannot reach the channel
+    sys.stdout = sys.stderr
+    for fd in (inp, out):
+        os.set_inheritable(fd, False)
+    runner = Runner(inp, out, channel)
+    line = runner.read_line()
+    if not line:
+        return
+    runner.load(json.loads(line))
+    runner.run(started)
 
 
 if __name__ == "__main__":

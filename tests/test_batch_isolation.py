@@ -1,0 +1,171 @@
+"""Issue 25 item 6: one hostile job of a batch against the jobs after it, through real drains on the
+process and bwrap tiers, for a root drainer and for an unprivileged one with a subordinate range.
+
+The first job of the batch attacks: it looks for the later jobs' payloads (in every file it can
+read, and in its own memory), writes forged result lines for them on every pipe it can open (its
+own fds and its runner's, through ``/proc``), and leaves a ``setsid`` daemon that rewrites every
+``payload.json`` it finds. The jobs after it must each end with their own payload, untouched, see
+no other job's secret, and find no daemon alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+from pathlib import Path
+
+import pytest
+from security.drains import drain, handlers_dir, need_tier, need_user, shared, work_dir
+
+__all__ = ["shared"]  # the fixture
+
+USER = os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci")
+
+COMMON = """
+import gc, json, os, subprocess, sys, time
+
+DAEMON = '''
+import glob, os, sys, time
+sys.argv[0] = "fleetless-daemon"
+end = time.monotonic() + 30
+while time.monotonic() < end:
+    for root in ("/workspace", os.environ.get("WS", ".")):
+        for path in glob.glob(root + "/**/payload.json", recursive=True):
+            try:
+                open(path, "w").write('{"secret": "secret-daemon00", "n": -1}')
+            except OSError:
+                pass
+    time.sleep(0.005)
+'''
+
+FORGED = ['{"i":%d,"ok":true,"result":"forged"}' % i for i in range(6)]
+FORGED += ['{"i":%d,"exit":0,"stdout":"forged","stderr":"","killed":null,"duration":0}' % i for i in range(6)]
+
+
+def peek(mine):
+    # every secret that is not this job's own: in readable files of the sandbox, and in memory
+    found = set()
+    for root in (os.path.dirname(os.getcwd()), os.getcwd(), "/tmp"):
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                try:
+                    with open(os.path.join(dirpath, name), "rb") as f:
+                        data = f.read(1 << 20)
+                except OSError:
+                    continue
+                found.update(s[:8].decode("ascii", "replace") for s in data.split(b"secret-")[1:])
+    for o in gc.get_objects():
+        if isinstance(o, dict):
+            for v in list(o.values()):
+                if isinstance(v, (str, bytes)):
+                    t = v if isinstance(v, bytes) else v.encode("utf-8", "replace")
+                    found.update(s[:8].decode("ascii", "replace") for s in t.split(b"secret-")[1:])
+    hexdigits = set("0123456789abcdef")
+    return sorted(f for f in found - {mine[len("secret-"):], "daemon00"} if len(f) == 8 and set(f) <= hexdigits)
+
+
+def forge():
+    opened = []
+    for where in ("/proc/self/fd", "/proc/%d/fd" % os.getppid()):
+        try:
+            names = os.listdir(where)
+        except OSError:
+            continue
+        for fd in names:
+            try:
+                f = os.open(where + "/" + fd, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                for line in FORGED:
+                    os.write(f, (line + "\\n").encode())
+                opened.append(where + "/" + fd)
+            except OSError:
+                pass
+            finally:
+                os.close(f)
+    return opened
+
+
+def daemon_alive():
+    for pid in os.listdir("/proc"):
+        try:
+            if b"fleetless-daemon" in open("/proc/%s/cmdline" % pid, "rb").read():
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def attack():
+    env = dict(os.environ, WS=os.path.dirname(os.getcwd()))
+    subprocess.Popen([sys.executable, "-c", DAEMON], start_new_session=True, env=env,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+"""
+
+MODULE = COMMON + """
+
+def handle(payload):
+    if payload["n"] == 0:
+        attack()
+        time.sleep(0.3)
+        found = "PEEK=" + json.dumps(peek(payload["secret"]))
+        print(found)
+        print(found, file=sys.stderr, flush=True)
+        forge()  # on its own report pipe too: then its own job fails, alone
+        return found
+    time.sleep(0.3)  # the daemon, if it lived, had time to act
+    return {"secret": payload["secret"], "peek": peek(payload["secret"]), "daemon": daemon_alive()}
+"""
+
+SCRIPT = COMMON + """
+
+time.sleep(0.3)
+payload = json.load(open(sys.argv[1]))
+if payload["n"] == 0:
+    attack()
+    time.sleep(0.3)
+    found = "PEEK=" + json.dumps(peek(payload["secret"]))
+    forge()  # its own stdout too: it fails, and says what it found on stderr
+    print(found, file=sys.stderr, flush=True)
+    sys.exit(1)
+print(json.dumps({"secret": payload["secret"], "peek": peek(payload["secret"]), "daemon": daemon_alive()}))
+"""
+
+
+def _uid(user: str | None) -> int | None:
+    if user is None:
+        return None
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        pytest.skip(f"no user {user}")
+
+
+@pytest.mark.parametrize("user", [None, USER], ids=["root-drainer", "subuid-drainer"])
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+@pytest.mark.parametrize("kind", ["mod", "script"])
+def test_a_hostile_job_of_a_batch_cannot_read_change_or_forge_the_later_jobs(
+        kind: str, tier: str, user: str | None, dsn: str, shared: Path, sql) -> None:
+    need_tier(tier)
+    uid = _uid(user)
+    need_user(uid)
+    h = handlers_dir(shared, **{"mod.py": MODULE, "script.py": SCRIPT})
+    work = work_dir(shared, uid)
+    from fleetless import Queue
+
+    q = Queue(dsn)
+    q.init()
+    secrets = [f"secret-{os.urandom(4).hex()}" for _ in range(4)]
+    ids = [q.enqueue(kind, {"n": n, "secret": s}, max_attempts=1) for n, s in enumerate(secrets)]
+    r = drain(dsn, h, work, "--per-sandbox", "10", "--concurrency", "1", "--pids", "64", "--memory", "256M",
+              tier=tier, user=uid)
+    assert r.returncode == 0, r.stderr
+    rows = dict(sql("SELECT id, coalesce(result_json::text, result) FROM fleetless.jobs WHERE status = 'done'"))
+    (attacker,) = sql("SELECT concat(result_json::text, result, last_error) FROM fleetless.jobs WHERE id = %s",
+                      ids[0])[0]
+    assert "PEEK=[]" in str(attacker)  # no later payload anywhere it can look
+    results = [json.loads(rows[i].splitlines()[-1]) if i in rows else None for i in ids]
+    for n in (1, 2, 3):  # each later job: its own payload, untouched; nothing of the others; no daemon
+        assert results[n] == {"secret": secrets[n], "peek": [], "daemon": False}, (n, results[n])
