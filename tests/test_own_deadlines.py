@@ -128,3 +128,46 @@ def test_a_handle_that_switches_off_its_own_timers_still_ends_at_its_timeout(
     for job in innocent:  # run after it in a fresh sandbox, charged one attempt only
         assert sql("SELECT status, attempts, result_json FROM fleetless.jobs WHERE id = %s", job) == [
             ("done", 1, "ran")], drain.stderr
+
+
+def test_an_unprivileged_bwrap_drainers_job_dies_at_its_timeout_while_the_drainer_is_sigstopped(
+        dsn: str, queue: Queue, sql, require_tier) -> None:
+    """As above, the drainer a user with a subordinate range (``fleetless-ci``), which has no
+    cgroup of its own to kill: its watchdog kills the job's bwrap by pid (issue 26, item 2)."""
+    import shutil
+    import tempfile
+
+    from security.drains import drain, handlers_dir, work_dir
+    from security.test_subuid_jobs import subuid_user
+
+    require_tier("bwrap")
+    uid, _ = subuid_user()
+    base = Path(tempfile.mkdtemp(prefix="fleetless-stop-"))
+    base.chmod(0o755)
+    try:
+        kind = f"stop-{uuid.uuid4().hex[:8]}"
+        h = handlers_dir(base, **{f"{kind}.py": "import time\ntime.sleep(3600)\n"})
+        job = queue.enqueue(kind, {}, max_attempts=1)
+        proc = drain(dsn, h, work_dir(base, uid), "--timeout", "3", "--lease-grace", "20", "--concurrency", "1",
+                     tier="bwrap", user=uid, start=True)
+        assert isinstance(proc, subprocess.Popen)
+        stopped = False
+        try:
+            wait_for(lambda: len(descendants_with(proc.pid, kind)) >= 1, timeout=180, what="the job running")
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped = True
+            ((left,),) = sql("SELECT extract(epoch FROM lease_expires_at - now())::float8 FROM fleetless.jobs"
+                             " WHERE id = %s", job)
+            wait_for(lambda: not descendants_with(proc.pid, kind), timeout=max(float(left), 1.0),  # type: ignore[arg-type]
+                     what="the watchdog to kill the job by itself before the lease ends")
+            assert sql("SELECT status, now() < lease_expires_at FROM fleetless.jobs WHERE id = %s", job) == [
+                ("running", True)]
+        finally:
+            if stopped:
+                os.kill(proc.pid, signal.SIGCONT)
+            out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        ((status, error),) = sql("SELECT status, last_error FROM fleetless.jobs WHERE id = %s", job)
+        assert status == "dead" and str(error).startswith("killed"), (status, error, out, err)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -357,6 +357,14 @@ def _detach_mounts(path: Path) -> None:
         libc.umount2(point, 2)  # MNT_DETACH (a refusal leaves it to the removal's quarantine)
 
 
+def start_time(pid: int) -> int:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22): with the pid,
+    a name for one process that a reused pid does not match. OSError when there is none."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
+
+
 def sweep() -> int:
     """Remove workspaces left by drainers that no longer run; returns how many. One that cannot be
     removed is moved into :func:`quarantine_dir` (and reported once), so it never stops a drain."""

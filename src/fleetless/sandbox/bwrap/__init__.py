@@ -315,13 +315,21 @@ def _ensure_watchdog() -> None:
         _watchdog = (os.getpid(), write_end, proc)
 
 
-def _kill_at(deadline: float, cgroup: cgroups.JobCgroup | None) -> None:
+def _kill_at(deadline: float, cgroup: cgroups.JobCgroup | None, pid: int) -> None:
     """Have the watchdog kill the job's cgroups at ``deadline`` (CLOCK_MONOTONIC) by itself: the
-    job's own timeout then holds even when this drainer is stopped. Without cgroups there is no
-    group to kill from outside, and the drainer's own timer is all there is."""
-    if cgroup is None or not cgroup.dirs or _watchdog is None:
+    job's own timeout then holds even when this drainer is stopped. Without cgroups (an
+    unprivileged drainer) it kills the job's bwrap, ``pid``, whose pid namespace dies with it; the
+    pid is named with its start time, so a pid reused meanwhile is left alone."""
+    if _watchdog is None:
         return
-    line = "\t".join([f"{deadline:.3f}", *map(str, cgroup.dirs)]) + "\n"
+    if cgroup is not None and cgroup.dirs:
+        targets = [str(d) for d in cgroup.dirs]
+    else:
+        try:
+            targets = [f"pid:{pid}:{_workspace.start_time(pid)}"]
+        except OSError:  # gone already
+            return
+    line = "\t".join([f"{deadline:.3f}", *targets]) + "\n"
     with contextlib.suppress(OSError):  # a dead watchdog: the drainer's timer still holds
         os.write(_watchdog[1], line.encode())
 
@@ -570,7 +578,7 @@ class BwrapSandbox(Sandbox):
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         if self._cgroup is not None:
             self._cgroup.mark()
-        _kill_at(started + budget + OWN_DEADLINE_SLACK, self._cgroup)
+        _kill_at(started + budget + OWN_DEADLINE_SLACK, self._cgroup, proc.pid)
         try:
             proc.stdin.write(stdin)
             proc.stdin.close()

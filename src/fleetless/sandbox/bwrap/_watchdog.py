@@ -12,7 +12,9 @@ sandbox does (uid 65534), so a sandbox's pid 1 can outlive its monitor. The cgro
 
 The drainer writes one line per exec on the pipe: ``DEADLINE\tDIR\tDIR...\n``, DEADLINE in
 CLOCK_MONOTONIC seconds (the same clock in every process), the DIRs the job's cgroups. Groups
-already removed by then (the job ended) are skipped.
+already removed by then (the job ended) are skipped. Without cgroups (an unprivileged drainer)
+the one DIR is ``pid:PID:START``: the job's bwrap, killed (its pid namespace dies with it) if
+the pid still names the process that started at START (``/proc/PID/stat`` field 22).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import heapq
 import os
 import select
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,9 +34,22 @@ def _enforce(due: list[tuple[float, list[str]]]) -> None:
     now = time.monotonic()
     while due and due[0][0] <= now:
         _, dirs = heapq.heappop(due)
-        live = [Path(d) for d in dirs if os.path.isdir(d)]
+        for target in dirs:
+            if target.startswith("pid:"):
+                _kill_pid(target)
+        live = [Path(d) for d in dirs if not d.startswith("pid:") and os.path.isdir(d)]
         if live:
             cgroups.kill_paths(live)
+
+
+def _kill_pid(target: str) -> None:
+    """SIGKILL ``pid:PID:START`` if PID still is the process that started at START."""
+    try:
+        _, pid, start = target.split(":")
+        if _workspace.start_time(int(pid)) == int(start):
+            os.kill(int(pid), signal.SIGKILL)
+    except (OSError, ValueError):  # gone, or not ours to kill
+        pass
 
 
 def main() -> None:
