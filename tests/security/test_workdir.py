@@ -184,3 +184,23 @@ def test_a_process_tier_job_cannot_squat_another_users_next_drain(queue: Queue, 
     assert list((tmp / f"fleetless-run-{NOBODY}-!squat" / "job-uids").iterdir()) == []
     own = [p for p in tmp.iterdir() if p.name.startswith(f"fleetless-{NOBODY}-") and "!" not in p.name]
     assert len(own) == 1 and own[0].lstat().st_uid == NOBODY and own[0].lstat().st_mode & 0o022 == 0
+
+
+def test_a_volume_mounted_for_everyone_gets_a_private_directory_of_the_drainer_inside(
+        queue: Queue, dsn: str, sql: Any, shared: Path) -> None:
+    """A Kubernetes ``emptyDir`` is a mount point, root's, mode 0777: as FLEETLESS_WORKDIR it is not
+    refused but used as /tmp is, through a private ``fleetless-<uid>-<random>`` of the drainer inside."""
+    need_user(NOBODY)
+    h = handlers_dir(shared, **{"echo.py": ECHO})
+    vol = shared / "vol"
+    vol.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0777,size=64m", "fleetless-test-vol", str(vol)], check=True)
+    try:
+        queue.enqueue("echo", {"n": 5})
+        r = drain(dsn, h, vol, user=NOBODY)
+        assert r.returncode == 0, r.stderr
+        assert [(s, a) for s, a, _ in sql(JOBS)] == [("done", 1)]
+        own = [p for p in vol.iterdir() if p.name.startswith(f"fleetless-{NOBODY}-")]
+        assert len(own) == 1 and own[0].lstat().st_uid == NOBODY and own[0].lstat().st_mode & 0o022 == 0, own
+    finally:
+        subprocess.run(["umount", "-l", str(vol)], check=False)

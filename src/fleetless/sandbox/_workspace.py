@@ -57,6 +57,8 @@ def root() -> Path:
     if not given:
         return private_dir(f"fleetless-{os.geteuid()}-")
     path = Path(os.path.abspath(given))
+    if _volume_for_all(path):  # a volume mounted 0777 (a Kubernetes emptyDir): a private directory in it
+        return private_dir(f"fleetless-{os.geteuid()}-", path)
     if not os.path.lexists(path):
         existing = path.parent
         while not os.path.lexists(existing):
@@ -67,12 +69,23 @@ def root() -> Path:
     return path
 
 
-def private_dir(prefix: str) -> Path:
+def _volume_for_all(path: Path) -> bool:
+    """A mount point (a volume mounted for the drainer, as Kubernetes mounts an ``emptyDir``, 0777)
+    of root's or this user's that others may write: what is made in it is this user's own."""
+    try:
+        st, up = os.lstat(path), os.lstat(path.parent)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_dev != up.st_dev and st.st_uid in (0, os.geteuid())
+            and bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)))
+
+
+def private_dir(prefix: str, base: Path | None = None) -> Path:
     """This user's directory ``<tmp>/<prefix><random>`` (0711): the name is not predictable, so no
     other user can make it first. Every drainer of the user finds the same one again: the
     first (by name) in the tmp dir that passes :func:`check` (a directory another user made with
     the prefix fails it and is ignored); the first drainer makes it."""
-    key = (prefix, os.geteuid())
+    key = (f"{base}/{prefix}", os.geteuid())
     known = _default.get(key)
     if known is not None:
         try:
@@ -80,7 +93,7 @@ def private_dir(prefix: str) -> Path:
             return known
         except OSError:  # removed (a tmp cleaner) or changed: find or make another
             del _default[key]
-    tmp = Path(os.path.realpath(tempfile.gettempdir()))
+    tmp = Path(os.path.realpath(tempfile.gettempdir())) if base is None else base
     found = _find_own(tmp, prefix)
     if found is None:
         made = Path(tempfile.mkdtemp(prefix=prefix, dir=tmp))
@@ -117,6 +130,7 @@ def check(path: Path, what: str, above: bool = False) -> None:
     me = os.geteuid()
     parts = [p for p in str(path).split("/") if p]
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    prev_dev = -1
     try:
         for i, part in enumerate(["", *parts]):
             if part:
@@ -132,6 +146,7 @@ def check(path: Path, what: str, above: bool = False) -> None:
                 os.close(fd)
                 fd = nxt
             st = os.fstat(fd)
+            up_dev, prev_dev = prev_dev, st.st_dev
             step = "/" + "/".join(parts[:i])
             if i == len(parts) and not above:
                 if st.st_uid != me:
@@ -140,7 +155,8 @@ def check(path: Path, what: str, above: bool = False) -> None:
                     raise UnsafeDirectory(f"refusing {what}: {step} is writable by others "
                                           f"(mode {stat.S_IMODE(st.st_mode):o}; chmod go-w)")
             elif st.st_uid not in (0, me) or (
-                    st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX):
+                    st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX
+                    and st.st_dev == up_dev):  # (a volume mounted 0777 for the drainer: see root())
                 raise UnsafeDirectory(f"refusing {what}: {step} (above it) could be changed by "
                                       f"another user (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})")
     finally:
