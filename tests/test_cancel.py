@@ -152,3 +152,55 @@ def test_a_cancel_that_lands_before_the_jobs_sandbox_exists_stops_it_before_it_r
     assert sql("SELECT status, attempts, last_error FROM fleetless.jobs") == [
         ("cancelled", 1, "cancelled: an operator cancelled the job while it ran")]
     assert drainer.summary.cancelled == 1
+
+
+GATED = """
+    import os, time
+    def handle(payload):
+        gate = payload.get("gate")
+        if gate:  # runs until the test opens its gate (bounded)
+            open(gate + ".started", "w").close()
+            give_up = time.monotonic() + 60
+            while not os.path.exists(gate) and time.monotonic() < give_up:
+                time.sleep(0.02)
+        return payload["n"]
+"""
+
+
+@pytest.mark.parametrize("tier", ["process"])  # the gate is a host file: bwrap's jobs do not see it
+@pytest.mark.parametrize("which", ["waiting", "running"])
+def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job(which: str, tier: str, queue: Queue, sql, handlers,
+                                                                  tmp_path: Path, require_tier) -> None:
+    """Issue 26 item 1: ``--per-sandbox 4``, a cancel while the batch's first job runs. Of the 4th
+    (waiting): it is never started and ends cancelled, and the running job ends done. Of the 1st
+    (running): it alone ends cancelled, and the 3 after it are done."""
+    require_tier(tier)
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    gates.chmod(0o777)
+    gate = str(gates / "open")
+    h = handlers(**{"gated.py": GATED})
+    ids = [queue.enqueue("gated", {"n": 0, "gate": gate}, max_attempts=3)]
+    ids += [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=4, concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(lambda: Path(gate + ".started").exists(), timeout=60, what="the batch's first job to start")
+        victim = ids[3] if which == "waiting" else ids[0]
+        assert queue.cancel(victim) is Status.RUNNING  # claimed with its batch
+        # the drainer sees the cancel about once a second; the first job runs on meanwhile
+        wait_for(lambda: drainer._cancelled, timeout=30, what="the drainer to see the cancel")
+        if which == "waiting":
+            Path(gate).touch()  # the running job ends on its own: done
+        thread.join(timeout=120)  # the running one, cancelled, is killed without its gate
+    finally:
+        Path(gate).touch()
+        thread.join(timeout=120)
+    rows = dict(sql("SELECT id, status FROM fleetless.jobs WHERE id = ANY(%s)", ids))
+    attempts = dict(sql("SELECT id, attempts FROM fleetless.jobs WHERE id = ANY(%s)", ids))
+    if which == "waiting":
+        assert [rows[i] for i in ids] == ["done", "done", "done", "cancelled"]
+    else:
+        assert [rows[i] for i in ids] == ["cancelled", "done", "done", "done"]
+    assert all(attempts[i] == 1 for i in ids)
