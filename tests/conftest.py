@@ -54,7 +54,8 @@ def pytest_configure(config: pytest.Config) -> None:
         session = tempfile.mkdtemp(prefix="session-", dir=top)
         os.chmod(session, 0o755)
         os.environ["FLEETLESS_TEST_TMP"] = os.environ["TMPDIR"] = tempfile.tempdir = session
-        config.add_cleanup(lambda: subprocess.run(["rm", "-rf", "--one-file-system", session], check=False))
+        config.add_cleanup(lambda: subprocess.run(["rm", "-rf", "--one-file-system", session], check=False,
+                                                  capture_output=True))  # (a non-root run: what it cannot remove stays)
     if config.option.basetemp is None and os.geteuid() == 0:
         base = tempfile.mkdtemp(prefix="fleetless-pytest-")
         config.option.basetemp = base
