@@ -308,6 +308,11 @@ class Runner:
         duration = time.monotonic() - t0
         stdout, cut = _head(out_path, int(desc.get("stdout_bytes", RESULT_BYTES)))
         stderr = _tail(err_path, int(desc.get("stderr_bytes", ERROR_CHARS)))
+        for path in (out_path, err_path, payload_path):  # what the runner made: then one rmdir does
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         _remove(home)
         if not clean:
             stderr += "\n(fleetless: processes of this job could not all be killed)"
