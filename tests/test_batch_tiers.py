@@ -87,10 +87,11 @@ def test_sigkill_between_the_jobs_end_and_the_flush_runs_them_again(
     h = handlers(**{"mod.py": MODULE})
     marks = tmp_path / "marks"
     marks.mkdir()
-    ids = queue.enqueue_many([{"kind": "mod", "payload": {"n": i}, "timeout": 1} for i in range(4)])
+    # a queue of its own per tier: the SIGKILLed watcher of an earlier case holds its queues' watch lease
+    ids = queue.enqueue_many([{"kind": "mod", "payload": {"n": i}, "timeout": 1, "queue": tier} for i in range(4)])
     # watch mode keeps the drainer alive once the batch is done; the flush timer never fires
     proc = _drainer(dsn, h, marks, tier, "per_sandbox=4, concurrency=1, lease_grace=3, watch=True,"
-                                         " flush_interval=3600, flush_size=10**6")
+                                         f" flush_interval=3600, flush_size=10**6, queues=({tier!r},)")
     try:
         wait_for(lambda: len(list(marks.iterdir())) == 4, timeout=SLOW[tier],
                  what="the drainer to hold every job's outcome")
