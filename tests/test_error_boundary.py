@@ -8,7 +8,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "fleetless"
 #: db.py is the boundary; queue.py closes its own broken connection inside it, then re-raises.
-BOUNDARY = {"db.py", "queue.py"}
+#: async_queue.py is the asyncio twin of db.connect's boundary (its own connections, both drivers).
+BOUNDARY = {"db.py", "queue.py", "async_queue.py"}
 
 
 def test_only_the_boundary_catches_the_drivers_errors() -> None:

@@ -51,7 +51,8 @@ def test_reaper_settings_refuse_a_non_positive_age() -> None:
 def test_sweeper_removes_leftovers_of_dead_drainers_only(private_workdir: Path) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    private_workdir.mkdir()
+    private_workdir.mkdir(mode=0o711)
+    private_workdir.chmod(0o711)  # whatever the umask: a work directory others may write is refused
     (private_workdir / f"ws-{dead.pid}-gone").mkdir()
     (private_workdir / f"hs-{dead.pid}-gone").mkdir()
     mine = private_workdir / f"ws-{os.getpid()}-live"

@@ -101,6 +101,8 @@ def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12, as_json: bool
             concurrency=max(os.cpu_count() or 1, 2),
             # Retries due at once so the demo shows a job walking to dead in one drain.
             retry=RetryPolicy(base_seconds=0, max_jitter_seconds=0),
+            # The demo's kind with no handler ends dead at once (no other drainer will have it).
+            no_handler_delay=None,
         )
         drainer = Drainer(queue, config)
         if drainer.tier_note:

@@ -54,7 +54,9 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
     def mount(options: str) -> Path:
         target = tmp_path / f"mnt{len(mounted)}"
         target.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True,
+        # mode=0755: the work directory must be writable by no one but the drainer (issue 25 item 3)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"mode=0755,{options}", "tmpfs", str(target)],
+                           capture_output=True,
                            text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
