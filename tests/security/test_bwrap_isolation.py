@@ -143,8 +143,8 @@ def assert_confined(out: dict[str, Any]) -> None:
     # (a drainer without a pids cgroup runs it under prlimit --nproc: the pids cap, issue 25 item 2)
     argv = out["pid1 cmdline"][4:]
     if argv[0].endswith("/prlimit"):
-        assert argv[1].startswith("--nproc="), argv
-        argv = argv[2:]
+        assert argv[1].startswith("--nproc=") and argv[2] == "--", argv
+        argv = argv[3:]
     assert argv[1].startswith("/handlers/"), out["pid1 cmdline"]
     assert not any(p.startswith(("/tmp/", "/work/", "/root/", "/run/")) for p in out["pid1 cmdline"][5:])
     assert out["pid1 environ"] == ""
