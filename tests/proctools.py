@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fleetless.sandbox._tree import descendants as tree_descendants
+
 
 def alive(pid: int) -> bool:
     """Whether ``pid`` still runs; a zombie (dead, not yet reaped) does not."""
@@ -38,24 +40,9 @@ def pids_with(marker: str) -> list[int]:
 def descendants(pid: int) -> list[int]:
     """The pids of ``pid``'s children, their children and so on (from each task's ``children``
     file): a test that looks for what its own drain started looks only there, never at every
-    process on the host (another drain running there must not change its answer)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        parent = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{parent}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
+    process on the host (another drain running there must not change its answer). The drainer's
+    own memory watch walks the tree the same way: one walk serves both."""
+    return tree_descendants(pid)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition",
