@@ -16,6 +16,8 @@ import fleetless.queue as queue_module
 from fleetless import Finished, Queue, WaitTimeout
 from fleetless.queue import JobNotFound
 
+from proctools import wait_for
+
 
 def _finish_later(queue: Queue, dsn: str, how: str, started: threading.Event) -> threading.Thread:
     def run() -> None:
@@ -125,3 +127,115 @@ def test_cli_wait_is_woken_by_a_drain_in_another_process(dsn: str, queue: Queue,
     out, err = waiter.communicate(timeout=120)
     assert waiter.returncode == 0, err
     assert json.loads(out)["result"] == {"hello": "ada"}
+
+
+def test_a_finish_in_flight_while_the_waiter_registers_still_wakes_it_at_once(
+        queue: Queue, dsn: str, sql: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26: a finish whose trigger ran before the waiter's row was visible NOTIFYs no one; if
+    it commits after the waiter read the job, the waiter used to wait for WAIT_RECHECK. Forced: the
+    finish's UPDATE runs first and commits only once the waiter has read the job (it then listens)
+    or waits on the finish's row lock. With the re-read an hour apart, the wait must return on a read
+    or a NOTIFY, never by running out its 20 s bound."""
+    import psycopg
+
+    monkeypatch.setattr(queue_module, "WAIT_RECHECK", 3600.0)
+    job_id = queue.enqueue("a", {})
+    listening = threading.Event()
+    original = psycopg.Connection.notifies
+
+    heard: list[int] = []  # per wait for a NOTIFY: how many it heard (0: it ran out of time)
+
+    def notifies(self: psycopg.Connection[Any], *args: Any, **kwargs: Any) -> Any:
+        listening.set()  # the waiter read the job unfinished: it waits for a NOTIFY now
+        notes = list(original(self, *args, **kwargs))
+        heard.append(len(notes))
+        return iter(notes)
+
+    monkeypatch.setattr(psycopg.Connection, "notifies", notifies)
+    got: dict[str, Any] = {}
+
+    def wait() -> None:
+        try:
+            got["finished"] = queue.wait(job_id, timeout=20)
+        except Exception as exc:
+            got["error"] = exc
+
+    with psycopg.connect(dsn) as finisher:
+        finisher.execute("UPDATE fleetless.jobs SET status = 'cancelled', finished_at = now() WHERE id = %s",
+                         (job_id,))
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+
+        def blocked() -> bool:
+            return sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                       "AND wait_event_type = 'Lock'") != [(0,)]
+
+        wait_for(lambda: listening.is_set() or blocked(), timeout=30, what="the waiter to read the job")
+        finisher.commit()
+    waiter.join(timeout=60)
+    assert "error" not in got, got
+    assert got["finished"].status == "cancelled"
+    assert 0 not in heard, "the waiter was woken by its timeout, not by the finish"
+    assert sql("SELECT count(*) FROM fleetless.job_waiters") == [(0,)]
+
+
+WAITER = """
+import sys
+from fleetless import Queue
+Queue(sys.argv[1]).wait(int(sys.argv[2]))
+"""
+
+
+def test_no_waiter_row_outlives_its_job_after_waits_timeouts_and_killed_waiters(queue: Queue, dsn: str,
+                                                                                 sql: Any) -> None:
+    """Issue 26: job_waiters rows must not accumulate (while any exists, every UPDATE of the jobs
+    table pays the finish trigger's join). Waits that return or time out leave none; a killed
+    waiter's row goes with its job's finish; what a killed waiter leaves in a race with a finish
+    that could not see its row, or for a job deleted by hand, goes with the waiters unit's pass,
+    which keeps the row of a waiter whose job has not finished."""
+    import psycopg
+
+    from fleetless.maintenance import waiters
+
+    def rows(job_id: int | None = None) -> int:
+        if job_id is None:
+            return int(sql("SELECT count(*) FROM fleetless.job_waiters")[0][0])
+        return int(sql("SELECT count(*) FROM fleetless.job_waiters WHERE job_id = %s", job_id)[0][0])
+
+    def killed_waiter(job_id: int, before_kill: Any = None) -> None:
+        proc = subprocess.Popen([sys.executable, "-c", WAITER, dsn, str(job_id)], env={**os.environ})
+        try:
+            wait_for(lambda: rows(job_id) == 1, timeout=60, what="the waiter's row")
+            if before_kill is not None:
+                wait_for(before_kill, timeout=60, what="the waiter to read the job")
+        finally:
+            proc.kill()
+            proc.wait()
+
+    a = queue.enqueue("a", {})
+    with pytest.raises(WaitTimeout):
+        queue.wait(a, timeout=0.1)
+    queue.cancel(a)
+    assert queue.wait(a, timeout=5).status == "cancelled"
+    assert rows() == 0
+    b = queue.enqueue("b", {})  # a killed waiter of an unfinished job: its row goes with the finish
+    killed_waiter(b)
+    queue.cancel(b)
+    assert rows() == 0
+    c = queue.enqueue("c", {})  # killed while a finish that ran before its row existed was in flight
+    with psycopg.connect(dsn) as finisher:
+        finisher.execute("UPDATE fleetless.jobs SET status = 'cancelled', finished_at = now() WHERE id = %s", (c,))
+        killed_waiter(c, lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                     "AND wait_event_type = 'Lock'") != [(0,)])
+        finisher.commit()
+    d = queue.enqueue("d", {})  # a killed waiter's job deleted by hand
+    killed_waiter(d)
+    sql("DELETE FROM fleetless.jobs WHERE id = %s", d)
+    live = queue.enqueue("e", {})  # a killed waiter's pending job: its row stays for its finish
+    killed_waiter(live)
+    assert (rows(c), rows(d), rows(live)) == (1, 1, 1)
+    assert waiters.run_once(queue, waiters.Settings(batch_size=1)).deleted == 1  # bounded
+    assert waiters.run_once(queue).deleted == 1
+    assert rows() == 1 == rows(live)
+    queue.cancel(live)
+    assert rows() == 0

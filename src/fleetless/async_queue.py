@@ -225,19 +225,27 @@ class AsyncQueue:
             if not await self._execute(c, "wait_mark", {"id": job_id}):
                 raise JobNotFound(f"no job with id {job_id}")
             try:
-                found = await self._execute(c, "wait_read", {"id": job_id})
+                found = await self._wait_read(c, job_id)
                 while found and found[0]["status"] not in FINAL_STATUSES:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         raise WaitTimeout(job_id, found[0]["status"], limit or 0.0)
                     await woken(WAIT_RECHECK if left is None else min(WAIT_RECHECK, left))
-                    found = await self._execute(c, "wait_read", {"id": job_id})
+                    found = await self._wait_read(c, job_id)
             finally:
                 with contextlib.suppress(db.DatabaseError):
                     await self._execute(c, "wait_done", {"id": job_id})
         if not found:
             raise JobNotFound(f"job {job_id} was deleted while waited for")
         return Finished.of(_decoded(found[0]))
+
+    async def _wait_read(self, conn: AnyConnection, job_id: int) -> list[dict[str, Any]]:
+        """As :meth:`Queue._wait_read`: an unfinished row a transaction has touched is read again
+        once that transaction has ended (a finish that could not see this waiter NOTIFYs no one)."""
+        found = await self._execute(conn, "wait_read", {"id": job_id})
+        if found and found[0]["status"] not in FINAL_STATUSES and found[0]["touched"]:
+            found = await self._execute(conn, "wait_read_settled", {"id": job_id})
+        return found
 
     @asynccontextmanager
     async def _listening(self, conn: AnyConnection, channel: str) -> AsyncIterator[Any]:

@@ -909,7 +909,7 @@ class Queue:
                 with conn.cursor(row_factory=dict_row) as cur:
                     if cur.execute(self._q["wait_mark"], {"id": job_id}).fetchone() is None:
                         raise JobNotFound(f"no job with id {job_id}")
-                    row = cur.execute(self._q["wait_read"], {"id": job_id}).fetchone()
+                    row = self._wait_read(cur, job_id)
                     while row is not None and row["status"] not in FINAL_STATUSES:
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
@@ -919,7 +919,7 @@ class Queue:
                         # (any note: reading the row again costs less than parsing every id)
                         list(conn.notifies(timeout=WAIT_RECHECK if left is None else min(WAIT_RECHECK, left),
                                            stop_after=1))
-                        row = cur.execute(self._q["wait_read"], {"id": job_id}).fetchone()
+                        row = self._wait_read(cur, job_id)
                 if row is None:
                     raise JobNotFound(f"job {job_id} was deleted while waited for")
                 return Finished.of(row)
@@ -927,6 +927,15 @@ class Queue:
                 with contextlib.suppress(psycopg.Error):
                     conn.execute(self._q["wait_done"], {"id": job_id})
                     conn.execute(f"UNLISTEN {channel}".encode())
+
+    def _wait_read(self, cur: psycopg.Cursor[dict[str, Any]], job_id: int) -> dict[str, Any] | None:
+        """The waited job's row (None: deleted). An unfinished row that a transaction has touched
+        is read again once that transaction has ended: it may be a finish whose trigger ran before
+        this waiter's row was visible, which NOTIFYs no one (wait_read's comment)."""
+        row = cur.execute(self._q["wait_read"], {"id": job_id}).fetchone()
+        if row is not None and row["status"] not in FINAL_STATUSES and row["touched"]:
+            row = cur.execute(self._q["wait_read_settled"], {"id": job_id}).fetchone()
+        return row
 
     @contextmanager
     def _listener(self) -> Iterator[psycopg.Connection[Any]]:
@@ -972,6 +981,13 @@ class Queue:
         if before is not None:
             _job_id(before)
         return self._run("list", {"status": status, "kind": kind, "queue": queue, "limit": limit, "before": before})
+
+    def forget_waiters(self, limit: int = 1000) -> int:
+        """Delete up to ``limit`` waiter rows (:meth:`wait`'s) whose job has finished or is gone
+        (``forget_waiters`` in queries.sql); returns how many."""
+        with db.errors_translated(self.schema), self._connection() as c, db.atomic(c), c.cursor() as cur:
+            cur.execute(self._q["forget_waiters"], {"limit": int(limit)})
+            return cur.rowcount
 
     def compact_counts(self) -> None:
         """Fold job_counts' rows into one per (queue, kind, status) (``compact_counts`` in

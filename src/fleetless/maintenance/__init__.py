@@ -1,4 +1,4 @@
-"""Housekeeping as small units, one per task (reaper, sweeper, pruner, retention, scheduler).
+"""Housekeeping as small units, one per task (reaper, sweeper, pruner, retention, waiters, scheduler).
 
 Each unit module has a ``Settings`` (every field commented, validated on creation, defaults in
 one place), a ``Result`` of counts, and ``run_once(...)`` that does one pass and returns it: tests
@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 from .. import db
 from ..queue import Queue
 from ..sandbox import Sandbox
-from . import pruner, reaper, retention, scheduler, sweeper
+from . import pruner, reaper, retention, scheduler, sweeper, waiters
 
-__all__ = ["Maintainer", "Report", "Settings", "pruner", "reaper", "retention", "scheduler", "sweeper"]
+__all__ = ["Maintainer", "Report", "Settings", "pruner", "reaper", "retention", "scheduler", "sweeper", "waiters"]
 
 T = TypeVar("T")
 #: How long after a schedule's occurrence the scheduler runs for it (the database's clock must
@@ -53,6 +53,7 @@ class Report:
     reaped: reaper.Result = field(default_factory=reaper.Result)
     swept: sweeper.Result = field(default_factory=sweeper.Result)
     pruned: pruner.Result = field(default_factory=pruner.Result)
+    forgotten: waiters.Result = field(default_factory=waiters.Result)  # waiter rows no one removes
     scheduled: scheduler.Result = field(default_factory=scheduler.Result)
     failed: list[str] = field(default_factory=list)  # the units that failed (each logged), in order
 
@@ -92,6 +93,8 @@ class Maintainer:
         report.pruned = self._unit(report, "retention",
                                    lambda: self._guard(lambda: retention.run_once(self.queue, s.retention)),
                                    pruner.Result())
+        report.forgotten = self._unit(report, "waiters", lambda: self._guard(lambda: waiters.run_once(self.queue)),
+                                    waiters.Result())
         report.scheduled = self._schedule(report)
         return report
 

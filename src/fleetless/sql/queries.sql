@@ -444,20 +444,50 @@ FROM {schema}.jobs WHERE id = %(id)s;
 -- name: wait_mark
 -- Queue.wait: register as the job's waiter (migration 019's trigger then NOTIFYs its id when it
 -- finishes). The caller LISTENs before this and reads the job after it (wait_read), so a finish
--- that commits after this row is visible wakes it, and one committed before shows as final.
-INSERT INTO {schema}.job_waiters (job_id)
-SELECT id FROM {schema}.jobs WHERE id = %(id)s
-RETURNING job_id;
+-- that commits after this row is visible wakes it, and one committed before shows as final. A job
+-- that has finished already gets no row (nothing would ever remove it: its finish is past); the
+-- job's id comes back all the same ("no row": no such job).
+WITH job AS (SELECT id, status FROM {schema}.jobs WHERE id = %(id)s),
+mark AS (
+  INSERT INTO {schema}.job_waiters (job_id)
+  SELECT id FROM job WHERE status NOT IN ('done', 'dead', 'cancelled')
+)
+SELECT id AS job_id FROM job;
 
 -- name: wait_done
 -- Queue.wait, returning: its waiter row goes (the trigger removes those of finished jobs itself).
 DELETE FROM {schema}.job_waiters
 WHERE ctid = (SELECT ctid FROM {schema}.job_waiters WHERE job_id = %(id)s LIMIT 1);
 
+-- name: forget_waiters
+-- The waiters unit (maintenance/waiters.py): waiter rows whose job has finished or is gone, which
+-- no finish will remove any more (a waiter killed in the race wait_read describes, its job then
+-- maybe deleted). At most %(limit)s a statement; the rows of unfinished jobs stay.
+DELETE FROM {schema}.job_waiters
+WHERE ctid = ANY(ARRAY(
+  SELECT w.ctid FROM {schema}.job_waiters w
+  WHERE NOT EXISTS (SELECT 1 FROM {schema}.jobs j
+                    WHERE j.id = w.job_id AND j.status NOT IN ('done', 'dead', 'cancelled'))
+  LIMIT %(limit)s));
+
 -- name: wait_read
--- Queue.wait, once woken: the finished job's outcome.
-SELECT id, kind, queue, status, attempts, result, result_json, last_error, finished_at
+-- Queue.wait, once woken: the finished job's outcome. "touched": some transaction has locked or
+-- changed this row version (its xmax is set). A finish whose trigger ran before this waiter's row
+-- was visible (so it NOTIFYs no one) still holds that lock while uncommitted: the caller then reads
+-- again with wait_read_settled, which waits for it (issue 26: else up to WAIT_RECHECK late).
+SELECT id, kind, queue, status, attempts, result, result_json, last_error, finished_at,
+       xmax::text <> '0' AS touched
 FROM {schema}.jobs WHERE id = %(id)s;
+
+-- name: wait_read_settled
+-- Queue.wait, after wait_read saw an unfinished job that a transaction had touched: FOR SHARE
+-- waits for a writer still in flight (a finish that could not see this waiter's row) and reads the
+-- row as it committed it. Taken only then: a share lock on a pending job would make a claim
+-- (SKIP LOCKED) pass it over for that instant.
+SELECT id, kind, queue, status, attempts, result, result_json, last_error, finished_at,
+       false AS touched
+FROM {schema}.jobs WHERE id = %(id)s
+FOR SHARE;
 
 -- name: list
 -- Newest first; filters are optional. Keyset paging on id (before), so page 1,000 costs what page
