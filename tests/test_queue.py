@@ -493,3 +493,22 @@ def test_run_now_and_retry_wake_watchers_as_an_enqueue_does(queue: Queue, dsn: s
             break
     listener.close()
     assert heard[:2] == ["later", "dead"] and sorted(heard[2:4]) == ["also", "dead"] and heard[4:] == ["last"]
+
+
+def test_a_claim_that_skips_kinds_takes_the_others_in_claim_order_across_kinds_and_queues(
+        queue: Queue, dsn: str) -> None:
+    a1 = queue.enqueue("a", {})
+    skipped = [queue.enqueue("s", {}, priority=9) for _ in range(3)]
+    b_high = queue.enqueue("b", {}, priority=5, queue="other")
+    a_high = queue.enqueue("a", {}, priority=5)
+    queue.enqueue("b", {}, delay=3600)
+    b1 = queue.enqueue("b", {})
+    a2 = queue.enqueue("a", {})
+    # a concurrent claim holds a1: passed over, as by the claim without skip_kinds
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT 1 FROM fleetless.jobs WHERE id = %s FOR UPDATE", (a1,))
+        assert [j.id for j in queue.claim(3, skip_kinds=["s"])] == [b_high, a_high, b1]
+        assert [j.id for j in queue.claim(10, skip_kinds=["s"], queues=["default"])] == [a2]
+    assert [j.id for j in queue.claim(10, skip_kinds=["s", "b"], one_kind=True)] == [a1]
+    assert queue.claim(10, skip_kinds=["s", "b", "a"], one_kind=True) == []
+    assert [j.id for j in queue.claim(10)] == skipped

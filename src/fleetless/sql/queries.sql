@@ -153,14 +153,39 @@ SET status = 'running',
         secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s::float8), %(ttl)s::float8) + %(grace)s::float8)
 -- The ids as one array (an InitPlan run once), not IN (subquery): the planner then reaches each
 -- row by its primary key instead of hashing a scan of the whole table (a 2,000-row claim: 0.8x).
+-- Without skip_kinds: the first array, the first n due rows in claim order. With them: the second
+-- (each is gated on skip_kinds, so only one reads anything). Filtering the claim order by kind
+-- read every due row of the skipped kinds first (0.6-1.06 s beside 1M pending of limited kinds,
+-- issue 26); instead each (kind, queue) with pending jobs is found by a skip scan of
+-- jobs_kind_claim_idx (migration 020, one index descent per pair), and of the pairs the drain may
+-- take, each one's first n due rows in claim order (its part of that index, locked as read, so a
+-- concurrent claim's rows are passed over as above); of those, the first n in claim order.
 WHERE j.id = ANY(ARRAY(
-  SELECT id FROM {schema}.jobs
-  WHERE status = 'pending' AND run_after <= now()
-    AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
-    AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
-  ORDER BY priority DESC, run_after
-  FOR UPDATE SKIP LOCKED
-  LIMIT %(n)s
+  (SELECT id FROM {schema}.jobs
+   WHERE status = 'pending' AND run_after <= now() AND %(skip_kinds)s::text[] IS NULL
+     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+   ORDER BY priority DESC, run_after
+   FOR UPDATE SKIP LOCKED
+   LIMIT %(n)s)
+) || ARRAY(
+  (WITH RECURSIVE pair AS (
+     (SELECT kind, queue FROM {schema}.jobs
+      WHERE status = 'pending' AND %(skip_kinds)s::text[] IS NOT NULL ORDER BY kind, queue LIMIT 1)
+     UNION ALL
+     SELECT nx.kind, nx.queue FROM pair p CROSS JOIN LATERAL (
+       SELECT kind, queue FROM {schema}.jobs
+       WHERE status = 'pending' AND (kind, queue) > (p.kind, p.queue) ORDER BY kind, queue LIMIT 1) AS nx
+   )
+   SELECT c.id FROM pair p CROSS JOIN LATERAL (
+     SELECT id, priority, run_after FROM {schema}.jobs
+     WHERE status = 'pending' AND kind = p.kind AND queue = p.queue AND run_after <= now()
+     ORDER BY priority DESC, run_after
+     FOR UPDATE SKIP LOCKED
+     LIMIT %(n)s) AS c
+   WHERE p.kind <> ALL(%(skip_kinds)s::text[])
+     AND (%(queues)s::text[] IS NULL OR p.queue = ANY(%(queues)s::text[]))
+   ORDER BY c.priority DESC, c.run_after
+   LIMIT %(n)s)
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
@@ -740,14 +765,33 @@ RETURNING j.id, extract(epoch FROM j.lease_expires_at - now())::float8;
 -- locked by the CTE and therefore not skipped by the claim that follows. A kind's batch_size
 -- (fleetless.toml, in kinds) replaces the drain's n for its batches.
 -- The rows come back in run order (priority, then id), sorted here rather than by the client.
-WITH head AS (
-  SELECT kind FROM {schema}.jobs
-  WHERE status = 'pending' AND run_after <= now()
-    AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
-    AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
-  ORDER BY priority DESC, run_after
-  FOR UPDATE SKIP LOCKED
-  LIMIT 1
+-- With skip_kinds, the head is found as claim finds its rows with them: the first due row of each
+-- (kind, queue) pair the drain may take, never a read through the skipped kinds' backlog.
+WITH RECURSIVE pair AS (
+  (SELECT kind, queue FROM {schema}.jobs
+   WHERE status = 'pending' AND %(skip_kinds)s::text[] IS NOT NULL ORDER BY kind, queue LIMIT 1)
+  UNION ALL
+  SELECT nx.kind, nx.queue FROM pair p CROSS JOIN LATERAL (
+    SELECT kind, queue FROM {schema}.jobs
+    WHERE status = 'pending' AND (kind, queue) > (p.kind, p.queue) ORDER BY kind, queue LIMIT 1) AS nx
+), head AS (
+  SELECT COALESCE((
+    SELECT kind FROM {schema}.jobs
+    WHERE status = 'pending' AND run_after <= now() AND %(skip_kinds)s::text[] IS NULL
+      AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+    ORDER BY priority DESC, run_after
+    FOR UPDATE SKIP LOCKED
+    LIMIT 1), (
+   SELECT p.kind FROM pair p CROSS JOIN LATERAL (
+     SELECT priority, run_after FROM {schema}.jobs
+     WHERE status = 'pending' AND kind = p.kind AND queue = p.queue AND run_after <= now()
+     ORDER BY priority DESC, run_after
+     FOR UPDATE SKIP LOCKED
+     LIMIT 1) AS c
+   WHERE p.kind <> ALL(%(skip_kinds)s::text[])
+     AND (%(queues)s::text[] IS NULL OR p.queue = ANY(%(queues)s::text[]))
+   ORDER BY c.priority DESC, c.run_after
+   LIMIT 1)) AS kind
 ), claimed AS (
 UPDATE {schema}.jobs AS j
 SET status = 'running',
@@ -769,7 +813,7 @@ WHERE j.id = ANY(ARRAY(
   SELECT id FROM {schema}.jobs
   WHERE status = 'pending' AND run_after <= now()
     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
-    AND kind = (SELECT kind FROM head)
+    AND kind = (SELECT kind FROM head) AND (SELECT kind FROM head) IS NOT NULL  -- (none: no read at all)
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT COALESCE((%(kinds)s::jsonb -> (SELECT kind FROM head) ->> 'batch_size')::int, %(n)s)
@@ -902,22 +946,44 @@ SET lock_timeout = '2s';
 -- name: next_due
 -- Watch mode sleeps until the next pending job of its queues is due (not a poll every second);
 -- seconds from now, or NULL when nothing is pending. Kinds the drain does not claim (skip_kinds)
--- do not wake it. Named queues: each one's first row of the pending index on (queue, run_after),
--- so a queue with nothing due costs a few index reads whatever the backlog of other queues; all
--- queues (NULL): the first row of the pending index on run_after.
+-- do not wake it. Without skip_kinds: named queues, each one's first row of the pending index on
+-- (queue, run_after), so a queue with nothing due costs a few index reads whatever the backlog of
+-- other queues; all queues (NULL): the first row of the pending index on run_after. With them
+-- (filtering those indexes by kind read the skipped kinds' whole backlog, issue 26): a skip scan
+-- of jobs_kind_claim_idx (migration 020) finds the first row of each (kind, queue, priority) that
+-- has pending jobs, one index descent each: the earliest due time of the ones the drain may take.
+-- Each branch is gated on skip_kinds, so only one of them runs.
+WITH RECURSIVE part AS (
+  (SELECT kind, queue, priority, run_after FROM {schema}.jobs
+   WHERE status = 'pending' AND %(skip_kinds)s::text[] IS NOT NULL
+   ORDER BY kind, queue, priority DESC, run_after LIMIT 1)
+  UNION ALL
+  SELECT nx.* FROM part p CROSS JOIN LATERAL (
+    (SELECT kind, queue, priority, run_after FROM {schema}.jobs
+     WHERE status = 'pending' AND kind = p.kind AND queue = p.queue AND priority < p.priority
+     ORDER BY priority DESC, run_after LIMIT 1)
+    UNION ALL
+    (SELECT kind, queue, priority, run_after FROM {schema}.jobs
+     WHERE status = 'pending' AND (kind, queue) > (p.kind, p.queue)
+     ORDER BY kind, queue, priority DESC, run_after LIMIT 1)
+    LIMIT 1) AS nx
+)
 SELECT extract(epoch FROM min(due.run_after) - now())::float8 AS seconds
 FROM (
   SELECT (SELECT j.run_after FROM {schema}.jobs AS j
           WHERE j.status = 'pending' AND j.queue = q.queue
-            AND (%(skip_kinds)s::text[] IS NULL OR j.kind <> ALL(%(skip_kinds)s::text[]))
           ORDER BY j.run_after LIMIT 1) AS run_after
   FROM unnest(%(queues)s::text[]) AS q(queue)
+  WHERE %(skip_kinds)s::text[] IS NULL
   UNION ALL
   SELECT (SELECT j.run_after FROM {schema}.jobs AS j
           WHERE j.status = 'pending'
-            AND (%(skip_kinds)s::text[] IS NULL OR j.kind <> ALL(%(skip_kinds)s::text[]))
           ORDER BY j.run_after LIMIT 1)
-  WHERE %(queues)s::text[] IS NULL
+  WHERE %(queues)s::text[] IS NULL AND %(skip_kinds)s::text[] IS NULL
+  UNION ALL
+  SELECT p.run_after FROM part p
+  WHERE p.kind <> ALL(%(skip_kinds)s::text[])
+    AND (%(queues)s::text[] IS NULL OR p.queue = ANY(%(queues)s::text[]))
 ) AS due;
 
 -- The read service (fleetless.insights): what the CLI's reports, the dashboard and /metrics show.
