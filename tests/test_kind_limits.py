@@ -289,3 +289,25 @@ def test_a_kinds_concurrency_caps_its_batches_in_batch_mode(queue: Queue, sql, h
     spans = sql("SELECT started_at, finished_at FROM fleetless.job_attempts")
     assert len(spans) == 6 and most_at_once(spans) <= 2, spans  # claimed counts as running
     assert sql("SELECT count(DISTINCT result_json) >= 3 FROM fleetless.jobs") == [(True,)]  # <= 2 per sandbox
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 3], ids=["per-job", "batch"])
+def test_a_no_handler_give_back_spends_none_of_its_kinds_rate(queue: Queue, sql, handlers, per_sandbox: int) -> None:
+    """Issue 26: a claimed job whose kind has no handler here is given back uncharged
+    (--no-handler-delay); it never started, so it must not count in its kind's rate window either
+    (it used to: three give-backs spent "3/hour" and the kind's handler, once deployed, ran nothing
+    for an hour)."""
+    h = handlers(**{"other.py": "def handle(payload):\n    return 1\n"})
+    settings_file(h, """
+        [kinds.partner]
+        rate = "3/hour"
+    """)
+    sql("DELETE FROM fleetless.kind_starts")  # (the queue fixture leaves an earlier test's starts)
+    ids = [queue.enqueue("partner", {"n": n}) for n in range(3)]
+    Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", per_sandbox=per_sandbox)).run()
+    assert sql("SELECT status, attempts FROM fleetless.jobs ORDER BY id") == [("pending", 0)] * 3
+    assert sql("SELECT count(*) FROM fleetless.kind_starts WHERE kind = 'partner'") == [(0,)]
+    (h / "partner.py").write_text("def handle(payload):\n    return payload['n']\n")  # the deploy lands
+    sql("UPDATE fleetless.jobs SET run_after = now() WHERE id = ANY(%s)", ids)
+    Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", per_sandbox=per_sandbox)).run()
+    assert sql("SELECT status FROM fleetless.jobs ORDER BY id") == [("done",)] * 3

@@ -661,6 +661,7 @@ SELECT id FROM gone;
 -- the tier its claim recorded when the outcome does not say (batch mode).
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
 -- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
+-- A no-handler give-back hands its start back to its kind's rate limit (unstarted, refunded).
 WITH finished AS (
 UPDATE {schema}.jobs AS j
 SET status = CASE
@@ -704,7 +705,19 @@ WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
 RETURNING j.id, j.status, o.act AS action, o.was_attempts AS attempts, o.was_started_at AS started_at,
           COALESCE(o.tier, o.was_tier) AS tier,
           o.exit_code, o.signal,
-          o.kill_reason, o.err AS error
+          o.kill_reason, o.err AS error, j.kind, (o.action = 'release' AND o.delay > 0) AS gave_back
+), unstarted AS (
+  -- no-handler give-backs (the one release with a delay: the job never started here), per claim
+  SELECT kind, started_at, count(*) AS n FROM finished WHERE gave_back GROUP BY kind, started_at
+), refunded AS (
+  -- ... take back their starts from a rate-limited kind's window (claim_limited logged one per
+  -- job, at the claim's time, which is also each job's started_at): a give-back spends none of it
+  DELETE FROM {schema}.kind_starts s
+  WHERE s.ctid = ANY(ARRAY(
+    SELECT x.ctid FROM (
+      SELECT k.ctid, u.n, row_number() OVER (PARTITION BY k.kind, k.started_at) AS nth
+      FROM {schema}.kind_starts k JOIN unstarted u ON u.kind = k.kind AND u.started_at = k.started_at) AS x
+    WHERE x.nth <= x.n))
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
