@@ -97,6 +97,10 @@ def test_run_after_needs_a_zone(dsn: str, queue: Queue, fleetless, sql) -> None:
         (["drain", "--handlers", "/tmp", "--memory", "lots"], "invalid size 'lots'"),
         (["drain", "--handlers", "/tmp", "--pass-env", "1BAD"], "invalid --pass-env '1BAD'"),
         (["--schema", "x; drop", "status"], "invalid schema name"),
+        # 45 characters: its waiters' channel fleetless_<schema>_finished would pass 63 bytes (issue 26)
+        (["--schema", "s" * 45, "init"], "invalid schema name 'sssss"),
+        (["--schema", "s" * 45, "status"], "(at most 44, so that its NOTIFY channels fit"),
+        (["--schema", "s" * 45, "drain", "--handlers", "/tmp"], "invalid schema name"),
         (["nonsense"], "No such command 'nonsense'"),
     ],
 )

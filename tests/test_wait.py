@@ -10,6 +10,7 @@ import sys
 import threading
 from typing import Any
 
+import psycopg
 import pytest
 
 import fleetless.queue as queue_module
@@ -239,3 +240,38 @@ def test_no_waiter_row_outlives_its_job_after_waits_timeouts_and_killed_waiters(
     assert rows() == 1 == rows(live)
     queue.cancel(live)
     assert rows() == 0
+
+
+@pytest.mark.parametrize("schema", ["fleetless", "w" * 44])
+def test_wait_and_its_notify_work_up_to_the_longest_schema_name(dsn: str, schema: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # 44 characters: fleetless_<schema>_finished is 63 bytes, PostgreSQL's longest name. (A longer
+    # name is refused by every command: tests/test_cli.py; before, 45 to 63 made each finish of a
+    # waited job fail in its NOTIFY, and the waiter LISTENed on a truncated channel.)
+    monkeypatch.setattr(queue_module, "WAIT_RECHECK", 3600.0)
+    q = Queue(dsn, schema=schema)
+    q.init()
+    job_id = q.enqueue("render", {})
+    started = threading.Event()
+
+    def finish() -> None:
+        other = Queue(dsn, schema=schema)
+        started.wait(30)
+        wait_for(lambda: other.query("wait_read", {"id": job_id}) and bool(
+            psycopg_rows(dsn, f"SELECT 1 FROM {schema}.job_waiters WHERE job_id = %s", job_id)), timeout=30)
+        (job,) = other.claim(1)
+        other.complete(job, '{"ok": 1}')
+        other.close()
+
+    t = threading.Thread(target=finish)
+    t.start()
+    started.set()
+    finished = q.wait(job_id, timeout=60)
+    t.join()
+    q.close()
+    assert finished.status == "done" and finished.result == '{"ok": 1}'
+
+
+def psycopg_rows(dsn: str, query: str, *params: object) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as c:
+        return c.execute(query, params).fetchall()

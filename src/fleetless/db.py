@@ -33,7 +33,11 @@ __all__ = [
 ]
 
 DEFAULT_SCHEMA = "fleetless"
-_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")  # fullmatch: "$" matches before a final "\n"
+#: The longest schema name: its waiters' NOTIFY channel, ``fleetless_<schema>_finished`` (LISTENed
+#: by Queue.wait, notified by migration 019's trigger), must fit PostgreSQL's 63-byte names; a
+#: longer one made every finish of a waited job fail (pg_notify: channel name too long).
+MAX_SCHEMA_CHARS = 63 - len("fleetless__finished")
+_SCHEMA_RE = re.compile(rf"[a-z_][a-z0-9_]{{0,{MAX_SCHEMA_CHARS - 1}}}")  # fullmatch: "$" matches before a final "\n"
 _NAME_RE = re.compile(r"^-- name: (\S+)\s*$", re.MULTILINE)
 #: How long `init` waits for another's LOCK TABLE migrations (a long migration) before giving up.
 MIGRATION_LOCK_TIMEOUT = 300.0
@@ -112,7 +116,8 @@ def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
 def validate_schema_name(schema: str) -> str:
     if not _SCHEMA_RE.fullmatch(schema):
         raise ValueError(
-            f"invalid schema name {schema!r}: use lower-case letters, digits and _ (max 63)"
+            f"invalid schema name {schema!r}: use lower-case letters, digits and _ (at most {MAX_SCHEMA_CHARS},"
+            " so that its NOTIFY channels fit PostgreSQL's 63-byte names)"
         )
     return schema
 
