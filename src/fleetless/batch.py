@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import handlers
+from . import decisions, handlers
 from .failure import summarize_failure
 from .job import Job, Outcome, Run, done_with_json
 from .kinds import KindSettings
@@ -49,7 +49,11 @@ __all__ = ["RUNNER_NAME", "Runner", "Slot", "Teardown", "describe_failure", "des
 log = logging.getLogger("fleetless.batch")
 RUNNER = Path(__file__).parent / "sandbox" / "_batch_runner.py"
 RUNNER_NAME = "_fleetless_batch.py"
-_RUNNER_BYTES = RUNNER.read_bytes()
+#: The runner as written into a sandbox: with fleetless/outcomes.py's text in it, which it serves
+#: as ``fleetless.outcomes`` where the sandbox's python has no fleetless (one copy of the module).
+_RUNNER_BYTES = RUNNER.read_bytes().replace(
+    b'\nOUTCOMES_SOURCE = ""\n',
+    b"\nOUTCOMES_SOURCE = " + repr((Path(__file__).parent / "outcomes.py").read_text()).encode() + b"\n", 1)
 #: The named pipes of the channel to a batch runner: jobs in, results out (unlinked once open).
 CHANNEL_IN, CHANNEL_OUT = "batch.in", "batch.out"
 #: Seconds a batch waits for a spare sandbox that is being started.
@@ -935,6 +939,10 @@ def _script_outcome(tier: str, r: ExecResult) -> Outcome:
     run = describe_run(tier, r)
     if r.ok:
         return Outcome("done", result=r.stdout, result_cut=r.stdout_cut, run=run)
+    if r.killed is None and r.exit_code in decisions.EXIT_CODES:  # the script decided: 90 discard, 91 snooze, 92 retry
+        decided = decisions.from_exit(r.exit_code, r.stderr, run, r.stdout, r.stdout_cut)
+        if decided is not None:
+            return decided
     return Outcome("fail", error=describe_failure(r), result=r.stdout, result_cut=r.stdout_cut, run=run)
 
 
@@ -957,6 +965,8 @@ def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
                 return Outcome("done", result=stdout, run=_done_run(tier))
             text = _RESULT_JSON.encode(rec["result"])
             return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)), run=_done_run(tier))
+        if "decided" in rec:  # it raised fleetless.outcomes' Discard, Snooze or Retry
+            return decisions.from_handle(rec["decided"], Run(tier=tier), stdout, _text(rec.get("stderr") or ""))
         error = _text(rec["error"])
         timed_out = error.startswith("killed: ")
         stderr = _text(rec.get("stderr") or "").rstrip()

@@ -58,6 +58,7 @@ class Counts:
     retried: int = 0
     dead: int = 0
     released: int = 0  # claims given back without charging an attempt
+    snoozed: int = 0  # jobs whose handler asked to come back later (not charged)
     cancelled: int = 0  # jobs an operator cancelled while they ran
     fenced_out: int = 0  # outcomes not written: the claim had been reaped (and maybe taken over)
 
@@ -98,8 +99,9 @@ class Completer:
     # -- adding -------------------------------------------------------------------------------
 
     def add(self, job: Job, outcome: Outcome) -> None:
-        """Buffer one job's outcome. A failure gets its retry delay from the policy here."""
-        if outcome.action == "fail" and not outcome.permanent:
+        """Buffer one job's outcome. A failure gets its retry delay from the policy here (unless
+        its handler chose one: fleetless.outcomes' Retry(after=...))."""
+        if outcome.action == "fail" and not outcome.permanent and outcome.decided != "retry":
             policy = self.retry if self.retry_of is None else self.retry_of(job)
             outcome = replace(outcome, delay=policy.delay(job.attempts))
         with self._cond:
@@ -274,6 +276,8 @@ class Completer:
                 c.cancelled += 1
             elif outcome.action == "release":
                 c.released += 1
+            elif outcome.action == "snooze" and status is Status.PENDING:
+                c.snoozed += 1
             elif status is Status.DONE:
                 c.done += 1
             elif status is Status.DEAD:

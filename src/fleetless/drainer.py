@@ -150,6 +150,7 @@ class Summary:
     retried: int = 0
     dead: int = 0
     released: int = 0  # claims given back without charging an attempt
+    snoozed: int = 0  # jobs whose handler asked to come back later (fleetless.outcomes.Snooze, exit 91)
     cancelled: int = 0  # running jobs an operator cancelled (fleetless cancel)
     fenced_out: int = 0  # outcomes discarded: the claim had been reaped and taken over
     reaped: int = 0
@@ -163,7 +164,7 @@ class Summary:
             return "a watcher is already draining these queues; nothing to do"
         extra = "".join(
             f", {n} {what}"
-            for n, what in ((self.released, "released"), (self.cancelled, "cancelled"),
+            for n, what in ((self.released, "released"), (self.snoozed, "snoozed"), (self.cancelled, "cancelled"),
                             (self.fenced_out, "fenced out"), (self.reaped, "reaped"), (self.pruned, "pruned"),
                             (self.scheduled, "scheduled"))
             if n
@@ -704,6 +705,8 @@ class Drainer:
             what = "cancelled"
         elif outcome.action == "release":
             what = "released"
+        elif outcome.action == "snooze" and status is Status.PENDING:
+            what = "snoozed"
         elif status is Status.DONE:
             what = "done"
         elif status is Status.DEAD:
@@ -765,6 +768,7 @@ class Drainer:
         counts, s = self._completer.counts, self.summary
         s.done, s.retried, s.dead = counts.done, counts.retried, counts.dead
         s.released, s.fenced_out, s.cancelled = counts.released, counts.fenced_out, counts.cancelled
+        s.snoozed = counts.snoozed
 
     def _maintenance(self) -> None:
         """The housekeeping units: at the start of the drain, then every maintenance interval."""

@@ -17,8 +17,9 @@ from .job import Job
 __all__ = ["FinishedAs", "JobFinished", "NullReporter", "Reporter"]
 
 #: What became of one claim: ``done``, ``retried`` (failed, attempts left), ``dead``, ``released``
-#: (given back without charging an attempt) or ``fenced_out`` (the claim had been taken over).
-FinishedAs = Literal["done", "retried", "dead", "released", "fenced_out", "cancelled"]
+#: (given back without charging an attempt), ``snoozed`` (its handler asked to come back later,
+#: uncharged) or ``fenced_out`` (the claim had been taken over).
+FinishedAs = Literal["done", "retried", "dead", "released", "snoozed", "fenced_out", "cancelled"]
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,15 @@ class Outcome:
     ``done``: with the script's stdout (``result``) or handle()'s value as JSON text
     (``result_json``). ``fail``: ``error`` is the job's last_error; back to pending after ``delay``
     seconds while attempts are left, unless ``permanent``, else dead. ``release``: not the job's
-    fault (the drainer stopped, a sandbox broke): pending again with the attempt given back."""
+    fault (the drainer stopped, a sandbox broke): pending again with the attempt given back.
+    ``snooze``: the handler asked to come back after ``delay`` seconds (fleetless.outcomes):
+    pending again with the attempt given back, at most MAX_SNOOZES times per job.
 
-    action: Literal["done", "fail", "release"]
+    ``decided``: the handler's own decision (:mod:`fleetless.decisions`): ``discard`` (a permanent
+    fail, recorded as ``discarded``), ``snooze``, or ``retry`` (a fail whose ``delay`` the handler
+    chose, not the retry policy); None otherwise."""
+
+    action: Literal["done", "fail", "release", "snooze"]
     error: str | None = None
     result: str | None = None
     result_cut: bool = False  # the sandbox dropped stdout past its cap: the stored result says so
@@ -102,6 +108,7 @@ class Outcome:
     permanent: bool = False
     delay: float = 0.0
     run: Run | None = None  # for the attempt history; None: nothing known of how it ran
+    decided: Literal["discard", "snooze", "retry"] | None = None
 
 
 _new = object.__new__

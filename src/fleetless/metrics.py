@@ -55,7 +55,7 @@ class TableCollector(Collector):
         yield run
         finished = CounterMetricFamily(
             "fleetless_attempts_finished", "Attempts that ended, by kind and outcome (done, retry, dead, "
-            "released, expired, cancelled), from the attempt history; pruning does not lower it.",
+            "released, expired, cancelled, discarded, snoozed), from the attempt history; pruning does not lower it.",
             labels=["kind", "outcome"])
         for kind, outcome, n in snap.finished:
             finished.add_metric([kind, outcome], n)

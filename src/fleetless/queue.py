@@ -36,6 +36,7 @@ from .job import (
     validate_kind,
     validate_queue_name,
 )
+from .outcomes import MAX_SNOOZES
 from .periodic import Schedule
 from .retry import MAX_ERROR_CHARS
 
@@ -1131,9 +1132,9 @@ def _finish_params(outcomes: Sequence[tuple[Job, Outcome]]) -> dict[str, Any]:
                      None if o.error is None else clean_text(o.error, MAX_ERROR_CHARS, keep="tail"),
                      None if o.result is None else result_text(o.result, cut=o.result_cut),
                      o.result_json, run.tier, run.exit_code, run.signal,
-                     None if run.kill_reason is None else clean_text(run.kill_reason, 500)))
+                     None if run.kill_reason is None else clean_text(run.kill_reason, 500), o.decided))
     return {"rows": _ROWS_JSON.encode(rows), "host": socket.gethostname(), "pid": os.getpid(),
-            "max_releases": MAX_RELEASES}
+            "max_releases": MAX_RELEASES, "max_snoozes": MAX_SNOOZES}
 
 
 def _claim_settings(kinds: Mapping[str, KindSettings]) -> str | None:

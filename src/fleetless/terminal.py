@@ -101,7 +101,7 @@ class LiveReporter:
         self._started = time.monotonic()
         self._running: dict[int, tuple[str, float]] = {}  # id -> (kind, monotonic start)
         self._counts = {"claimed": 0, "done": 0, "retried": 0, "dead": 0, "released": 0, "fenced_out": 0,
-                        "cancelled": 0}
+                        "cancelled": 0, "snoozed": 0}
         self._live = Live(self, console=self.console, refresh_per_second=4, transient=True)
         self._live.start()
 

@@ -19,6 +19,8 @@ The drainer writes this file into a sandbox's workspace and runs ``python _fleet
 
     {"tag": "9f1c...", "ok": true, "result": ...}                      (module; the result last)
     {"tag": "...", "ok": false, "error": "ValueError: ...", "stdout": "...", "stderr": "..."}
+    {"tag": "...", "ok": false, "decided": {"decided": "snooze", "seconds": 30, "reason": "..."}, ...}
+                                   (module: it raised fleetless.outcomes' Discard, Snooze or Retry)
     {"tag": "...", "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
 
 **Channel mode** (IN and OUT are named pipes, process and bwrap tiers): the drainer holds both
@@ -38,6 +40,9 @@ and checks none is left before it writes the result. A job that dies (os._exit, 
 charged alone; the runner goes on. The runner starts no job that could not finish within
 ``budget`` seconds of its own start (the sandbox's TTL): it exits 0 and the host runs the rest
 elsewhere, charging nobody.
+
+A handle() imports ``fleetless.outcomes`` wherever it runs: when the sandbox's python has no such
+module, this runner serves the copy of it that fleetless.batch put in ``OUTCOMES_SOURCE``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,58 @@ ERROR_CHARS = 2000
 #: Largest JSON result of handle(), in bytes (as the queue's MAX_RESULT_CHARS).
 RESULT_BYTES = 64 * 1024
 PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+#: fleetless/outcomes.py's text, put here by fleetless.batch when it writes this file into a
+#: sandbox: served as ``fleetless.outcomes`` where the sandbox's python has no such module.
+OUTCOMES_SOURCE = ""
+#: The exceptions of fleetless.outcomes a handle() raises to decide its job's outcome, by name.
+DECISIONS = ("Discard", "Snooze", "Retry")
+
+
+class _OutcomesShim:
+    """A finder (last on ``sys.meta_path``) for ``fleetless.outcomes`` where no ``fleetless``
+    package has one: a python without fleetless (a microVM guest, the system's) or an older
+    fleetless. The installed package, when it has the module, is found first and used."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        import importlib.machinery
+
+        loader: Any = self
+        if name == "fleetless":
+            return importlib.machinery.ModuleSpec(name, loader, is_package=True)
+        if name == "fleetless.outcomes":
+            return importlib.machinery.ModuleSpec(name, loader, origin="fleetless-batch-runner")
+        return None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        if module.__name__ == "fleetless":
+            module.__path__ = []
+        else:
+            exec(compile(OUTCOMES_SOURCE, "fleetless/outcomes.py", "exec"), module.__dict__)
+
+
+def _number(value: Any) -> Any:
+    """A decision's seconds as JSON can carry them: a finite number, None, or a short text the
+    drainer refuses (with a one-line error) for anything else."""
+    if hasattr(value, "total_seconds"):
+        value = value.total_seconds()
+    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                         and value == value and value not in (float("inf"), float("-inf"))):
+        return value
+    return repr(value)[:80]
+
+
+def decision(exc: BaseException) -> dict[str, Any] | None:
+    """What a handle() decided by raising fleetless.outcomes' Discard, Snooze or Retry (or a
+    subclass), recognised by name (the installed module and the shim alike); None: an error."""
+    for cls in type(exc).__mro__:
+        if cls.__module__ == "fleetless.outcomes" and cls.__name__ in DECISIONS:
+            what = cls.__name__.lower()
+            seconds = getattr(exc, "seconds", None) if what == "snooze" else getattr(exc, "after", None)
+            return {"decided": what, "seconds": _number(seconds), "reason": str(getattr(exc, "reason", ""))[:500]}
+    return None
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -232,6 +289,8 @@ class Runner:
             return
         handler = desc["handler"]
         sys.path[0] = os.path.dirname(handler)  # as when the file runs as a script
+        if OUTCOMES_SOURCE:
+            sys.meta_path.append(_OutcomesShim())
         try:
             spec = importlib.util.spec_from_file_location("fleetless_handler", handler)
             assert spec is not None and spec.loader is not None
@@ -328,6 +387,15 @@ class Runner:
             if stdout or stderr:
                 extra = f',"stdout":{json.dumps(stdout)},"stderr":{json.dumps(stderr)}'
             return f'{{"tag":"{tag}","ok":true{extra},"result":{data[1:].decode()}}}'
+        decided = None
+        if killed is None and data.startswith(b"D"):  # it raised Discard, Snooze or Retry
+            try:
+                decided = json.loads(data[1:])
+            except ValueError:
+                decided = None
+        if decided is not None:
+            return json.dumps({"tag": tag, "ok": False, "decided": decided, "error": "", "stdout": stdout,
+                               "stderr": stderr, "duration": duration}, ensure_ascii=False)
         if killed is not None:
             error = killed
         elif data.startswith(b"X"):
@@ -423,7 +491,11 @@ class Runner:
                                  f"at {RESULT_BYTES} bytes")
             report = b"R" + text.encode()
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
-            report = b"X" + describe_exception(exc).encode("utf-8", "replace")
+            decided = decision(exc)
+            if decided is not None:
+                report = b"D" + json.dumps(decided).encode()
+            else:
+                report = b"X" + describe_exception(exc).encode("utf-8", "replace")
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

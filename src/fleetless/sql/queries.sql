@@ -648,14 +648,18 @@ SELECT id FROM gone;
 -- job. One JSON parameter, not twelve arrays: the client encodes it with the json module's C
 -- encoder, where psycopg dumps each array element in Python (the batch drain's largest client
 -- cost per job). Each row: [id, token, action, permanent, delay, error, result, result_json (as
--- text), tier, exit_code, signal, kill_reason].
+-- text), tier, exit_code, signal, kill_reason, decided].
 -- Each row is still fenced on (id, claim_token, status = 'running'): a drainer whose claim was
 -- reaped and taken over matches nothing and learns it from the rows not returned. Every outcome,
 -- a release too, keeps the claim's token, so that a retry after a lost reply recognises its own
 -- earlier write (outcomes_of).
 -- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
 -- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault),
--- bounded as in release: the max_releases-th in a row is charged as a failure instead.
+-- bounded as in release: the max_releases-th in a row is charged as a failure instead;
+-- 'snooze' (the handler asked to come back after delay: fleetless.outcomes.Snooze, exit code 91):
+-- pending after delay, the attempt given back, bounded by the job's own count: a snooze past
+-- max_snoozes is charged as a failure instead. decided 'discard' (a permanent fail) is recorded
+-- in the history as 'discarded', a snooze as 'snoozed'.
 -- Each written row's attempt gets its history row in the same statement (a data-modifying CTE);
 -- "was" is the row before this update, for the number and start of an attempt given back, and
 -- the tier its claim recorded when the outcome does not say (batch mode).
@@ -667,16 +671,16 @@ UPDATE {schema}.jobs AS j
 SET status = CASE
       WHEN o.act = 'done' THEN 'done'
       WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
-      WHEN o.act = 'release' THEN 'pending'
+      WHEN o.act IN ('release', 'snooze') THEN 'pending'
       WHEN j.attempts < j.max_attempts AND NOT o.permanent THEN 'pending'
       ELSE 'dead' END,
-    attempts = CASE WHEN o.act = 'release' AND j.cancel_requested_at IS NULL THEN GREATEST(j.attempts - 1, 0)
-                    ELSE j.attempts END,
+    attempts = CASE WHEN o.act IN ('release', 'snooze') AND j.cancel_requested_at IS NULL
+                    THEN GREATEST(j.attempts - 1, 0) ELSE j.attempts END,
     run_after = CASE WHEN o.act = 'fail' AND j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts
                           AND NOT o.permanent
                      THEN now() + make_interval(secs => o.delay)
                      -- a release with a delay (a kind with no handler here yet) comes back after it
-                     WHEN o.act = 'release' AND o.delay > 0 THEN now() + make_interval(secs => o.delay)
+                     WHEN o.act IN ('release', 'snooze') AND o.delay > 0 THEN now() + make_interval(secs => o.delay)
                      ELSE j.run_after END,
     finished_at = CASE
       WHEN o.act = 'done' THEN now()
@@ -685,24 +689,31 @@ SET status = CASE
       ELSE NULL END,
     last_error = o.err,
     releases = CASE WHEN o.act = 'release' THEN j.releases + 1 WHEN o.act = 'fail' THEN 0 ELSE j.releases END,
-    result = CASE WHEN o.act = 'release' THEN j.result ELSE o.result END,
-    result_json = CASE WHEN o.act = 'release' THEN j.result_json ELSE o.result_json::jsonb END,
-    started_at = CASE WHEN o.act = 'release' THEN NULL ELSE j.started_at END,
+    snoozes = CASE WHEN o.act = 'snooze' THEN j.snoozes + 1 ELSE j.snoozes END,
+    result = CASE WHEN o.act IN ('release', 'snooze') THEN j.result ELSE o.result END,
+    result_json = CASE WHEN o.act IN ('release', 'snooze') THEN j.result_json ELSE o.result_json::jsonb END,
+    started_at = CASE WHEN o.act IN ('release', 'snooze') THEN NULL ELSE j.started_at END,
     locked_at = NULL, lease_expires_at = NULL
 FROM (SELECT u.*, was.attempts AS was_attempts, was.started_at AS was_started_at, was.tier AS was_tier,
              -- a release that is the max_releases-th in a row is charged: it becomes a failure
+             -- so is a snooze past the job's max_snoozes
              CASE WHEN u.action = 'release' AND was.releases + 1 >= %(max_releases)s THEN 'fail'
+                  WHEN u.action = 'snooze' AND was.snoozes >= %(max_snoozes)s THEN 'fail'
                   ELSE u.action END AS act,
              CASE WHEN u.action = 'release' AND was.releases + 1 >= %(max_releases)s
                   THEN 'released ' || (was.releases + 1) || ' times in a row; charged as an attempt: ' || u.error
+                  WHEN u.action = 'snooze' AND was.snoozes >= %(max_snoozes)s
+                  THEN 'snoozed ' || was.snoozes || ' times already, the most a job may; charged as a failed attempt: '
+                       || u.error
                   ELSE u.error END AS err
       FROM (SELECT (e->>0)::bigint AS id, (e->>1)::uuid AS token, e->>2 AS action, (e->>3)::bool AS permanent,
                    (e->>4)::float8 AS delay, e->>5 AS error, e->>6 AS result, e->>7 AS result_json,
-                   e->>8 AS tier, (e->>9)::int AS exit_code, e->>10 AS signal, e->>11 AS kill_reason
+                   e->>8 AS tier, (e->>9)::int AS exit_code, e->>10 AS signal, e->>11 AS kill_reason,
+                   e->>12 AS decided
             FROM jsonb_array_elements(%(rows)s::jsonb) AS e) AS u
            JOIN {schema}.jobs AS was ON was.id = u.id) AS o
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
-RETURNING j.id, j.status, o.act AS action, o.was_attempts AS attempts, o.was_started_at AS started_at,
+RETURNING j.id, j.status, o.act AS action, o.decided, o.was_attempts AS attempts, o.was_started_at AS started_at,
           COALESCE(o.tier, o.was_tier) AS tier,
           o.exit_code, o.signal,
           o.kill_reason, o.err AS error, j.kind, (o.action = 'release' AND o.delay > 0) AS gave_back
@@ -723,6 +734,8 @@ RETURNING j.id, j.status, o.act AS action, o.was_attempts AS attempts, o.was_sta
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
   SELECT id, attempts,
          CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN action = 'release' THEN 'released'
+              WHEN action = 'snooze' THEN 'snoozed'
+              WHEN status = 'dead' AND decided = 'discard' THEN 'discarded'
               WHEN status = 'pending' THEN 'retry' ELSE status END,
          %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
          extract(epoch FROM now() - started_at), left(error, 500)
@@ -1050,13 +1063,13 @@ LIMIT %(limit)s OFFSET %(offset)s;
 -- name: insight_per_minute
 -- Attempts that ended per minute over the last %(minutes)s minutes, every minute present (zeros
 -- too): done, and failed (retried, dead, or expired with the lease), counted from the attempt
--- history so a job that failed three times shows three failures, not one dead row. Released and
--- cancelled attempts are neither. Reads only the window through job_attempts_finished_idx,
--- whatever the history's size.
+-- history so a job that failed three times shows three failures, not one dead row (a discard is a
+-- failure too). Released, snoozed and cancelled attempts are neither. Reads only the window through
+-- job_attempts_finished_idx, whatever the history's size.
 WITH f AS (
   SELECT date_trunc('minute', finished_at) AS minute,
          count(*) FILTER (WHERE outcome = 'done') AS done,
-         count(*) FILTER (WHERE outcome IN ('retry', 'dead', 'expired')) AS failed
+         count(*) FILTER (WHERE outcome IN ('retry', 'dead', 'expired', 'discarded')) AS failed
   FROM {schema}.job_attempts
   WHERE finished_at >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s - 1)
   GROUP BY 1

@@ -1,0 +1,245 @@
+"""Handlers that decide their own outcome (issue 28): a ``handle()`` raising ``fleetless.outcomes``'
+Discard, Snooze or Retry, a script exiting 90, 91 or 92, in per-job and batch mode, on the real
+sandboxes, each outcome asserted in the jobs table and the attempt history. A bad value fails the
+attempt with a one-line error; no job is lost.
+
+The contract runs on process, bwrap and forkserver; the microVM (a kernel per sandbox under
+emulation) has one smoke case: its guest python has no fleetless, so the batch runner's copy of
+``fleetless.outcomes`` is what the handler imports there."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue
+from fleetless.decisions import from_exit, from_handle
+from fleetless.drainer import DrainConfig, Drainer
+from fleetless.job import Run
+from fleetless.outcomes import MAX_SNOOZES, Discard, Retry, Snooze
+
+pytestmark = pytest.mark.usefixtures("private_workdir")
+SQL = Callable[..., list[Any]]
+
+#: A handle() module: the payload says what it decides. "bad" gets past Snooze's own check (an
+#: attribute set after the fact) so that the drainer's check of what the sandbox sent is what runs.
+MODULE = """
+    from fleetless.outcomes import Discard, Retry, Snooze
+
+    def handle(payload):
+        do = payload["do"]
+        print("said by", do)
+        if do == "discard":
+            raise Discard("payload version 1 is no longer supported")
+        if do == "snooze":
+            raise Snooze(1000, reason="upstream not ready")
+        if do == "retry":
+            raise Retry(after=1000, reason="429 from upstream")
+        if do == "retry_policy":
+            raise Retry(reason="flaky")
+        if do == "bad":
+            e = Snooze(1)
+            e.seconds = "soon"
+            raise e
+        if do == "negative":
+            raise Snooze(-5)
+        return {"done": do}
+"""
+
+#: A script (no handle()): it decides by its exit code, the last line of stderr saying how long.
+SCRIPT = """
+    import json, sys
+    do = json.load(open(sys.argv[1]))["do"]
+    print("said by", do)
+    codes = {"discard": (90, "payload version 1 is no longer supported"), "snooze": (91, "1000 upstream not ready"),
+             "retry": (92, "1000 429 from upstream"), "bad": (91, "soon"), "negative": (91, "-5"),
+             "huge": (92, "1e300")}
+    if do in codes:
+        code, line = codes[do]
+        print("some noise first", file=sys.stderr)
+        print(line, file=sys.stderr)
+        sys.exit(code)
+    print(json.dumps({"done": do}))
+"""
+
+CASES = ["discard", "snooze", "retry", "bad", "negative", "done"]
+
+
+def _drain(dsn: str, h: Path, tier: str, per_sandbox: int) -> None:
+    summary = Drainer(Queue(dsn), DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=per_sandbox,
+                                              concurrency=2, timeout=60)).run()
+    assert summary.claimed >= 1
+
+
+def _row(sql: SQL, job_id: int) -> dict[str, Any]:
+    rows = sql("SELECT status, attempts, snoozes, last_error, extract(epoch FROM run_after - now())::float8"
+               " FROM fleetless.jobs WHERE id = %s", job_id)
+    status, attempts, snoozes, error, due_in = rows[0]
+    history = [tuple(r) for r in sql("SELECT attempt, outcome, exit_code, error_head FROM fleetless.job_attempts"
+                                     " WHERE job_id = %s ORDER BY id", job_id)]
+    return {"status": status, "attempts": attempts, "snoozes": snoozes, "error": error, "due_in": due_in,
+            "history": history}
+
+
+def _check(case: str, got: dict[str, Any], script: bool) -> None:
+    """What each decision must leave in the table (max_attempts 3, one attempt run)."""
+    hist = got["history"]
+    assert len(hist) == 1, got
+    _, outcome, exit_code, head = hist[0]
+    if script:
+        assert exit_code == {"discard": 90, "snooze": 91, "retry": 92, "bad": 91, "negative": 91,
+                             "done": 0}[case], got
+    if case == "discard":  # dead at once, attempts left or not
+        assert (got["status"], got["attempts"], outcome) == ("dead", 1, "discarded"), got
+        assert got["error"].startswith("discarded") and "payload version 1 is no longer supported" in got["error"]
+    elif case == "snooze":  # pending after its delay, the attempt given back, counted
+        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 0, 1, "snoozed"), got
+        assert 900 < got["due_in"] <= 1000, got
+        assert got["error"].startswith("snoozed for 1000 s") and "upstream not ready" in got["error"], got
+    elif case == "retry":  # a failed attempt, due after the handler's own delay (not the backoff's)
+        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 1, 0, "retry"), got
+        assert 900 < got["due_in"] <= 1000, got
+        assert got["error"].startswith("retry requested in 1000 s") and "429 from upstream" in got["error"], got
+    elif case in ("bad", "negative"):  # a failure as any other: charged, the policy's backoff, one line
+        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 1, 0, "retry"), got
+        assert got["due_in"] < 900, got  # the default policy's first backoff: 2 min (+ jitter)
+        first = got["error"].splitlines()[0]
+        if script:
+            assert first.startswith("exit code 91 (snooze) needs 'SECONDS [REASON]'"), first
+        elif case == "bad":
+            assert first.startswith("handle() raised Snooze with a bad delay: not a number"), first
+        else:
+            assert first.startswith("ValueError: Snooze seconds must be from 0"), first
+        assert head.splitlines()[0] == first
+    else:
+        assert (got["status"], got["attempts"], outcome) == ("done", 1, "done"), got
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_each_decision_on_each_tier(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
+                                    require_tier: Callable[[str], None], tier: str, per_sandbox: int) -> None:
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
+    ids = {(kind, case): queue.enqueue(kind, {"do": case}, max_attempts=3)
+           for kind in ("mod", "scr") for case in CASES}
+    _drain(dsn, h, tier, per_sandbox)
+    for (kind, case), job_id in ids.items():
+        _check(case, _row(sql, job_id), script=kind == "scr")
+
+
+def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
+        queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path]) -> None:
+    h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
+    last = [queue.enqueue(kind, {"do": "retry"}, max_attempts=1) for kind in ("mod", "scr")]
+    policy = queue.enqueue("mod", {"do": "retry_policy"}, max_attempts=3)
+    huge = queue.enqueue("scr", {"do": "huge"}, max_attempts=3)
+    _drain(dsn, h, "process", 1)
+    for job_id in last:  # max_attempts still applies to a retry the handler asked for
+        got = _row(sql, job_id)
+        assert (got["status"], got["attempts"], got["history"][0][1]) == ("dead", 1, "dead"), got
+    got = _row(sql, policy)
+    assert (got["status"], got["history"][0][1]) == ("pending", "retry"), got
+    assert got["due_in"] < 900 and got["error"].startswith("retry requested: flaky"), got
+    got = _row(sql, huge)  # 1e300 s: out of range, a failure as any other
+    assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "retry"), got
+    assert "1e+300 s is out of range" in got["error"].splitlines()[0], got
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
+def test_snoozes_are_bounded(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
+                             per_sandbox: int) -> None:
+    """A job that has snoozed MAX_SNOOZES times: its next snooze is charged as a failed attempt
+    (due after the snooze's delay), with an error saying so; on its last attempt it is dead."""
+    h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
+    ids = [queue.enqueue(kind, {"do": "snooze"}, max_attempts=m) for kind in ("mod", "scr") for m in (3, 1)]
+    sql("UPDATE fleetless.jobs SET snoozes = %s", MAX_SNOOZES)
+    _drain(dsn, h, "process", per_sandbox)
+    for job_id, status in zip(ids, ["pending", "dead", "pending", "dead"], strict=True):
+        got = _row(sql, job_id)
+        assert (got["status"], got["attempts"], got["snoozes"]) == (status, 1, MAX_SNOOZES), got
+        assert got["history"][0][1] == ("retry" if status == "pending" else "dead"), got
+        assert got["error"].startswith(f"snoozed {MAX_SNOOZES} times already, the most a job may; charged"), got
+        if status == "pending":
+            assert 900 < got["due_in"] <= 1000, got
+
+
+def test_show_and_the_job_page_name_the_decision(queue: Queue, dsn: str, handlers: Callable[..., Path],
+                                                fleetless: Callable[..., Any]) -> None:
+    h = handlers(**{"mod.py": MODULE})
+    snoozed, discarded = queue.enqueue("mod", {"do": "snooze"}), queue.enqueue("mod", {"do": "discard"})
+    _drain(dsn, h, "process", 1)
+    out = fleetless("show", str(snoozed), dsn=dsn)
+    assert out.returncode == 0 and "snoozed" in out.stdout, out
+    out = fleetless("show", str(discarded), "--json", dsn=dsn)
+    assert out.returncode == 0, out
+    assert "discarded" in out.stdout, out.stdout
+    from starlette.testclient import TestClient
+
+    from fleetless.web import create_app
+
+    page = TestClient(create_app(queue)).get(f"/jobs/{discarded}")
+    assert page.status_code == 200 and "<td>discarded</td>" in page.text, page.text
+    assert "discarded: payload version 1 is no longer supported" in page.text
+
+
+def test_microvm_smoke(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
+                       require_tier: Callable[[str], None]) -> None:
+    """The guest's python has no fleetless: the handler imports the runner's copy of the module."""
+    require_tier("microvm")
+    h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
+    snoozed, discarded = queue.enqueue("mod", {"do": "snooze"}), queue.enqueue("scr", {"do": "discard"})
+    Drainer(Queue(dsn), DrainConfig(handlers_dir=h, sandbox="microvm", per_sandbox=1, concurrency=2,
+                                    timeout=300)).run()
+    _check("snooze", _row(sql, snoozed), script=False)
+    _check("discard", _row(sql, discarded), script=True)
+
+
+# -- the checks of what a sandbox sent, without a sandbox ---------------------------------------------
+
+RUN = Run(tier="process")
+
+
+@pytest.mark.parametrize(("seconds", "problem"), [
+    ("soon", "not a number of seconds: 'soon'"), (-1, "-1 s is out of range"), (True, "not a number"),
+    (float("nan"), "out of range"), (1e12, "out of range"), (None, "not a number"), ([1], "not a number")])
+def test_a_bad_snooze_from_handle_is_a_failure_in_one_line(seconds: object, problem: str) -> None:
+    o = from_handle({"decided": "snooze", "seconds": seconds, "reason": "x"}, RUN, None, "")
+    assert (o.action, o.permanent, o.decided) == ("fail", False, None)
+    assert o.error is not None and "\n" not in o.error and problem in o.error, o.error
+
+
+@pytest.mark.parametrize("rec", [{"decided": "explode"}, "snooze", None, {"decided": "retry", "seconds": "x"}])
+def test_a_malformed_decision_is_a_failure(rec: Any) -> None:
+    o = from_handle(rec, RUN, None, "")
+    assert o.action == "fail" and not o.permanent and o.decided is None
+
+
+@pytest.mark.parametrize(("code", "stderr", "action", "delay", "decided"), [
+    (90, "why\n", "fail", 0.0, "discard"), (91, "30\n", "snooze", 30.0, "snooze"),
+    (91, "0.5 because\n", "snooze", 0.5, "snooze"), (92, "junk\n7 later\n\n", "fail", 7.0, "retry"),
+    (91, "", "fail", 0.0, None), (92, "inf\n", "fail", 0.0, None), (92, "later 7\n", "fail", 0.0, None),
+    (91, "-1\n", "fail", 0.0, None)])
+def test_exit_codes(code: int, stderr: str, action: str, delay: float, decided: str | None) -> None:
+    o = from_exit(code, stderr, RUN, None, False)
+    assert o is not None and (o.action, o.delay, o.decided) == (action, delay, decided), o
+    assert o.error is not None and len(o.error.splitlines()[0]) < 200
+
+
+def test_other_exit_codes_are_not_decisions() -> None:
+    assert all(from_exit(code, "30\n", RUN, None, False) is None for code in (1, 2, 89, 93, 126, 127))
+
+
+def test_the_exceptions_check_their_values() -> None:
+    assert Snooze(datetime.timedelta(minutes=2)).seconds == 120.0
+    assert Retry(after=datetime.timedelta(seconds=3)).after == 3.0 and Retry().after is None
+    assert Discard("why").reason == "why"
+    for bad in (-1, float("inf"), "5", True, 366 * 86400):
+        with pytest.raises(ValueError, match="Snooze seconds"):
+            Snooze(bad)  # type: ignore[arg-type]
+    assert json.dumps(Snooze(1).seconds) == "1.0"
