@@ -22,7 +22,7 @@ import pytest
 
 from fleetless import Queue
 from fleetless.sandbox import Limits, get_backend
-from fleetless.sandbox._caps import CAPS, NOT
+from fleetless.sandbox._caps import CAPS, JOB_NICE, NOT
 
 from .drains import SRC, drain, handlers_dir, need_tier, shared, work_dir
 from proctools import leftovers
@@ -150,3 +150,40 @@ def test_caps_name_every_cap_as_held_or_not(tier: str) -> None:
     caps = get_backend(tier).caps(Limits(pids=None, memory_bytes=None, cpus=None))
     assert list(caps) == list(CAPS)
     assert all(text.startswith(NOT) for name, text in caps.items() if name != "disk"), caps
+
+
+#: The job's nice value, and whether it can lower it again (issue 25 gap: no CPU cap without cgroups).
+NICED = """
+import os
+nice = os.getpriority(os.PRIO_PROCESS, 0)
+try:
+    os.setpriority(os.PRIO_PROCESS, 0, 0)
+    lowered = "lowered"
+except PermissionError:
+    lowered = "refused"
+print("nice", nice, lowered, os.getpriority(os.PRIO_PROCESS, 0))
+"""
+
+
+@pytest.mark.parametrize("user", [pytest.param(None, id="root"), *USERS])
+@pytest.mark.parametrize("tier", TIERS)
+def test_a_job_runs_niced_and_cannot_lower_its_nice_so_it_yields_the_cpu_to_the_drainer(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str | None) -> None:
+    """Without a cpu cgroup nothing caps a job's cores: process and bwrap jobs run at nice
+    ``JOB_NICE`` (10) with ``RLIMIT_NICE`` 0, so a busy job yields the CPU to the drainer and
+    PostgreSQL, and it cannot set itself back to 0. Before, jobs ran at the drainer's nice 0. The
+    caps say it."""
+    need_tier(tier)
+    uid = None if user is None else uid_of(user)
+    if uid is None and os.getuid() != 0:
+        pytest.skip("the root case")
+    h = handlers_dir(shared, **{"niced.py": NICED})
+    work = work_dir(shared, uid)
+    job = queue.enqueue("niced", {}, max_attempts=1)
+    r = drain(dsn, h, work, "-v", tier=tier, user=uid)
+    assert not isinstance(r, subprocess.Popen)
+    assert r.returncode == 0, r.stderr
+    [(status, result)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", job)
+    assert (status, result) == ("done", f"nice {JOB_NICE} refused {JOB_NICE}\n"), (status, result, r.stderr)
+    assert f"jobs run at nice {JOB_NICE} (RLIMIT_NICE 0" in r.stderr, r.stderr
+    assert leftovers(work) == []

@@ -7,19 +7,34 @@ kernel counts it for the job alone: since Linux 5.14 the count is per user names
 job in a user namespace of its own (bwrap's, the process tier's supervisor's) or under a uid of its
 own (a leased or subordinate uid) counts only its own processes and threads, whoever else runs as
 the same host uid (tests/security/test_caps.py).
+
+The words for each cap are made here, once, for the host tiers (process, bwrap, forkserver):
+:func:`tier_caps` from what the tier found (its cgroups, how it holds pids).
+
+CPU cores are capped only by a cpu cgroup. Without one, what holds is ``RLIMIT_CPU`` (each process's
+CPU seconds, the timeout's by default) and the job's priority: process and bwrap jobs run at nice
+:data:`JOB_NICE` with ``RLIMIT_NICE`` 0, so they cannot raise it again, and a busy job yields the
+CPU to the drainer and PostgreSQL (tests/security/test_caps.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+from typing import TYPE_CHECKING
 
-__all__ = ["CAPS", "NOT", "caps_line", "held", "nproc_counts_per_namespace"]
+if TYPE_CHECKING:
+    from . import Limits
+
+__all__ = ["CAPS", "JOB_NICE", "NOT", "caps_line", "held", "nproc_counts_per_namespace", "tier_caps"]
 
 #: The caps every tier reports, in this order.
 CAPS = ("pids", "memory", "cpu", "disk")
 #: How a cap that does not hold starts.
 NOT = "NOT capped"
+#: The nice value of every process and bwrap job (and all it starts; it cannot lower it).
+JOB_NICE = 10
+MiB = 1024 * 1024
 
 
 def nproc_counts_per_namespace() -> bool:
@@ -37,3 +52,41 @@ def held(caps: dict[str, str]) -> dict[str, bool]:
 def caps_line(tier: str, caps: dict[str, str]) -> str:
     """One line: ``caps (bwrap): pids capped by ...; memory NOT capped: ...; ...``."""
     return f"caps ({tier}): " + "; ".join(f"{name} {caps[name]}" for name in CAPS if name in caps)
+
+
+def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: str | None,
+              cpu_cgroup: str | None, disk_extra: str = "", nice: bool = True) -> dict[str, str]:
+    """A host tier's caps in words: ``pids`` says how pids are held ("" entries left out; none:
+    ``no_pids`` says why not), ``memory_cgroup``/``cpu_cgroup`` name the cgroup version holding
+    each (None: none is writable), ``disk_extra`` what else holds the disk (/tmp's size), ``nice``
+    whether jobs run at :data:`JOB_NICE`."""
+    from . import _diskcap
+
+    out: dict[str, str] = {}
+    if limits.pids is None:
+        out["pids"] = f"{NOT}: --pids not set"
+    elif pids:
+        out["pids"] = f"capped by {' and '.join(pids)} at {limits.pids}"
+    else:
+        out["pids"] = f"{NOT}: {no_pids}"
+    if limits.memory_bytes is None:
+        out["memory"] = f"{NOT}: --memory not set"
+    elif memory_cgroup is not None:
+        out["memory"] = f"capped by a memory cgroup ({memory_cgroup}) at {limits.memory_bytes // MiB} MiB"
+    else:
+        out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
+                         "summing the job tree's resident memory, killing it over the cap")
+    seconds = "RLIMIT_CPU ends each process after its CPU seconds (the timeout's, or --cpu-seconds)"
+    niced = (f"; jobs run at nice {JOB_NICE} (RLIMIT_NICE 0: they cannot lower it), so a busy job yields the "
+             "CPU to the drainer and PostgreSQL") if nice else ""
+    if limits.cpus is None:
+        out["cpu"] = f"{NOT}: --cpus not set; {seconds}{niced}"
+    elif cpu_cgroup is not None:
+        out["cpu"] = f"capped by a cpu cgroup ({cpu_cgroup}) at {limits.cpus:g} cores{niced}"
+    else:
+        out["cpu"] = f"{NOT} in cores (no cpu cgroup is writable): {seconds}{niced}"
+    fsize = "" if limits.file_size_bytes is None else (
+        f"RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
+    extra = "; ".join(x for x in (disk_extra, fsize) if x)
+    out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "")
+    return out

@@ -27,6 +27,7 @@ import contextlib
 import importlib
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -54,7 +55,8 @@ from .. import (
     default_python,
     jobs_cannot_reach,
 )
-from .._caps import NOT, nproc_counts_per_namespace
+from .._caps import JOB_NICE, NOT, nproc_counts_per_namespace
+from .._caps import tier_caps as caps_words
 from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer
 from .._limits import rlimit_kill_reason, rlimits_for
@@ -195,39 +197,19 @@ def enforced_caps() -> list[str]:
     return out
 
 
-def tier_caps(limits: Limits) -> dict[str, str]:
-    """:meth:`BwrapSandbox.caps`."""
+def tier_caps(limits: Limits, nice: bool = True) -> dict[str, str]:
+    """:meth:`BwrapSandbox.caps` (the forkserver's, whose jobs are not niced: ``nice`` False)."""
     caps = cgroups.available()
     ver = "v2" if caps.layout.mode == "v2" else "v1"
-    out: dict[str, str] = {}
-    if limits.pids is None:
-        out["pids"] = f"{NOT}: --pids not set"
-    elif caps.pids:
-        out["pids"] = f"capped by a pids cgroup ({ver}) at {limits.pids}"
+    pids = []
+    if caps.pids:
+        pids.append(f"a pids cgroup ({ver})")
     elif _PRLIMIT is not None and nproc_counts_per_namespace():
-        out["pids"] = (f"capped by RLIMIT_NPROC at {limits.pids} in the job's own user namespace (it counts that "
-                       "job's processes alone)")
-    else:
-        why = "no /usr/bin/prlimit" if _PRLIMIT is None else "this kernel counts RLIMIT_NPROC per host uid (< 5.14)"
-        out["pids"] = f"{NOT}: no pids cgroup is writable, and {why}"
-    if limits.memory_bytes is None:
-        out["memory"] = f"{NOT}: --memory not set"
-    elif caps.memory:
-        out["memory"] = f"capped by a memory cgroup ({ver}) at {limits.memory_bytes // MiB} MiB"
-    else:
-        out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
-                         "summing the job tree's resident memory, killing it over the cap")
-    if limits.cpus is None:
-        out["cpu"] = f"{NOT}: --cpus not set"
-    elif caps.cpu:
-        out["cpu"] = f"capped by a cpu cgroup ({ver}) at {limits.cpus:g} cores"
-    else:
-        out["cpu"] = (f"{NOT} in cores (no cpu cgroup is writable): RLIMIT_CPU ends each process after its CPU "
-                      "seconds (the timeout's, or --cpu-seconds)")
-    fsize = "" if limits.file_size_bytes is None else (
-        f", RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
-    out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, f" (/tmp and /dev/shm are tmpfs of "
-                                     f"{limits.tmp_bytes // MiB} MiB{fsize})")
+        pids.append("RLIMIT_NPROC in the job's own user namespace (it counts that job's processes alone)")
+    why = "no /usr/bin/prlimit" if _PRLIMIT is None else "this kernel counts RLIMIT_NPROC per host uid (< 5.14)"
+    out = caps_words(limits, pids=pids, no_pids=f"no pids cgroup is writable, and {why}",
+                     memory_cgroup=ver if caps.memory else None, cpu_cgroup=ver if caps.cpu else None,
+                     disk_extra=f"/tmp and /dev/shm are tmpfs of {limits.tmp_bytes // MiB} MiB", nice=nice)
     if _diskcap.available() and not out["disk"].startswith(NOT):
         out["disk"] += ("; NOT where the handlers' interpreter lives under a directory the job uids cannot "
                         "search (/root): its launcher's own mount namespace does not see the workspace's tmpfs")
@@ -332,6 +314,14 @@ def _kill_at(deadline: float, cgroup: cgroups.JobCgroup | None, pid: int) -> Non
     line = "\t".join([f"{deadline:.3f}", *targets]) + "\n"
     with contextlib.suppress(OSError):  # a dead watchdog: the drainer's timer still holds
         os.write(_watchdog[1], line.encode())
+
+
+def _deprioritize(pid: int) -> None:
+    """Nice the waiting launcher ``pid`` (ours, not yet bwrap) to :data:`JOB_NICE`, never below its
+    own, with ``RLIMIT_NICE`` 0: bwrap and the job inherit both and cannot lower the nice value again
+    (two syscalls instead of a ``nice`` exec per job)."""
+    os.setpriority(os.PRIO_PROCESS, pid, max(JOB_NICE, os.getpriority(os.PRIO_PROCESS, pid)))
+    resource.prlimit(pid, resource.RLIMIT_NICE, (0, 0))
 
 
 class BwrapSandbox(Sandbox):
@@ -580,6 +570,7 @@ class BwrapSandbox(Sandbox):
             self._cgroup.mark()
         _kill_at(started + budget + OWN_DEADLINE_SLACK, self._cgroup, proc.pid)
         try:
+            _deprioritize(proc.pid)
             proc.stdin.write(stdin)
             proc.stdin.close()
         except OSError as exc:

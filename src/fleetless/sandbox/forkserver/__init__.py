@@ -175,7 +175,7 @@ class ForkServerSandbox(Sandbox):
         from ..bwrap import tier_caps
 
         limits = limits or Limits()
-        out = tier_caps(limits)
+        out = tier_caps(limits, nice=False)
         caps = ([] if limits.memory_bytes is None else [f"{limits.memory_bytes // (1024 * 1024)} MiB"]) + (
             [] if limits.inodes is None else [f"{limits.inodes} files"])
         if caps:

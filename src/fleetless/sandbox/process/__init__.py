@@ -50,7 +50,7 @@ from .. import (
     default_python,
     jobs_cannot_reach,
 )
-from .._caps import NOT, nproc_counts_per_namespace
+from .._caps import JOB_NICE, nproc_counts_per_namespace, tier_caps
 from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer, untraversable
 from .._limits import rlimit_kill_reason, rlimits_for
@@ -209,10 +209,10 @@ class ProcessSandbox(Sandbox):
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
         """pids: a pids cgroup where the drainer can write one, else RLIMIT_NPROC where it counts the
         job alone (a uid of its own, or the user namespace its supervisor makes); memory: RLIMIT_AS
-        per process, the tree's sum by the drainer's watch where no memory cgroup is used; cpu and
-        disk: not capped (RLIMIT_CPU and RLIMIT_FSIZE are said)."""
+        per process, the tree's sum by the drainer's watch (no memory cgroup is used); cpu: not in
+        cores (RLIMIT_CPU and the job's nice are said); disk: see :mod:`.._diskcap`. The words:
+        :func:`.._caps.tier_caps`, shared with bwrap."""
         limits = limits or Limits()
-        out: dict[str, str] = {}
         how = []
         own_uid = _hostuid.needed() or _subuid.delegation() is not None
         if tree_cgroup_caps() is not None:
@@ -221,24 +221,9 @@ class ProcessSandbox(Sandbox):
             how.append("RLIMIT_NPROC (each job a uid of its own)")
         elif os.environ.get(CONTAIN_ENV) != "0" and nproc_counts_per_namespace() and _own_userns_works():
             how.append("RLIMIT_NPROC in the job's own user namespace (it counts that job's processes alone)")
-        if limits.pids is None:
-            out["pids"] = f"{NOT}: --pids not set"
-        elif how:
-            out["pids"] = f"capped by {' and '.join(how)} at {limits.pids}"
-        else:
-            out["pids"] = (f"{NOT}: no pids cgroup is writable and every job runs as the drainer's uid {os.getuid()} "
-                           "in no user namespace of its own")
-        if limits.memory_bytes is None:
-            out["memory"] = f"{NOT}: --memory not set"
-        else:
-            out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
-                             "summing the job tree's resident memory, killing it over the cap")
-        out["cpu"] = (f"{NOT} in cores: RLIMIT_CPU ends each process after its CPU seconds (the timeout's, "
-                      "or --cpu-seconds)")
-        fsize = "" if limits.file_size_bytes is None else (
-            f"; RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
-        out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, fsize)
-        return out
+        return tier_caps(limits, pids=how, no_pids=(f"no pids cgroup is writable and every job runs as the drainer's "
+                                                    f"uid {os.getuid()} in no user namespace of its own"),
+                         memory_cgroup=None, cpu_cgroup=None)
 
     @classmethod
     def sweep(cls) -> int:
@@ -289,6 +274,7 @@ class ProcessSandbox(Sandbox):
         if self._killed:
             return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
         rlimits = rlimits_for(self._template, timeout_seconds)
+        rlimits.update(NICE=JOB_NICE, RLIMIT_NICE=0)  # NICE first: RLIMIT_NICE 0 then keeps it (_caps)
         cgroup = self._cgroup
         pids = self._template.limits.pids
         if pids is not None and cgroup is None and (self._lease is not None or nproc_counts_per_namespace()):

@@ -26,7 +26,8 @@ make themselves non-dumpable, so that what they hold (the status pipe) is not re
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
     python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV...
-where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"; RLIMIT_NPROC: see :func:`_nproc`), CREDS is
+where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"; RLIMIT_NPROC: see :func:`_nproc`; NICE=n: the
+job's nice value, never below the supervisor's), CREDS is
 "UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
 must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or
 "-", DEADLINE a number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated
@@ -378,6 +379,9 @@ def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> 
         _fresh_session_keyring()
         for name, value in rlimits:
             limit = int(value)
+            if name == "NICE":  # lower priority than the drainer's (never higher: it may be niced itself)
+                os.setpriority(os.PRIO_PROCESS, 0, max(limit, os.getpriority(os.PRIO_PROCESS, 0)))
+                continue
             # CPU: the soft limit sends SIGXCPU (nameable); the hard one, a second later, SIGKILL.
             hard = limit + 1 if name == "RLIMIT_CPU" else limit
             resource.setrlimit(getattr(resource, name), (limit, hard))
