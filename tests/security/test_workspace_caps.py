@@ -7,6 +7,7 @@ filled the disk) in its workspace on the work directory's disk. Each test runs a
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -46,23 +47,40 @@ NORMAL = """
 """
 
 
-@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def root_only_venv(base: Path) -> str:
+    """A virtual environment (of /usr/bin/python3, readable by all) in a directory only root may
+    search (mode 0700, as ``/root``): the usual root install. Its python."""
+    private = base / "root-only"
+    private.mkdir(mode=0o700)
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(private / "venv")], check=True)
+    subprocess.run(["chmod", "-R", "a+rX", str(private / "venv")], check=True)
+    private.chmod(0o700)
+    return str(private / "venv" / "bin" / "python")
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver", "bwrap-root-only-venv"])
 def test_a_job_making_150000_files_gets_enospc_in_its_own_tmpfs_and_a_normal_job_is_unaffected(
         tier: str, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
     """Root drainer (forkserver: its workspace always was a tmpfs, now with ``nr_inodes`` too): the
     job stops at ``Limits.inodes`` (16,384) files with ``No space left on
     device`` and is charged (dead after its one attempt); nothing of it was ever in the work
     directory on the host's disk, which is empty afterwards; a normal job (300 files, 8 MiB) in
-    the same drain is done. The drain's caps say the workspace is capped."""
+    the same drain is done. The drain's caps say the workspace is capped. bwrap also with the
+    handlers' interpreter in a venv under a directory the job uids cannot search (its launcher binds
+    it back in a mount namespace of its own): before, that namespace was made before the workspace's
+    tmpfs and did not see it, and the job made all 150,000 files on the disk."""
+    venv = tier == "bwrap-root-only-venv"
+    tier = "bwrap" if venv else tier
     need_tier(tier)
     if os.getuid() != 0:
         pytest.skip("only a root drainer mounts a tmpfs per workspace")
+    # /usr/bin/python3: every uid reaches it, so a bwrap launcher needs no mount namespace of its own
+    python = root_only_venv(shared) if venv else "/usr/bin/python3"
     h = handlers_dir(shared, **{"many.py": MANY_FILES, "normal.py": NORMAL})
     work = work_dir(shared, None)
     many = queue.enqueue("many", {}, max_attempts=1)
     normal = queue.enqueue("normal", {}, max_attempts=1)
-    # (an interpreter every uid reaches: a bwrap launcher then shares the drainer's mount namespace)
-    r = drain(dsn, h, work, "-v", "--python", "/usr/bin/python3", tier=tier)
+    r = drain(dsn, h, work, "-v", "--python", python, tier=tier)
     assert r.returncode == 0, r.stderr
     [(status, result, error)] = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", many)
     assert status == "dead", (status, result, error)

@@ -55,7 +55,7 @@ from .. import (
     default_python,
     jobs_cannot_reach,
 )
-from .._caps import JOB_NICE, NOT, nproc_counts_per_namespace
+from .._caps import JOB_NICE, nproc_counts_per_namespace
 from .._caps import tier_caps as caps_words
 from .._handlers import handlers_snapshot
 from .._hardening import harden_drainer
@@ -125,7 +125,7 @@ def _probe() -> tuple[str | None, str]:
             lease, uid = _job_uid()
             try:
                 stdin = _launch(binary, uid, options, str(seccomp), ["/usr/bin/env", "true"], {})
-                r = subprocess.run(_shim(""), input=stdin, capture_output=True, env={}, timeout=30, cwd="/")
+                r = subprocess.run(_shim(), input=stdin, capture_output=True, env={}, timeout=30, cwd="/")
             finally:
                 if lease is not None:
                     lease.release()
@@ -210,9 +210,6 @@ def tier_caps(limits: Limits, nice: bool = True) -> dict[str, str]:
     out = caps_words(limits, pids=pids, no_pids=f"no pids cgroup is writable, and {why}",
                      memory_cgroup=ver if caps.memory else None, cpu_cgroup=ver if caps.cpu else None,
                      disk_extra=f"/tmp and /dev/shm are tmpfs of {limits.tmp_bytes // MiB} MiB", nice=nice)
-    if _diskcap.available() and not out["disk"].startswith(NOT):
-        out["disk"] += ("; NOT where the handlers' interpreter lives under a directory the job uids cannot "
-                        "search (/root): its launcher's own mount namespace does not see the workspace's tmpfs")
     return out
 
 
@@ -363,7 +360,7 @@ class BwrapSandbox(Sandbox):
                 self._lease, self._uid = _job_uid()
                 self._holder = None if _hostuid.needed() else _subuid.holder()
             self._view = _view([*interp, binary]) if _hostuid.needed() else ""
-            self._launcher = _pool.take(cgroups.available(), self._view)
+            self._launcher = _pool.take(cgroups.available())
             self._cgroup = self._launcher.cgroup
             if self._cgroup is not None:
                 # bwrap's monitor and its pid 1 count against pids.max too: the job gets ``pids``
@@ -381,9 +378,9 @@ class BwrapSandbox(Sandbox):
                 os.chown(self._outer, -1, self._lease.gid)  # bwrap, as the job's uid, passes it
                 os.chmod(self._outer, 0o710)
                 os.chown(self._workspace, self._lease.uid, self._lease.gid)
-                if not self._view:  # (a launcher with a view of its own sees no later host mount)
-                    self._capped = _diskcap.cap(self._workspace, limits.disk_bytes, limits.inodes,
-                                                self._lease.uid, self._lease.gid)
+                # (before exec: a launcher's view, :func:`_view`, is made then and so sees it)
+                self._capped = _diskcap.cap(self._workspace, limits.disk_bytes, limits.inodes,
+                                            self._lease.uid, self._lease.gid)
         except BaseException:
             self.kill()
             raise
@@ -557,13 +554,13 @@ class BwrapSandbox(Sandbox):
             return ExecResult(-signal.SIGKILL, "", "", 0.0, reason)
         rlimits = self._rlimits(timeout_seconds)
         argv = [*self._nproc_prefix(), *argv]
-        stdin = _launch(self._binary, self._uid, self._options, self._seccomp, argv, rlimits)
+        stdin = _launch(self._binary, self._uid, self._options, self._seccomp, argv, rlimits, self._view)
         with self._lock:
             if self._destroyed:
                 return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
             launcher, self._launcher = self._launcher, None
             if launcher is None:  # a second exec in this sandbox: a new launcher, same cgroups
-                launcher = _Launcher(self._cgroup, self._view)
+                launcher = _Launcher(self._cgroup)
             self._proc = proc = launcher.proc
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         if self._cgroup is not None:

@@ -30,15 +30,13 @@ _SHIM_SCRIPT = 'nl=\'\n\'\nunset PWD\nread -r line || exit 125\neval "$line"\n'
 _SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
 
 
-def _shim(view: str) -> list[str]:
-    """The launcher's argv: with a ``view`` (:func:`_view`), in a mount namespace of its own; for a
-    non-root drainer with a subordinate range, as ns-root of its holder (:mod:`.._subuid`), where
-    ``setpriv`` drops it to the job's ns-uid."""
-    if not view:
-        helper = _subuid.holder() if not _hostuid.needed() else None
-        return _SHIM if helper is None else [*helper.enter(), *_SHIM]
-    return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", view + _SHIM_SCRIPT,
-            "fleetless-bwrap"]
+def _shim() -> list[str]:
+    """The launcher's argv; for a non-root drainer with a subordinate range, as ns-root of its holder
+    (:mod:`.._subuid`), where ``setpriv`` drops it to the job's ns-uid."""
+    helper = _subuid.holder() if not _hostuid.needed() else None
+    return _SHIM if helper is None else [*helper.enter(), *_SHIM]
+
+
 #: The launcher hands bwrap its options on this fd (the rest of its stdin, ``--args``) and the
 #: seccomp filter on the next (``--seccomp``).
 _FD_ARGS, _FD_SECCOMP = 3, 4
@@ -74,7 +72,8 @@ def _ulimits(rlimits: dict[str, int]) -> list[str]:
 
 
 def _launch(
-    binary: str, uid: int | None, options: Sequence[str], seccomp: str, argv: Sequence[str], rlimits: dict[str, int]
+    binary: str, uid: int | None, options: Sequence[str], seccomp: str, argv: Sequence[str], rlimits: dict[str, int],
+    view: str = "",
 ) -> bytes:
     """What the launcher reads on its stdin: one shell line that becomes bwrap, then bwrap's
     ``options`` NUL-separated, which bwrap reads through ``--args`` until EOF.
@@ -86,19 +85,26 @@ def _launch(
     right before bwrap: bwrap then makes an ordinary unprivileged user namespace whose one uid, the
     job's 65534, is that host uid. (Spawning the pooled launcher as the uid instead costs a full
     ``fork()`` of the drainer, about three times the CPU of the extra ``exec``.) The seccomp filter
-    is opened before the drop. bwrap's job gets ``/dev/null`` as stdin."""
+    is opened before the drop. bwrap's job gets ``/dev/null`` as stdin.
+
+    With a ``view`` (:func:`._filesystem._view`: a root drainer's interpreter under ``/root``), the
+    launcher first becomes ``unshare --mount`` and a shell that runs the view, still root: its mount
+    namespace is made here, at the job's exec, so it holds what the host's has by then, the
+    workspace's own capped tmpfs (:mod:`.._diskcap`) included. (Made when the pooled launcher
+    started, before the workspace, it did not: issue 25's disk cap did not hold there.)"""
     for option in options:
         if "\0" in option:
             raise ValueError(f"argument contains a NUL byte: {option!r}")
     folder, name = os.path.split(binary)
     drop = "" if uid is None else f"setpriv --reuid={uid} --regid={uid} --clear-groups -- "
-    words = [
-        " && ".join([f"cd {_quote(folder)}", "unset PWD OLDPWD", *_ulimits(rlimits),
-                     f"exec {drop}{_quote('./' + name)}"]),
-        f"--args {_FD_ARGS} --",
-        *(_quote(a) for a in argv),
-        f"{_FD_ARGS}<&0 0</dev/null {_FD_SECCOMP}<{_quote(seccomp)}",
-    ]
+    become = " ".join([f"exec {drop}{_quote('./' + name)}", f"--args {_FD_ARGS} --", *(_quote(a) for a in argv)])
+    if view:  # (the inner shell has no $nl of its own: a newline in an argument needs one)
+        inner = f"nl='\n'\n{view}cd {_quote(folder)} && unset PWD OLDPWD && {become}\n"
+        head = ["cd /", "unset PWD OLDPWD", *_ulimits(rlimits),
+                f"exec unshare --mount --propagation private -- /bin/sh -c {_quote(inner)} fleetless-bwrap"]
+    else:
+        head = [f"cd {_quote(folder)}", "unset PWD OLDPWD", *_ulimits(rlimits), become]
+    words = [" && ".join(head), f"{_FD_ARGS}<&0 0</dev/null {_FD_SECCOMP}<{_quote(seccomp)}"]
     data = [*options, "--seccomp", str(_FD_SECCOMP)]
     return (" ".join(words) + "\n").encode() + "".join(o + "\0" for o in data).encode()
 
@@ -106,11 +112,10 @@ def _launch(
 class _Launcher:
     """A waiting launcher process and the (limit-less until taken) cgroups it is already in."""
 
-    def __init__(self, cgroup: cgroups.JobCgroup | None, view: str = "") -> None:
+    def __init__(self, cgroup: cgroups.JobCgroup | None) -> None:
         self.cgroup = cgroup
-        self.view = view
         self.proc = subprocess.Popen(
-            _shim(view),
+            _shim(),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -141,9 +146,9 @@ class _Launcher:
             self.cgroup.remove()
 
     @classmethod
-    def fresh(cls, caps: cgroups.CgroupCaps, view: str = "") -> _Launcher:
+    def fresh(cls, caps: cgroups.CgroupCaps) -> _Launcher:
         """A launcher in new cgroups (where ``caps`` has any)."""
-        return cls(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None, view)
+        return cls(cgroups.JobCgroup(caps=caps) if caps.any or caps.kill else None)
 
 
 class _Pool:
@@ -155,14 +160,9 @@ class _Pool:
         self._ready: list[_Launcher] = []
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._view = ""  # the view (:func:`_view`) of the launchers it makes: the last one taken
 
-    def take(self, caps: cgroups.CgroupCaps, view: str = "") -> _Launcher:
+    def take(self, caps: cgroups.CgroupCaps) -> _Launcher:
         with self._cond:
-            if view != self._view:  # another interpreter's view: the ready ones are of no use
-                stale, self._ready, self._view = self._ready, [], view
-                for old in stale:
-                    old.discard()
             launcher = self._ready.pop() if self._ready else None
             if self._thread is None and not self._closed and self.size > 0:
                 self._thread = threading.Thread(target=self._fill, name="fleetless-bwrap-pool", daemon=True)
@@ -172,7 +172,7 @@ class _Pool:
             return launcher
         if launcher is not None:
             launcher.discard()
-        return _Launcher.fresh(caps, view)
+        return _Launcher.fresh(caps)
 
     def _fill(self) -> None:
         while True:
@@ -182,19 +182,16 @@ class _Pool:
                 if self._closed:
                     return
             try:
-                view = self._view
-                launcher = _Launcher.fresh(cgroups.available(), view)
+                launcher = _Launcher.fresh(cgroups.available())
             except (OSError, SandboxUnavailable) as exc:
                 log.warning("bwrap launcher pool: %s", exc)
                 with self._cond:
                     self._cond.wait(timeout=5)
                 continue
             with self._cond:
-                if self._closed or view != self._view:
+                if self._closed:
                     launcher.discard()
-                    if self._closed:
-                        return
-                    continue
+                    return
                 self._ready.append(launcher)
 
     def close(self) -> None:
