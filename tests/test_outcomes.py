@@ -200,6 +200,41 @@ def test_microvm_smoke(queue: Queue, dsn: str, sql: SQL, handlers: Callable[...,
     _check("discard", _row(sql, discarded), script=True)
 
 
+ORIGIN = """
+    import fleetless, fleetless.outcomes
+    from fleetless.outcomes import Snooze
+
+    def handle(payload):
+        if payload.get("snooze"):
+            raise Snooze(1000, reason="upstream not ready")
+        return {"origin": fleetless.outcomes.__spec__.origin, "package": getattr(fleetless, "__file__", None)}
+"""
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["no-fleetless", "older-fleetless"])
+def test_the_runner_serves_fleetless_outcomes_where_the_sandbox_python_has_none(
+        queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path], tmp_path: Path, older: bool) -> None:
+    """A python without fleetless (the system's), or with a fleetless that has no outcomes module
+    (an older release on PYTHONPATH): the handler imports the runner's copy, which works the same."""
+    h = handlers(**{"orig.py": ORIGIN})
+    env: tuple[str, ...] = ()
+    if older:
+        old = tmp_path / "old"
+        (old / "fleetless").mkdir(parents=True)
+        (old / "fleetless" / "__init__.py").write_text("OLD = True\n")
+        for path in (old, old / "fleetless", old / "fleetless" / "__init__.py"):
+            path.chmod(0o755)
+        env = (f"PYTHONPATH={old}",)
+    returned, snoozed = queue.enqueue("orig", {}), queue.enqueue("orig", {"snooze": True})
+    Drainer(Queue(dsn), DrainConfig(handlers_dir=h, sandbox="process", python="/usr/bin/python3", pass_env=env,
+                                    timeout=60)).run()
+    result = sql("SELECT status, result_json FROM fleetless.jobs WHERE id = %s", returned)[0]
+    assert result[0] == "done", result
+    assert result[1]["origin"] == "fleetless-batch-runner", result
+    assert (result[1]["package"] or "").endswith("old/fleetless/__init__.py") if older else result[1]["package"] is None
+    _check("snooze", _row(sql, snoozed), script=False)
+
+
 # -- the checks of what a sandbox sent, without a sandbox ---------------------------------------------
 
 RUN = Run(tier="process")
