@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
+import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
+import pytest
 from click.testing import CliRunner
 
 from fleetless import Queue
@@ -169,3 +172,86 @@ def test_init_folds_an_existing_attempt_history_once(queue: Queue, sql: Any, dsn
     assert result.exit_code == 0, result.output
     assert sql("SELECT last_id FROM fleetless.attempt_totals_mark") == sql("SELECT max(id) FROM fleetless.job_attempts")
     assert sql("SELECT kind, outcome, n FROM fleetless.attempt_totals") == [("a", "done", 3)]
+
+
+def _history(queue: Queue, sql: Any, n: int) -> None:
+    """``n`` jobs of kind a, done a day ago, each with its attempt; the totals not folded at all
+    (as on a database upgraded past migration 009 without `fleetless init` folding it)."""
+    queue.enqueue_many([("a", {})] * n)
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now() - interval '1 day'")
+    sql("INSERT INTO fleetless.job_attempts (job_id, attempt, outcome, finished_at, duration_seconds)"
+        " SELECT id, 1, 'done', now() - interval '1 day', 0.2 FROM fleetless.jobs")
+    sql("TRUNCATE fleetless.attempt_totals")
+    sql("UPDATE fleetless.attempt_totals_mark SET last_id = 0")
+
+
+def _done(snapshot: Any) -> int:
+    return sum(n for kind, outcome, n in snapshot.finished if (kind, outcome) == ("a", "done"))
+
+
+def test_scrapes_of_an_unfolded_history_count_a_bounded_tail_and_rise_to_the_exact_figure(
+        queue: Queue, sql: Any, monkeypatch: Any) -> None:
+    """Issue 26: a scrape read the whole unfolded tail (4-15 s at 5M attempts). Now each scrape
+    folds a bounded step and counts a bounded tail: never more than the truth, never less than the
+    scrape before, and exact once the folds have caught up."""
+    import fleetless.insights as insights
+
+    monkeypatch.setattr(insights, "STEP_FOLD_BATCH", 7)
+    monkeypatch.setattr(insights, "TAIL_MAX", 5)
+    _history(queue, sql, 40)
+    seen = []
+    for _ in range(8):
+        seen.append(_done(Insights(queue).metrics()))
+    assert seen == sorted(seen) and seen[0] < 40 and seen[-1] == 40, seen
+    assert sql("SELECT last_id FROM fleetless.attempt_totals_mark") == sql("SELECT max(id) FROM fleetless.job_attempts")
+
+
+def test_a_retention_run_folds_a_bounded_step_of_the_attempt_history(queue: Queue, sql: Any) -> None:
+    from fleetless.maintenance import retention
+
+    _history(queue, sql, 12)
+    first = sql("SELECT min(id) FROM fleetless.job_attempts")[0][0]
+    retention.run_once(queue, retention.Settings(every=None, fold_batch=5))
+    assert sql("SELECT last_id FROM fleetless.attempt_totals_mark") == [(first + 4,)]
+    assert sql("SELECT sum(n) FROM fleetless.attempt_totals") == [(5,)]
+
+
+@pytest.fixture
+def reader(dsn: str, queue: Queue) -> Iterator[str]:
+    """The DSN of a role granted only USAGE on the schema and SELECT on its tables (a read-only
+    monitoring role)."""
+    role = f"fleetless_t_reader_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f'CREATE ROLE "{role}" LOGIN')
+        admin.execute(f'GRANT USAGE ON SCHEMA fleetless TO "{role}"')
+        admin.execute(f'GRANT SELECT ON ALL TABLES IN SCHEMA fleetless TO "{role}"')
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = role
+    try:
+        yield psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+            admin.execute(f'DROP OWNED BY "{role}"')
+            admin.execute(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_status_and_metrics_work_for_a_role_that_may_only_read(queue: Queue, sql: Any, reader: str,
+                                                                fleetless: Any) -> None:
+    """Issue 26: both failed for a SELECT-only role (permission denied), because their reads first
+    compacted the counts and folded the attempt totals. They skip that upkeep quietly there."""
+    _history(queue, sql, 3)
+    queue.enqueue("b", {})
+    queue.enqueue("b", {})  # two statements: job_counts has rows to compact
+    rows_before = sql("SELECT count(*) FROM fleetless.job_counts")
+    ro = Queue(reader)
+    assert ro.stats()["by_status"] == {"pending": 2, "running": 0, "done": 3, "dead": 0, "cancelled": 0}
+    snapshot = Insights(ro).metrics()
+    ro.close()
+    assert _done(snapshot) == 3
+    assert sql("SELECT count(*) FROM fleetless.job_counts") == rows_before  # nothing written
+    assert sql("SELECT last_id FROM fleetless.attempt_totals_mark") == [(0,)]
+    for args in (["status"], ["metrics"]):
+        out = fleetless(*args, dsn=reader)
+        assert out.returncode == 0 and out.stderr == "", (args, out.stderr)
+    assert 'fleetless_jobs{kind="b",queue="default",status="pending"} 2.0' in fleetless("metrics", dsn=reader).stdout

@@ -15,6 +15,7 @@ import pytest
 
 from fleetless import Queue
 from fleetless.attempt_totals import DURATION_BUCKETS, bucket_params
+from fleetless.insights import STEP_FOLD_BATCH, TAIL_MAX
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +142,25 @@ def test_the_counts_they_read_are_the_tables(big: Queue) -> None:
 
 def test_the_attempt_totals_read_only_the_tail_after_the_mark(big: Queue) -> None:
     mark = big.query("attempt_totals_mark")[0]["last_id"]
-    root = plan(big, "attempt_totals", {"after": mark, **bucket_params([float(b) for b in DURATION_BUCKETS])})
+    root = plan(big, "attempt_totals", {"after": mark, "tail": TAIL_MAX, **BOUNDS})
     assert_reads_little(root, most=50)
 
 
-AGES = {"done": 7 * 86400.0, "cancelled": 7 * 86400.0, "dead": 30 * 86400.0, "limit": 500,
-        **bucket_params([float(b) for b in DURATION_BUCKETS])}
+BOUNDS = bucket_params([float(b) for b in DURATION_BUCKETS])
+
+
+def test_a_scrape_beside_an_unfolded_history_reads_a_bounded_tail_and_folds_a_bounded_step(big: Queue) -> None:
+    # Issue 26: with the history not folded yet (mark 0 here, 140,000 attempts after it) a scrape
+    # read the whole tail, and its fold hashed the whole jobs table: 4-15 s a scrape at 5M.
+    root = plan(big, "attempt_totals", {"after": 0, "tail": TAIL_MAX, **BOUNDS})
+    assert_reads_little(root, most=TAIL_MAX)
+    root = plan(big, "attempt_fold_upto", {"after": 0, "margin": 600, "batch": STEP_FOLD_BATCH})
+    assert_reads_little(root, most=STEP_FOLD_BATCH)
+    root = plan(big, "fold_attempt_totals", {"after": 0, "upto": STEP_FOLD_BATCH, **BOUNDS})
+    assert_reads_little(root, most=STEP_FOLD_BATCH)
+
+
+AGES = {"done": 7 * 86400.0, "cancelled": 7 * 86400.0, "dead": 30 * 86400.0, "limit": 500, **BOUNDS}
 
 
 def test_a_retention_pass_with_nothing_due_reads_no_finished_rows(big: Queue) -> None:

@@ -18,6 +18,7 @@ __all__ = [
     "DatabaseError",
     "DatabaseUnavailable",
     "DuplicateValue",
+    "CannotWrite",
     "LockTimeout",
     "PoolerError",
     "SchemaNotInitialised",
@@ -75,6 +76,12 @@ class LockTimeout(DatabaseError):
     """A lock wait bounded by ``lock_timeout`` ran out: another session holds the row or table."""
 
 
+class CannotWrite(DatabaseError):
+    """The role may not write this (granted only SELECT, say) or the server takes no writes (a
+    standby, a read-only transaction): the reads' own upkeep (compacting the counts, folding the
+    attempt totals) is skipped on it."""
+
+
 _URL_PASSWORD = re.compile(r"([\w.%+-]+):([^@\s\"'/]+)@")
 _CONNINFO_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s\"]+)", re.IGNORECASE)
 
@@ -98,6 +105,8 @@ def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
         yield
     except psycopg.errors.LockNotAvailable as exc:  # an OperationalError, but not an outage
         raise LockTimeout(f"lock wait timed out: {_first_line(exc)}") from exc
+    except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction) as exc:
+        raise CannotWrite(f"database: {_first_line(exc)}") from exc
     except psycopg.OperationalError as exc:  # includes terminated backends and admin shutdown
         raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
     except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from . import db
 from .attempt_totals import DURATION_BUCKETS, bucket_params
 from .failure import HEAD_CHARS, error_head, exception_line, summarize_failure
 from .job import Status
@@ -167,7 +168,17 @@ class MetricsSnapshot:
 #: Attempts that ended at least this long ago are folded into the running totals; see
 #: ``fold_attempt_totals`` in queries.sql for why this margin makes the fold exact.
 FOLD_MARGIN_SECONDS = 600
+#: Most attempts one fold adds to the totals: ``fleetless init`` folds a history in such steps.
 FOLD_BATCH = 200_000
+#: Most attempts a scrape folds (and a drain's retention run, once a minute per database): a
+#: bounded step, so a long unfolded history costs each scrape no more than this (issue 26: 4-15 s
+#: a scrape at 5M attempts), and the totals catch up over the scrapes that follow.
+STEP_FOLD_BATCH = 10_000
+#: Most attempts past the totals a scrape counts itself (the unfolded tail, by id): until the
+#: folds catch up, the counters show the totals plus this much of the tail, and rise to the exact
+#: figures as the folds move on, never down (every attempt at or below an id is counted once the
+#: tail's end passes it, and that end never moves back).
+TAIL_MAX = 20_000
 
 
 class Insights:
@@ -283,7 +294,7 @@ class Insights:
         """Jobs by queue, kind and status; the oldest due job per queue; every ended attempt by
         kind and outcome with its duration histogram, from the attempt history's running totals."""
         bounds = [float(b) for b in DURATION_BUCKETS]
-        self._fold(bounds)
+        self.fold_step(bounds)
         self.queue.compact_counts()
         counts = self.queue.query("insight_counts", {})
         oldest = self.queue.query("insight_oldest_due_by_queue", {})
@@ -317,23 +328,31 @@ class Insights:
         bounds = [float(b) for b in DURATION_BUCKETS]
         while True:
             before = self.queue.query("attempt_totals_mark")[0]["last_id"]
-            self._fold(bounds)
+            self.fold_step(bounds, FOLD_BATCH)
             if self.queue.query("attempt_totals_mark")[0]["last_id"] == before:
                 return
 
-    def _fold(self, bounds: list[float]) -> None:
-        """Bring the running totals up to the attempts that ended FOLD_MARGIN_SECONDS ago."""
+    def fold_step(self, bounds: list[float] | None = None, batch: int | None = None) -> None:
+        """Move the running totals on by at most ``batch`` (STEP_FOLD_BATCH) attempts, toward those
+        that ended FOLD_MARGIN_SECONDS ago. Nothing, quietly, on a connection that may not write (a
+        role granted only SELECT: its scrapes count the bounded tail; writers' folds move it on)."""
+        bounds = bounds or [float(b) for b in DURATION_BUCKETS]
+        batch = STEP_FOLD_BATCH if batch is None else batch
         after = self.queue.query("attempt_totals_mark")[0]["last_id"]
-        for row in self.queue.query("attempt_fold_upto", {"after": after, "margin": FOLD_MARGIN_SECONDS,
-                                                          "batch": FOLD_BATCH}, prepare=False):
-            self.queue.query("fold_attempt_totals", {"after": after, "upto": row["upto"],
-                                                     **bucket_params(bounds)}, prepare=False)
+        try:
+            for row in self.queue.query("attempt_fold_upto", {"after": after, "margin": FOLD_MARGIN_SECONDS,
+                                                              "batch": batch}, prepare=False):
+                self.queue.query("fold_attempt_totals", {"after": after, "upto": row["upto"],
+                                                         **bucket_params(bounds)}, prepare=False)
+        except db.CannotWrite:
+            pass
 
     def _attempt_totals(self, bounds: list[float]) -> list[dict[str, Any]]:
         """The totals plus the unfolded tail, read again if a concurrent fold moved the mark."""
         while True:
             after = self.queue.query("attempt_totals_mark", {})[0]["last_id"]
-            rows = self.queue.query("attempt_totals", {"after": after, **bucket_params(bounds)}, prepare=False)
+            rows = self.queue.query("attempt_totals", {"after": after, "tail": TAIL_MAX, **bucket_params(bounds)},
+                                    prepare=False)
             if not rows or rows[0]["mark"] == after:
                 return rows
 

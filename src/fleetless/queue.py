@@ -993,12 +993,14 @@ class Queue:
     def compact_counts(self) -> None:
         """Fold job_counts' rows into one per (queue, kind, status) (``compact_counts`` in
         queries.sql); the reads of the counts call it first, so they sum a few rows. When another
-        fold holds the table's lock (``counts_lock``) this one folds nothing."""
+        fold holds the table's lock (``counts_lock``) this one folds nothing; so too, quietly, on
+        a connection that may not write (a role granted only SELECT, a standby): the reads then
+        sum the rows as they are, the same counts."""
         try:
             with db.errors_translated(self.schema), self._connection() as c, db.atomic(c), c.cursor() as cur:
                 cur.execute(self._q["counts_lock"] + " NOWAIT")
                 cur.execute(self._q["compact_counts"])
-        except db.LockTimeout:
+        except (db.LockTimeout, db.CannotWrite):
             pass
 
     def recount(self) -> int:

@@ -7,7 +7,9 @@ to the next run; a long-running drain runs it again on its maintenance timer. At
 database every ``every`` seconds (60), by whichever drain comes first: the others skip it at the
 cost of one short statement, and a run that finds a metrics fold or another pruner at work skips
 too, rather than wait (drains used to queue behind one another here). Each run also folds the job
-counts (``Queue.compact_counts``), so they stay a few rows between reads.
+counts (``Queue.compact_counts``), so they stay a few rows between reads, and moves the attempt
+totals of ``/metrics`` on by at most ``fold_batch`` attempts (``Insights.fold_step``), so they keep
+up with the history even when only a role that may not write scrapes the metrics.
 
 When it can go wrong: set an age to None to keep that status forever (then prune by hand with
 ``fleetless prune``). With drains rarer than jobs finish, a backlog shrinks only ``batch_size``
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..insights import Insights
 from ..queue import Queue
 from . import pruner
 
@@ -40,6 +43,8 @@ class Settings:
     batch_size: int = 500
     #: Seconds between two runs in one database, whichever drains run them; None: every call.
     every: float | None = 60.0
+    #: Most attempts one run folds into /metrics' running totals (a bounded step).
+    fold_batch: int = 50_000
 
     def pruner_settings(self) -> pruner.Settings:
         ages = tuple((status, age) for status, age in
@@ -59,4 +64,5 @@ def run_once(queue: Queue, settings: Settings = Settings()) -> pruner.Result:
     if settings.every is not None and not queue.maintenance_turn("retention", settings.every):
         return pruner.Result()
     queue.compact_counts()
+    Insights(queue).fold_step(batch=settings.fold_batch)
     return pruner.run_once(queue, settings.pruner_settings())

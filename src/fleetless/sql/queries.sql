@@ -1087,10 +1087,12 @@ SELECT last_id FROM {schema}.attempt_totals_mark;
 -- /metrics: how far the next fold may go: the newest attempt that ended %(margin)s seconds ago or
 -- more. An attempt is written by one short statement, so by then every smaller id is committed and
 -- visible, and the fold skips none. At most %(batch)s past the mark, so each scrape stays short
--- while a long history is folded in. No row: nothing to fold.
-SELECT LEAST(max(id), %(after)s + %(batch)s) AS upto
+-- while a long history is folded in; only that range of the key is read (from its end back to
+-- the first old enough). No row: nothing to fold.
+SELECT max(id) AS upto
 FROM {schema}.job_attempts
-WHERE id > %(after)s AND finished_at < now() - make_interval(secs => %(margin)s)
+WHERE id > %(after)s AND id <= %(after)s::bigint + %(batch)s::bigint
+  AND finished_at < now() - make_interval(secs => %(margin)s)
 HAVING max(id) IS NOT NULL;
 
 -- name: fold_attempt_totals
@@ -1102,19 +1104,19 @@ HAVING max(id) IS NOT NULL;
 -- a subquery or a generic plan it guesses a third of the table, joins the whole jobs table and
 -- JIT-compiles for a second). A job pruned before any fold counts under the kind "(pruned)". The
 -- bucket: width_bucket over the negated, reversed bounds counts the bounds >= the duration, which
--- picks the smallest of them (exact at a bound, as Prometheus's "le").
+-- picks the smallest of them (exact at a bound, as Prometheus's "le"). The kind: by the job's key,
+-- one lookup per attempt (a join was planned as a hash of the whole jobs table, 10 s a step).
 WITH mark AS (
   SELECT last_id FROM {schema}.attempt_totals_mark
   WHERE last_id = %(after)s
   FOR UPDATE SKIP LOCKED
 ), folded AS (
-  SELECT COALESCE(j.kind, '(pruned)') AS kind, a.outcome,
+  SELECT COALESCE((SELECT j.kind FROM {schema}.jobs j WHERE j.id = a.job_id), '(pruned)') AS kind, a.outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
               ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
          count(*) AS n, COALESCE(sum(a.duration_seconds), 0) AS seconds
   FROM {schema}.job_attempts a
-  LEFT JOIN {schema}.jobs j ON j.id = a.job_id
   WHERE a.id > %(after)s AND a.id <= %(upto)s AND EXISTS (SELECT FROM mark)
   GROUP BY 1, 2, 3
 ), added AS (
@@ -1129,22 +1131,24 @@ RETURNING last_id;
 
 -- name: attempt_totals
 -- /metrics: ended attempts by kind, outcome and duration bucket: the folded totals plus the
--- attempts after the mark %(after)s the caller read. Each row also carries the mark as this
--- statement saw it: if a fold moved it in between, the caller reads again (else it would count
--- the attempts that fold added twice).
+-- attempts after the mark %(after)s the caller read, at most %(tail)s ids past it (a range of the
+-- primary key: an unfolded history of millions cost 4-15 s a scrape, issue 26; the rest is
+-- counted once folds move the mark on). Each row also carries the mark as this statement saw
+-- it: if a fold moved it in between, the caller reads again (else it would count the attempts
+-- that fold added twice). Each attempt's kind is looked up by its job's key, one row each (a
+-- join was planned as a hash of the whole jobs table: 10 s for 50,000 attempts beside 6M jobs).
 SELECT kind, outcome, bound, sum(n)::bigint AS n, sum(seconds)::float8 AS seconds,
        (SELECT last_id FROM {schema}.attempt_totals_mark) AS mark
 FROM (
   SELECT kind, outcome, bound, n, seconds FROM {schema}.attempt_totals
   UNION ALL
-  SELECT COALESCE(j.kind, '(pruned)'), a.outcome,
+  SELECT COALESCE((SELECT j.kind FROM {schema}.jobs j WHERE j.id = a.job_id), '(pruned)'), a.outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
               ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END,
          1, COALESCE(a.duration_seconds, 0)
   FROM {schema}.job_attempts a
-  LEFT JOIN {schema}.jobs j ON j.id = a.job_id
-  WHERE a.id > %(after)s
+  WHERE a.id > %(after)s AND a.id <= %(after)s::bigint + %(tail)s::bigint
 ) AS t
 GROUP BY kind, outcome, bound
 ORDER BY kind, outcome, bound;
