@@ -19,8 +19,8 @@ import pytest
 
 from fleetless import Queue
 from fleetless.decisions import from_exit, from_handle
-from fleetless.drainer import DrainConfig, Drainer
-from fleetless.job import Run
+from fleetless.drainer import DrainConfig, Drainer, Summary
+from fleetless.job import Outcome, Run
 from fleetless.outcomes import MAX_SNOOZES, Discard, Retry, Snooze
 
 pytestmark = pytest.mark.usefixtures("private_workdir")
@@ -70,10 +70,11 @@ SCRIPT = """
 CASES = ["discard", "snooze", "retry", "bad", "negative", "done"]
 
 
-def _drain(dsn: str, h: Path, tier: str, per_sandbox: int) -> None:
+def _drain(dsn: str, h: Path, tier: str, per_sandbox: int) -> Summary:
     summary = Drainer(Queue(dsn), DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=per_sandbox,
                                               concurrency=2, timeout=60)).run()
     assert summary.claimed >= 1
+    return summary
 
 
 def _row(sql: SQL, job_id: int) -> dict[str, Any]:
@@ -128,9 +129,27 @@ def test_each_decision_on_each_tier(queue: Queue, dsn: str, sql: SQL, handlers: 
     h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
     ids = {(kind, case): queue.enqueue(kind, {"do": case}, max_attempts=3)
            for kind in ("mod", "scr") for case in CASES}
-    _drain(dsn, h, tier, per_sandbox)
+    summary = _drain(dsn, h, tier, per_sandbox)
     for (kind, case), job_id in ids.items():
         _check(case, _row(sql, job_id), script=kind == "scr")
+    assert (summary.snoozed, summary.done, summary.dead, summary.retried) == (2, 2, 2, 6), summary
+    assert "2 snoozed" in summary.line()
+
+
+def test_a_snooze_is_fenced_by_its_claim_and_a_cancel_wins(queue: Queue, sql: SQL) -> None:
+    """A snooze is written by the same fenced statement as every outcome: a claim reaped and taken
+    over writes nothing (no snooze counted), and a job an operator cancelled while it ran ends
+    cancelled, not pending."""
+    fenced, cancelled = queue.enqueue("k", {}), queue.enqueue("k", {})
+    jobs = {j.id: j for j in queue.claim(2)}
+    sql("UPDATE fleetless.jobs SET claim_token = gen_random_uuid() WHERE id = %s", fenced)
+    sql("UPDATE fleetless.jobs SET cancel_requested_at = now() WHERE id = %s", cancelled)
+    snooze = Outcome("snooze", error="snoozed for 30 s", delay=30.0, decided="snooze", run=RUN)
+    written = queue.finish_many([(jobs[fenced], snooze), (jobs[cancelled], snooze)])
+    assert fenced not in written and written[cancelled] == "cancelled", written
+    assert sql("SELECT status, attempts, snoozes FROM fleetless.jobs WHERE id = %s", fenced) == [("running", 1, 0)]
+    assert sql("SELECT outcome FROM fleetless.job_attempts WHERE job_id = %s", fenced) == []
+    assert sql("SELECT outcome FROM fleetless.job_attempts WHERE job_id = %s", cancelled) == [("cancelled",)]
 
 
 def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
@@ -186,6 +205,10 @@ def test_show_and_the_job_page_name_the_decision(queue: Queue, dsn: str, handler
     page = TestClient(create_app(queue)).get(f"/jobs/{discarded}")
     assert page.status_code == 200 and "<td>discarded</td>" in page.text, page.text
     assert "discarded: payload version 1 is no longer supported" in page.text
+    from fleetless.insights import Insights
+
+    minutes = Insights(queue).per_minute(hours=1)  # the dashboard's chart: a discard is a failure, a snooze neither
+    assert sum(m["failed"] for m in minutes) == 1 and sum(m["done"] for m in minutes) == 0, minutes
 
 
 def test_microvm_smoke(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
