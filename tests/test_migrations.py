@@ -56,3 +56,29 @@ def test_a_drain_on_an_older_schema_says_run_fleetless_init_in_one_line(dsn: str
         q.check_schema()
     finally:
         q.close()
+
+
+def test_indexes_built_concurrently_before_init_are_kept_by_its_migrations(dsn: str) -> None:
+    """docs/operations.md (Upgrading): an operator who builds 018's and 020's indexes CONCURRENTLY
+    (writes go on) before `fleetless init` keeps them: init finds them and builds none again."""
+    _old_schema(dsn, "prebuilt", 17)
+    names = ["jobs_queue_claim_idx", "jobs_queue_due_idx", "jobs_finished_status_idx", "jobs_kind_claim_idx"]
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for version, _, text in db._migrations():
+            for statement in re.findall(r"CREATE INDEX IF NOT EXISTS .*?;", text, re.S):
+                if version in (18, 20):
+                    c.execute(statement.replace("CREATE INDEX", "CREATE INDEX CONCURRENTLY")
+                              .replace("{schema}", "prebuilt").encode())
+        before = dict(c.execute("SELECT relname, oid FROM pg_class WHERE relname = ANY(%s)"
+                                " AND relnamespace = 'prebuilt'::regnamespace", (names,)).fetchall())
+    assert sorted(before) == sorted(names)
+    q = Queue(dsn, schema="prebuilt")
+    try:
+        assert q.init() == list(range(18, db.latest_migration() + 1))
+    finally:
+        q.close()
+    with psycopg.connect(dsn, autocommit=True) as c:
+        after = dict(c.execute("SELECT c.relname, c.oid FROM pg_class c JOIN pg_index i ON i.indexrelid = c.oid"
+                               " WHERE c.relname = ANY(%s) AND c.relnamespace = 'prebuilt'::regnamespace"
+                               " AND i.indisvalid", (names,)).fetchall())
+    assert after == before
