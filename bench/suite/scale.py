@@ -1,8 +1,11 @@
 """(7) Reads and claims at scale (issue 26): 1M pending jobs in one queue beside 5M finished ones
 and their 5M attempt rows, and a queue with nothing due. Times the reads of ``fleetless metrics``
-and ``status``, a claim and ``next_due`` for the idle queue, a retention pass (alone, and four
-drains' passes at once), against the goals; and what keeping the counts exact (migration 016's
-triggers) and the queue indexes (018) cost an enqueue, as a same-run ratio with both removed."""
+(over the history not folded yet, and folded) and ``status`` (also as a SELECT-only role), a
+claim and ``next_due`` for the idle queue, a claim and ``next_due`` that skip every kind of the
+backlog (a drain whose kinds are all rate- or concurrency-limited), a retention pass (alone, and
+four drains' passes at once), against the goals; and what keeping the counts exact (migration
+016's triggers) and the queue and kind indexes (018, 020) cost an enqueue, as a same-run ratio with
+them removed."""
 
 from __future__ import annotations
 
@@ -61,6 +64,27 @@ CLAIM = {"token": "00000000-0000-0000-0000-000000000001", "claimed_by": "bench:1
          "queues": ["idle"]}
 
 
+SKIP = [f"k{i}" for i in range(20)]  # every kind of the backlog
+
+
+def _reader(dsn: str) -> str:
+    """The DSN of a role granted only USAGE on the schema and SELECT on its tables."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("DROP ROLE IF EXISTS fleetless_bench_reader")
+        c.execute("CREATE ROLE fleetless_bench_reader LOGIN")
+        c.execute("GRANT USAGE ON SCHEMA fleetless TO fleetless_bench_reader")
+        c.execute("GRANT SELECT ON ALL TABLES IN SCHEMA fleetless TO fleetless_bench_reader")
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["user"] = "fleetless_bench_reader"
+    return psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+
+
+def _drop_reader(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("DROP OWNED BY fleetless_bench_reader")
+        c.execute("DROP ROLE IF EXISTS fleetless_bench_reader")
+
+
 def _passes_at_once(dsn: str, n: int) -> float:
     """n drains' retention passes started together, each on its own connection: the slowest."""
     queues = [Queue(dsn) for _ in range(n)]
@@ -99,10 +123,13 @@ def _enqueue_costs(dsn: str, reps: int, single: int, many: int) -> dict[str, lis
                               " (queue, priority DESC, run_after) WHERE status = 'pending'")
                     c.execute("CREATE INDEX IF NOT EXISTS jobs_queue_due_idx ON fleetless.jobs"
                               " (queue, run_after) WHERE status = 'pending'")
+                    c.execute("CREATE INDEX IF NOT EXISTS jobs_kind_claim_idx ON fleetless.jobs"
+                              " (kind, queue, priority DESC, run_after) WHERE status = 'pending'")
                 else:
                     c.execute("ALTER TABLE fleetless.jobs DISABLE TRIGGER USER")
                     c.execute("DROP INDEX IF EXISTS fleetless.jobs_queue_claim_idx")
                     c.execute("DROP INDEX IF EXISTS fleetless.jobs_queue_due_idx")
+                    c.execute("DROP INDEX IF EXISTS fleetless.jobs_kind_claim_idx")
                 c.execute("TRUNCATE fleetless.jobs CASCADE")
                 q.close()
                 q.enqueue("warm", {})
@@ -141,19 +168,34 @@ def run(ctx: Context) -> Section:
             c.execute("VACUUM ANALYZE fleetless.jobs")
             c.execute("VACUUM ANALYZE fleetless.job_attempts")
         build = time.perf_counter() - t0
+        # The first scrapes of a history not folded yet (an upgrade whose init did not fold it):
+        # each folds a bounded step and counts a bounded tail.
+        Insights(q).metrics()
+        for _ in range(reps):
+            cases.setdefault("fleetless metrics, history not folded yet", []).append(
+                _timed(lambda: Insights(q).metrics()))
         t0 = time.perf_counter()
         Insights(q).fold_history()  # what `fleetless init` does on an upgraded database
         fold = time.perf_counter() - t0
         q.compact_counts()
+        reader = Queue(_reader(dsn))
+        reader.stats()
         for _ in range(reps):
             for name, fn in (
                 ("fleetless metrics (one scrape)", lambda: Insights(q).metrics()),
                 ("fleetless status", q.stats),
                 ("claim 10 from the idle queue", lambda: q.claim(10, queues=["idle"])),
                 ("next_due of the idle queue", lambda: q.next_due(["idle"])),
+                ("fleetless status as a SELECT-only role", reader.stats),
+                ("claim 10 skipping every backlog kind", lambda: q.claim(10, skip_kinds=SKIP)),
+                ("next_due skipping every backlog kind", lambda: q.next_due(None, SKIP)),
                 ("claim 10 from the idle queue, server time", lambda: _server_ms(dsn, q, "claim", CLAIM)),
                 ("next_due of the idle queue, server time",
                  lambda: _server_ms(dsn, q, "next_due", {"queues": ["idle"], "skip_kinds": None})),
+                ("claim 10 skipping every backlog kind, server time",
+                 lambda: _server_ms(dsn, q, "claim", {**CLAIM, "queues": None, "skip_kinds": SKIP})),
+                ("next_due skipping every backlog kind, server time",
+                 lambda: _server_ms(dsn, q, "next_due", {"queues": None, "skip_kinds": SKIP})),
                 ("retention pass (deletes its batch of 500)",
                  lambda: retention.run_once(q, retention.Settings(every=None))),
             ):
@@ -165,9 +207,17 @@ def run(ctx: Context) -> Section:
                 c.execute("DELETE FROM fleetless.maintenance_runs")
             cases.setdefault("4 drains' retention passes at once, slowest", []).append(_passes_at_once(dsn, 4))
         q.close()
+        reader.close()
+        _drop_reader(dsn)
         costs = _enqueue_costs(dsn, reps, single=300 if ctx.quick else 2000, many=5000 if ctx.quick else 50_000)
     goals = {
         "fleetless metrics (one scrape)": (0.25, "<= 250 ms"),
+        "fleetless metrics, history not folded yet": (0.25, "<= 250 ms"),
+        "fleetless status as a SELECT-only role": (0.1, "works; <= 100 ms"),
+        "claim 10 skipping every backlog kind": (0.005, "<= 5 ms"),
+        "next_due skipping every backlog kind": (0.005, "<= 5 ms"),
+        "claim 10 skipping every backlog kind, server time": (0.005, "<= 5 ms"),
+        "next_due skipping every backlog kind, server time": (0.005, "<= 5 ms"),
         "claim 10 from the idle queue": (0.005, "<= 5 ms"),
         "next_due of the idle queue": (0.005, "<= 5 ms"),
         "claim 10 from the idle queue, server time": (0.005, "<= 5 ms"),
@@ -188,7 +238,7 @@ def run(ctx: Context) -> Section:
             section.rows.append([name, ms, goal, "" if limit is None else ("yes" if median(values) <= limit else "NO")])
     for what in ("enqueue", "enqueue_many"):
         ratio = median(costs[f"{what}, as shipped"]) / median(costs[f"{what}, without"])
-        section.rows.append([f"{what} wall time, with the counts' triggers and queue indexes / without",
+        section.rows.append([f"{what} wall time, with the counts' triggers and queue and kind indexes / without",
                              f"**{ratio:.2f}x**", "", ""])
     section.notes += [
         f"Building the table took {build:.0f} s; folding the {finished:,} attempts once (`fleetless init`)"
