@@ -114,8 +114,8 @@ def queue(dsn: str) -> Iterator[Queue]:
     q = Queue(dsn)
     q.init()
     with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts, fleetless.maintenance_runs"
-                  " RESTART IDENTITY CASCADE")
+        c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts, fleetless.maintenance_runs,"
+                  " fleetless.job_dependencies RESTART IDENTITY CASCADE")
     yield q
     q.close()
 

@@ -109,7 +109,8 @@ def test_compaction_keeps_the_sums_and_leaves_one_row_per_key(queue: Queue, sql:
     queue.compact_counts()
     assert counted(sql) == before == truth(sql)
     assert sql("SELECT count(*) FROM fleetless.job_counts") == [(2,)]  # (a, pending), (a, done)
-    assert queue.stats()["by_status"] == {"pending": 13, "running": 0, "done": 7, "dead": 0, "cancelled": 0}
+    assert queue.stats()["by_status"] == {"pending": 13, "running": 0, "done": 7, "dead": 0, "cancelled": 0,
+                                            "waiting": 0}
 
 
 def test_counts_stay_exact_with_racing_drainers_and_folds(queue: Queue, dsn: str, sql: Any) -> None:
@@ -245,7 +246,8 @@ def test_status_and_metrics_work_for_a_role_that_may_only_read(queue: Queue, sql
     queue.enqueue("b", {})  # two statements: job_counts has rows to compact
     rows_before = sql("SELECT count(*) FROM fleetless.job_counts")
     ro = Queue(reader)
-    assert ro.stats()["by_status"] == {"pending": 2, "running": 0, "done": 3, "dead": 0, "cancelled": 0}
+    assert ro.stats()["by_status"] == {"pending": 2, "running": 0, "done": 3, "dead": 0, "cancelled": 0,
+                                           "waiting": 0}
     snapshot = Insights(ro).metrics()
     ro.close()
     assert _done(snapshot) == 3

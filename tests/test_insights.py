@@ -100,7 +100,7 @@ def test_overview_counts_running_and_per_minute_from_the_table(queue: Queue, sql
     sql("UPDATE fleetless.jobs SET started_at = now() - interval '90 seconds' WHERE id = %s", job.id)
     o = Insights(queue).overview(hours=1)
     assert o.total == 5
-    assert o.by_status == {"pending": 2, "running": 1, "done": 1, "dead": 1, "cancelled": 0}
+    assert o.by_status == {"pending": 2, "running": 1, "done": 1, "dead": 1, "cancelled": 0, "waiting": 0}
     assert dict(o.by_queue.rows) == {"mail": {"pending": 2}, "default": {"running": 1, "done": 1, "dead": 1}}
     assert dict(o.by_kind.rows)["b"] == {"pending": 2}
     (running,) = o.running.rows

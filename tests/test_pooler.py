@@ -92,7 +92,7 @@ def test_every_command_works_through_the_pooler(pooled: str, fleetless, handlers
     assert all(result == f"ran {i}\n" for i, result in done)
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE payload ? 'gone'") == [(0,)]
     status = json.loads(fleetless("status", "--json", dsn=pooled).stdout)
-    assert status["by_status"] == {"pending": 1, "running": 0, "done": 7, "dead": 1, "cancelled": 0}
+    assert status["by_status"] == {"pending": 1, "running": 0, "done": 7, "dead": 1, "cancelled": 0, "waiting": 0}
     assert [j["id"] for j in json.loads(fleetless("jobs", "--status", "dead", "--json", dsn=pooled).stdout)] == [bad]
     assert json.loads(fleetless("show", str(bad), "--json", dsn=pooled).stdout)["last_error"] == "exit code 3"
     assert fleetless("retry", str(bad), dsn=pooled).stdout.strip() == f"retried 1 job(s): {bad}"

@@ -137,7 +137,7 @@ def test_the_reads_of_status_and_metrics_never_count_the_jobs_table(big: Queue, 
 
 def test_the_counts_they_read_are_the_tables(big: Queue) -> None:
     assert big.stats()["by_status"] == {"pending": 60010, "running": 0, "done": 126000, "dead": 14000,
-                                        "cancelled": 0}
+                                        "cancelled": 0, "waiting": 0}
 
 
 def test_the_attempt_totals_read_only_the_tail_after_the_mark(big: Queue) -> None:

@@ -187,12 +187,17 @@ def init(ctx: click.Context, recount: bool, as_json: bool) -> None:
 @click.option("--max-payload-bytes", "max_payload", callback=_size, default="1M", show_default=True,
               envvar="FLEETLESS_MAX_PAYLOAD_BYTES",
               help="Refuse a payload larger than this once encoded [env FLEETLESS_MAX_PAYLOAD_BYTES].")
+@click.option("--after", "after", type=int, multiple=True, metavar="ID",
+              help="Run only after job ID is done (repeatable: after all of them); a workflow, see docs/workflows.md.")
+@click.option("--on-parent-failure", type=click.Choice(["cancel", "run"]), default="cancel", show_default=True,
+              help="With --after: a parent that ends dead or cancelled cancels this job, or counts as ended.")
 @json_option
 @click.pass_context
 def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int | None, delay: float | None,
             run_after: str | None, queue_name: str, priority: int, timeout: float | None,
             key: str | None, on_duplicate: Literal["existing", "replace", "raise"], handlers_dir: Path | None,
-            max_payload: int, as_json: bool) -> None:
+            max_payload: int, after: tuple[int, ...], on_parent_failure: Literal["cancel", "run"],
+            as_json: bool) -> None:
     """Add a job; PAYLOAD_JSON '-' reads standard input. Prints the new id."""
     text = sys.stdin.read() if payload_json == "-" else payload_json
     payload = parse_payload_json(text)
@@ -213,7 +218,8 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int 
         job_id = q.enqueue(kind, payload, max_attempts=max_attempts,
                            run_after=when, delay=delay,
                            queue=queue_name, priority=priority, timeout=timeout, key=key,
-                           on_duplicate=on_duplicate)
+                           on_duplicate=on_duplicate, after=list(after) if after else None,
+                           on_parent_failure=on_parent_failure)
     except ValueError as exc:
         if "over the limit" in str(exc):
             _fail(f"{exc} (raise it with --max-payload-bytes or FLEETLESS_MAX_PAYLOAD_BYTES)")
@@ -447,7 +453,7 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 @cli.command()
-@click.option("--status", "status_", help="pending, running, done, dead or cancelled.")
+@click.option("--status", "status_", help="pending, running, done, dead, cancelled or waiting.")
 @click.option("--kind")
 @click.option("--queue", "queue_name")
 @click.option("--limit", type=int, default=50, show_default=True)
@@ -502,12 +508,13 @@ def wait(ctx: click.Context, job_id: int, timeout: float | None, as_json: bool) 
 @json_option
 @click.pass_context
 def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
-    """Every column of one job, then its attempt history."""
+    """Every column of one job, then its attempt history (and its workflow's parents and children)."""
     insights = _insights(ctx)
     row = insights.job(job_id)
     attempts = insights.attempts(job_id)
+    graph = insights.graph(job_id)
     if as_json:
-        _echo_json({**row, "attempts": attempts})
+        _echo_json({**row, "attempts": attempts, **graph})
         return
     row.pop("error_head", None)
     for key, value in row.items():
@@ -529,17 +536,30 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
             a["drainer"] = None if a["host"] is None else f"{a['host']}:{a['pid']}"
         _table(attempts, ["attempt", "outcome", "drainer", "tier", "started_at", "seconds", "ended",
                           "kill_reason", "error_head"])
+    for what in ("parents", "children"):
+        if graph[f"n_{what}"]:
+            shown = graph[what]
+            more = graph[f"n_{what}"] - len(shown)
+            click.echo(f"{what} ({graph[f'n_{what}']}" + (f", the first {len(shown)} shown" if more else "") + "):")
+            _table(shown, ["id", "kind", "status", "finished_at"])
+    if graph["n_children"]:
+        by_status = sorted(graph["children_by_status"].items())
+        click.echo("children by status: " + ", ".join(f"{k} {v}" for k, v in by_status))
 
 
 @cli.command()
 @click.argument("job_id", type=int, required=False)
 @click.option("--all-dead", is_flag=True, help="Retry every dead job.")
+@click.option("--children", is_flag=True,
+              help="Also the workflow children its failure cancelled: they wait for it again.")
 @json_option
 @click.pass_context
-def retry(ctx: click.Context, job_id: int | None, all_dead: bool, as_json: bool) -> None:
+def retry(ctx: click.Context, job_id: int | None, all_dead: bool, children: bool, as_json: bool) -> None:
     """Make a dead or cancelled job pending again, due now."""
     if (job_id is None) == (not all_dead):
         raise click.UsageError("give a JOB_ID or --all-dead")
+    if children and all_dead:
+        raise click.UsageError("--children goes with a JOB_ID, not --all-dead")
     q = _queue(ctx)
     if all_dead:
         ids = q.retry_all_dead()
@@ -548,8 +568,7 @@ def retry(ctx: click.Context, job_id: int | None, all_dead: bool, as_json: bool)
                        f" have ({MAX_ATTEMPTS_CEILING}); enqueue it again instead", err=True)
     else:
         assert job_id is not None
-        q.retry(job_id)
-        ids = [job_id]
+        ids = [job_id, *q.retry(job_id, children=children)]
     if as_json:
         _echo_json({"retried": ids})
     else:

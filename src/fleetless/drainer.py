@@ -478,8 +478,10 @@ class Drainer:
             elif idle_since is None:
                 idle_since = now
             if not running:
-                if short and self._batched and self._completer.buffered and self._limited:
-                    self._db(self._completer.flush)  # its jobs count against a kind's limit until written
+                if short and self._batched and self._completer.buffered:
+                    # its jobs count against a kind's limit until written, and their finish may
+                    # release waiting children (workflows): write them, then claim once more
+                    self._db(self._completer.flush)
                     continue
                 if not watching:
                     break

@@ -215,6 +215,11 @@ class Insights:
         row["error_head"] = error_head(row.get("last_error"))
         return row
 
+    def graph(self, job_id: int, limit: int = 100) -> dict[str, Any]:
+        """A job's workflow: its parents and children (up to ``limit`` each) and their counts
+        (:meth:`Queue.graph`)."""
+        return self.queue.graph(job_id, limit)
+
     def attempts(self, job_id: int) -> list[dict[str, Any]]:
         """One job's attempt history, oldest first, each ``error_head`` cut to its first line."""
         rows = self.queue.attempts(job_id)

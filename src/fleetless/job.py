@@ -41,6 +41,7 @@ class Status(StrEnum):
     DONE = "done"
     DEAD = "dead"
     CANCELLED = "cancelled"
+    WAITING = "waiting"  # a workflow's job whose parents have not all ended yet (never claimed)
 
 
 @dataclass(frozen=True)

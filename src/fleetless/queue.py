@@ -141,6 +141,20 @@ class Enqueued(int):
 
 OnDuplicate = Literal["existing", "replace", "raise"]
 _ON_DUPLICATE = ("existing", "replace", "raise")
+OnParentFailure = Literal["cancel", "run"]
+_ON_PARENT_FAILURE = ("cancel", "run")
+#: The most parents one job may wait for.
+MAX_PARENTS = 100_000
+
+
+def _parent_ids(after: Iterable[int]) -> list[int]:
+    """enqueue's ``after``: job ids, each once, in order."""
+    if isinstance(after, (str, bytes, int)):
+        raise ValueError(f"after must be a list of job ids, not {after!r:.60}")
+    ids = list(dict.fromkeys(int(_job_id(p)) for p in after))
+    if len(ids) > MAX_PARENTS:
+        raise ValueError(f"after names {len(ids)} jobs; at most {MAX_PARENTS}")
+    return ids
 
 
 _NO_RUN = Run()
@@ -360,8 +374,11 @@ class Queue:
         timeout: float | dt.timedelta | None = None,
         key: str | None = None,
         on_duplicate: OnDuplicate = "existing",
+        on_parent_failure: OnParentFailure = "cancel",
     ) -> dict[str, Any]:
         validate_kind(kind)
+        if on_parent_failure not in _ON_PARENT_FAILURE:
+            raise ValueError(f"on_parent_failure must be cancel or run, not {on_parent_failure!r:.40}")
         if key is not None and (not isinstance(key, str) or not 1 <= len(key) <= 255 or "\x00" in key):
             raise ValueError(f"key must be a string of 1 to 255 characters without NUL, not {key!r:.60}")
         if on_duplicate not in _ON_DUPLICATE:
@@ -406,6 +423,7 @@ class Queue:
             "replace": on_duplicate == "replace",
             "raise": on_duplicate == "raise",
             "keep_due": run_after is None and delay is None,
+            "on_parent_failure": on_parent_failure,
         }
 
     def enqueue(
@@ -421,6 +439,8 @@ class Queue:
         timeout: float | dt.timedelta | None = None,
         key: str | None = None,
         on_duplicate: OnDuplicate = "existing",
+        after: Iterable[int] | None = None,
+        on_parent_failure: OnParentFailure = "cancel",
         conn: psycopg.Connection[Any] | None = None,
     ) -> Enqueued:
         """Add one job and return its id (an :class:`Enqueued`, an ``int`` that also tells whether a
@@ -434,11 +454,25 @@ class Queue:
         existing job's id and writes nothing (``on_duplicate="existing"``, the default), gives a
         still pending job the new payload and options and returns its id (``"replace"``; its due
         time stays unless ``delay`` or ``run_after`` is given), or raises
-        :class:`DuplicateJob` (``"raise"``); inside your transaction, none of these aborts it."""
+        :class:`DuplicateJob` (``"raise"``); inside your transaction, none of these aborts it.
+
+        ``after`` (job ids): a workflow's child. It is ``waiting``, never claimed, until every
+        parent is done; then pending, with ``payload["_parents"]`` (an object payload) mapping each
+        parent's id to its result. A parent ending dead or cancelled cancels it (and its own
+        waiting descendants), or, with ``on_parent_failure="run"``, counts as ended. A parent that
+        does not exist: ValueError, nothing written. See docs/workflows.md."""
         params = self._job_params(
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay,
             queue=queue, priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
+            on_parent_failure=on_parent_failure,
         )
+        if after is not None:
+            parents = _parent_ids(after)
+            if key is not None:
+                raise ValueError("a job with parents (after) cannot have a key")
+            if parents:
+                with db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c):
+                    return self._enqueue_after(c, params, parents)
         if key is None:  # the hot path: one statement, one tuple row (a dict row cost ~10% of an enqueue)
             name, params = ("enqueue_default", {"kind": params["kind"], "payload": params["payload"]}) \
                 if _all_default(params) else ("enqueue", params)
@@ -451,6 +485,17 @@ class Queue:
         with self._connection(conn) as c:
             return self._enqueue_keyed(c, params)
 
+    def _enqueue_after(self, conn: psycopg.Connection[Any], params: dict[str, Any], parents: list[int]) -> Enqueued:
+        """One job after ``parents``: written waiting with its edges, then settled (the caller's
+        transaction, or one of its own)."""
+        with conn.cursor(row_factory=tuple_row) as cur:
+            row = cur.execute(self._q["enqueue_waiting"], {**params, "after": parents}).fetchone()
+            if row is None:
+                missing = [r[0] for r in cur.execute(self._q["missing_jobs"], {"ids": parents}).fetchall()]
+                raise ValueError(f"after: no job with id {', '.join(map(str, missing)) or '?'}")
+            cur.execute(self._q["settle_children"], {"ids": [row[0]], "channel": self.channel})
+            return Enqueued(row[0])
+
     def _enqueue_keyed(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Enqueued:
         for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
             rows = self._run("enqueue_keyed", {**params, "channel": self.channel}, conn)
@@ -460,20 +505,49 @@ class Queue:
                 return Enqueued(rows[0]["id"], existing=not rows[0]["inserted"], replaced=rows[0]["replaced"])
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
-    def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any]) -> dict[str, Any]:
+    def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any],
+                     names: dict[str, int] | None = None) -> dict[str, Any]:
+        """An enqueue_many item's parameters; ``names`` (the call's items so far by name, to their
+        ids) resolves its ``after``, given as ``parents``."""
         try:
             if isinstance(item, Mapping):
                 options = dict(item)
-                unknown = set(options) - {"kind", "payload", *ITEM_OPTIONS}
+                unknown = set(options) - {"kind", "payload", *ITEM_OPTIONS, *GRAPH_OPTIONS}
                 if unknown:
                     raise ValueError(f"unknown option(s) {', '.join(sorted(unknown))}")
                 if "kind" not in options or "payload" not in options:
                     raise ValueError("needs 'kind' and 'payload'")
-                return self._job_params(options.pop("kind"), options.pop("payload"), **options)
+                name, after = options.pop("name", None), options.pop("after", None)
+                params = self._job_params(options.pop("kind"), options.pop("payload"), **options)
+                params["name"] = name
+                if name is not None and (not isinstance(name, str) or not name):
+                    raise ValueError(f"name must be a non-empty string, not {name!r:.40}")
+                if name is not None and names is not None and name in names:
+                    raise ValueError(f"name {name!r:.60} is already an earlier item's")
+                params["parents"] = None if after is None else self._resolve_after(after, names or {})
+                if params["parents"] and params["key"] is not None:
+                    raise ValueError("a job with parents (after) cannot have a key")
+                return params
             kind, payload = item
-            return self._job_params(kind, payload)
+            params = self._job_params(kind, payload)
+            params["name"] = params["parents"] = None
+            return params
         except (ValueError, TypeError) as exc:
             raise ValueError(f"job #{index}: {exc}") from None
+
+    @staticmethod
+    def _resolve_after(after: Any, names: Mapping[str, int]) -> list[int]:
+        if isinstance(after, (str, bytes, int)) or not isinstance(after, Iterable):
+            after = [after]
+        ids: list[int] = []
+        for ref in after:
+            if isinstance(ref, str):
+                if ref not in names:
+                    raise ValueError(f"after: no earlier item is named {ref!r:.60}")
+                ids.append(names[ref])
+            else:
+                ids.append(int(_job_id(ref)))
+        return _parent_ids(ids)
 
     def enqueue_many(
         self,
@@ -489,7 +563,12 @@ class Queue:
 
         ``jobs`` may be any iterable, a generator included: it is read, checked and copied
         ``ENQUEUE_CHUNK`` jobs at a time, so memory stays flat however many there are. A bad item
-        raises ValueError naming its index, and nothing of the call is written."""
+        raises ValueError naming its index, and nothing of the call is written.
+
+        Workflows: an item may have a ``name`` (unique in the call) and ``after``, a list of its
+        parents: ids of existing jobs, or names of earlier items of this call (so a whole graph is
+        one call and one transaction; an item can only follow items before it, so no cycle can
+        be written). See :meth:`enqueue` and docs/workflows.md."""
         items = enumerate(jobs)
         if defaults:
             unknown = set(defaults) - set(ITEM_OPTIONS) - {"kind", "payload"} | (set(defaults) & {"kind", "payload"})
@@ -501,6 +580,7 @@ class Queue:
             return []
         ids: list[int] = []
         queues: set[str] = set()
+        names: dict[str, int] = {}
         with (db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c),
               c.cursor(row_factory=tuple_row) as cur):
             pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
@@ -513,14 +593,22 @@ class Queue:
                 now, reserved = cast(dt.datetime, found[0]), cast(list[int], found[1])
                 rows: list[dict[str, Any]] = []
                 others: list[dict[str, Any]] = []  # options of their own: the nine-column COPY
+                children: list[dict[str, Any]] = []  # with parents: written waiting, then settled
                 with cur.copy(self._q["copy_default_jobs"]) as copy:
                     for (i, item), job_id in zip(chunk, reserved, strict=True):
-                        r = self._item_params(i, item)
+                        r = self._item_params(i, item, names)
                         rows.append(r)
+                        if r["name"] is not None:
+                            names[r["name"]] = job_id if r["key"] is None else -1
                         if r["key"] is not None:
                             continue
                         r["id"] = job_id
-                        if _all_default(r):
+                        if r["parents"]:
+                            if -1 in r["parents"]:
+                                raise ValueError(f"job #{i}: after names a keyed item; a keyed job cannot"
+                                                 " be a parent in the same call")
+                            children.append(r)
+                        elif _all_default(r):
                             copy.write_row((job_id, r["kind"], r["payload"], True))
                         else:
                             others.append(r)
@@ -532,6 +620,8 @@ class Queue:
                                 (r["id"], r["kind"], r["payload"], r["max_attempts"], run_after,
                                  r["queue"], r["priority"], r["timeout"], r["max_attempts_default"])
                             )
+                if children:
+                    self._copy_children(cur, children, now)
                 for r in rows:  # keyed jobs one statement each, in this same transaction
                     if r["key"] is not None:
                         r["id"] = self._enqueue_keyed(c, r)
@@ -539,6 +629,25 @@ class Queue:
                 queues.update(r["queue"] for r in rows)
             cur.execute(self._q["notify"], {"channel": self.channel, "payloads": notify_payloads(queues)})
         return ids
+
+    def _copy_children(self, cur: psycopg.Cursor[Any], children: list[dict[str, Any]], now: dt.datetime) -> None:
+        """enqueue_many's items with parents: COPYed waiting with their edges, then settled in one
+        statement (settle_children), in the call's transaction."""
+        with cur.copy(self._q["copy_waiting_jobs"]) as copy:
+            for r in children:
+                run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
+                copy.write_row((r["id"], r["kind"], r["payload"], r["max_attempts"], run_after, r["queue"],
+                                r["priority"], r["timeout"], r["max_attempts_default"], "waiting",
+                                r["on_parent_failure"]))
+        with cur.copy(self._q["copy_dependencies"]) as copy:
+            for r in children:
+                for parent in r["parents"]:
+                    copy.write_row((parent, r["id"]))
+        parents = list({p for r in children for p in r["parents"]})
+        missing = [row[0] for row in cur.execute(self._q["missing_jobs"], {"ids": parents}).fetchall()]
+        if missing:
+            raise ValueError(f"after: no job with id {', '.join(map(str, missing[:20]))}")
+        cur.execute(self._q["settle_children"], {"ids": [r["id"] for r in children], "channel": self.channel})
 
     # -- the drainer's side ------------------------------------------------------------------
 
@@ -765,10 +874,18 @@ class Queue:
             raise JobNotFound(f"no job with id {job_id}")
         return rows[0]
 
-    def retry(self, job_id: int) -> None:
-        """Make a dead or cancelled job pending and due now, with at least one attempt left."""
+    def retry(self, job_id: int, *, children: bool = False) -> list[int]:
+        """Make a dead or cancelled job pending and due now, with at least one attempt left (a
+        workflow's child: waiting again for its parents that have not ended yet).
+
+        ``children``: also its descendants that its failure cancelled wait again, for it (and their
+        other parents not ended yet); returns their ids (without it, they stay cancelled)."""
         try:
-            retried = self._run("retry", {"id": _job_id(job_id), "channel": self.channel})
+            with db.errors_translated(self.schema), self._connection() as c, db.atomic(c), \
+                    c.cursor(row_factory=dict_row) as cur:
+                retried = cur.execute(self._q["retry"], {"id": _job_id(job_id), "channel": self.channel}).fetchall()
+                revived = [r["id"] for r in cur.execute(self._q["retry_children"], {"id": job_id}).fetchall()] \
+                    if retried and children else []
         except db.DuplicateValue:
             raise ValueError(f"job {job_id} has a key that a pending or running job holds now") from None
         if not retried:
@@ -777,6 +894,7 @@ class Queue:
                 raise ValueError(f"job {job_id} already used {row['attempts']} attempts, the most a job"
                                  f" can have ({MAX_ATTEMPTS_CEILING}); enqueue it again instead")
             raise ValueError(f"job {job_id} is {row['status']}; only dead or cancelled jobs can be retried")
+        return revived
 
     def retry_all_dead(self) -> list[int]:
         """Retry every dead job that can have one more attempt (see :meth:`dead_at_the_ceiling`).
@@ -794,7 +912,8 @@ class Queue:
         return [r["id"] for r in self._run("dead_at_the_ceiling", {})]
 
     def cancel(self, job_id: int) -> Status:
-        """Cancel a job. A pending one is cancelled at once (returns CANCELLED). A running one is
+        """Cancel a job. A pending or waiting one is cancelled at once (returns CANCELLED; a
+        workflow's waiting descendants follow the failure rules). A running one is
         marked (returns RUNNING): the drainer holding it kills its sandbox within about a second
         and the job ends cancelled, with no further attempt; if it finishes first, it is done."""
         rows = self._run("cancel", {"id": _job_id(job_id)})
@@ -847,6 +966,8 @@ class Queue:
         """Make a pending job due now (it keeps its attempts)."""
         if not self._run("run_now", {"id": _job_id(job_id), "channel": self.channel}):
             status = self._status_of(job_id)["status"]
+            if status == Status.WAITING:
+                raise ValueError(f"job {job_id} is waiting for its parents (a workflow); it runs once they are done")
             raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
 
     # -- periodic jobs -----------------------------------------------------------------------
@@ -957,6 +1078,19 @@ class Queue:
                              "a LISTEN inside a transaction hears nothing until it commits")
         yield self._conn
 
+    def graph(self, job_id: int, limit: int = 100) -> dict[str, Any]:
+        """A job's place in a workflow: ``parents`` and ``children`` (up to ``limit`` each, by id:
+        id, kind, status, finished_at), how many of each it has (``n_parents``, ``n_children``),
+        and its children by status (``children_by_status``). JobNotFound if there is no such job."""
+        job_id = _job_id(job_id)
+        counts = self._run("job_graph_counts", {"id": job_id})[0]
+        if not counts["parents"] and not counts["children"]:
+            self._status_of(job_id)
+        return {"parents": self._run("job_parents", {"id": job_id, "limit": limit}) if counts["parents"] else [],
+                "children": self._run("job_children", {"id": job_id, "limit": limit}) if counts["children"] else [],
+                "n_parents": counts["parents"], "n_children": counts["children"],
+                "children_by_status": counts["children_by_status"]}
+
     def attempts(self, job_id: int) -> list[dict[str, Any]]:
         """The job's attempt history, oldest first: attempt, outcome (done, retry, dead, released,
         expired, cancelled), host, pid, tier, started_at, finished_at, exit_code, signal,
@@ -1052,7 +1186,11 @@ class Queue:
 
 
 #: What an enqueue_many item (and the call's defaults) may set besides kind and payload.
-ITEM_OPTIONS = ("max_attempts", "run_after", "delay", "queue", "priority", "timeout", "key", "on_duplicate")
+ITEM_OPTIONS = ("max_attempts", "run_after", "delay", "queue", "priority", "timeout", "key", "on_duplicate",
+                "on_parent_failure")
+#: What only an enqueue_many item may set: its client-side name, and its parents (job ids, or
+#: names of earlier items of the same call).
+GRAPH_OPTIONS = ("name", "after")
 
 
 def with_defaults(jobs: Iterable[tuple[str, Any] | Mapping[str, Any]],

@@ -56,6 +56,105 @@ UNION ALL
 SELECT id, false, false FROM {schema}.jobs
 WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 1 FROM job);
 
+-- name: enqueue_waiting
+-- enqueue(after=...): the job, 'waiting' (outside the claim's indexes), and its edges, in one
+-- statement; settle_children, in the same transaction, then decides its status. Nothing is
+-- written (no row back) unless every parent exists.
+WITH job AS (
+  INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
+                             max_attempts_default, status, on_parent_failure)
+  SELECT %(kind)s, %(payload)s, %(max_attempts)s,
+         COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
+         %(queue)s, %(priority)s, %(timeout)s, %(max_attempts_default)s, 'waiting', %(on_parent_failure)s
+  WHERE (SELECT count(*) FROM {schema}.jobs WHERE id = ANY(%(after)s::bigint[])) = cardinality(%(after)s::bigint[])
+  RETURNING id
+), edges AS (
+  INSERT INTO {schema}.job_dependencies (parent_id, child_id)
+  SELECT p, job.id FROM job, unnest(%(after)s::bigint[]) AS p
+)
+SELECT id FROM job;
+
+-- name: missing_jobs
+-- Which of these ids name no job (an enqueue's parents that do not exist, to name them).
+SELECT m.id FROM unnest(%(ids)s::bigint[]) AS m(id)
+WHERE NOT EXISTS (SELECT FROM {schema}.jobs j WHERE j.id = m.id) ORDER BY m.id;
+
+-- name: copy_waiting_jobs
+-- enqueue_many's items with parents: written 'waiting' (never claimable as written), then settled.
+COPY {schema}.jobs (id, kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
+                    max_attempts_default, status, on_parent_failure)
+FROM STDIN;
+
+-- name: copy_dependencies
+COPY {schema}.job_dependencies (parent_id, child_id) FROM STDIN;
+
+-- name: settle_children
+-- The enqueue's half of workflows, last in the enqueuing transaction: each new waiting child's
+-- parents are locked (FOR SHARE, in id order) so that none of them can end meanwhile: a parent
+-- whose finish committed first is seen ended here (its finish did not see this child's
+-- uncommitted edge), and a parent that ends after this commits finds the edge (its finish waited
+-- for the lock). The child then counts its unsatisfied parents: none left, it is 'pending' now
+-- with its parents' results in its payload (and its queue NOTIFYed); a parent already dead or
+-- cancelled and on_parent_failure 'cancel', it is 'cancelled' at once with the reason; else it
+-- stays 'waiting' with parents_left set. A child whose parents are other new children of the same
+-- enqueue_many counts them as not done (they are not). Returns each child's status.
+WITH locked AS (
+  SELECT p.id, p.status FROM {schema}.jobs p
+  WHERE p.id IN (SELECT d.parent_id FROM {schema}.job_dependencies d WHERE d.child_id = ANY(%(ids)s::bigint[]))
+  ORDER BY p.id FOR SHARE
+), tally AS (
+  SELECT c.id,
+         count(l.id) FILTER (WHERE l.status <> 'done'
+                               AND NOT (c.on_parent_failure = 'run' AND l.status IN ('dead', 'cancelled'))) AS left_,
+         min(l.id) FILTER (WHERE l.status IN ('dead', 'cancelled')) AS failed,
+         array_agg(l.id) FILTER (WHERE l.id IS NOT NULL) AS parents
+  FROM {schema}.jobs c
+  LEFT JOIN {schema}.job_dependencies d ON d.child_id = c.id
+  LEFT JOIN locked l ON l.id = d.parent_id
+  WHERE c.id = ANY(%(ids)s::bigint[]) AND c.status = 'waiting'
+  GROUP BY c.id
+), settled AS (
+  UPDATE {schema}.jobs AS c
+  SET status = CASE WHEN t.failed IS NOT NULL AND c.on_parent_failure = 'cancel' THEN 'cancelled'
+                    WHEN t.left_ > 0 THEN 'waiting' ELSE 'pending' END,
+      parents_left = t.left_,
+      finished_at = CASE WHEN t.failed IS NOT NULL AND c.on_parent_failure = 'cancel' THEN now() END,
+      last_error = CASE WHEN t.failed IS NOT NULL AND c.on_parent_failure = 'cancel'
+                        THEN 'parent job ' || t.failed || ' had ended '
+                             || (SELECT l.status FROM locked l WHERE l.id = t.failed)
+                             || ' before this job was enqueued (on_parent_failure: cancel)' END,
+      payload = CASE WHEN t.left_ = 0 AND NOT (t.failed IS NOT NULL AND c.on_parent_failure = 'cancel')
+                     THEN {schema}.with_parent_results(c.payload, t.parents) ELSE c.payload END
+  FROM tally t
+  WHERE c.id = t.id
+  RETURNING c.id, c.status, c.queue
+), notified AS (
+  SELECT count(pg_notify(%(channel)s, q.queue)) AS n
+  FROM (SELECT DISTINCT queue FROM settled WHERE status = 'pending') AS q
+)
+SELECT s.id, s.status FROM settled s, notified;
+
+-- name: job_parents
+-- `fleetless show` and the dashboard's job page: a job's parents, by the edges' child index.
+SELECT j.id, j.kind, j.status, j.finished_at FROM {schema}.job_dependencies d
+JOIN {schema}.jobs j ON j.id = d.parent_id
+WHERE d.child_id = %(id)s ORDER BY j.id LIMIT %(limit)s;
+
+-- name: job_children
+-- The same for its children, by the edges' primary key (parent first).
+SELECT j.id, j.kind, j.status, j.finished_at FROM {schema}.job_dependencies d
+JOIN {schema}.jobs j ON j.id = d.child_id
+WHERE d.parent_id = %(id)s ORDER BY j.id LIMIT %(limit)s;
+
+-- name: job_graph_counts
+-- How many parents and children a job has, and its children by status (the graph's state).
+SELECT (SELECT count(*) FROM {schema}.job_dependencies WHERE child_id = %(id)s) AS parents,
+       (SELECT count(*) FROM {schema}.job_dependencies WHERE parent_id = %(id)s) AS children,
+       (SELECT COALESCE(jsonb_object_agg(status, n), '{}'::jsonb) FROM (
+          SELECT j.status, count(*) AS n FROM {schema}.job_dependencies d
+          JOIN {schema}.jobs j ON j.id = d.child_id WHERE d.parent_id = %(id)s GROUP BY j.status) AS s)
+         AS children_by_status;
+
 -- name: schema_version
 -- The newest migration applied to this schema: a drain compares it with its own newest before it
 -- claims, so an old schema is "run 'fleetless init'", not a missing column in the middle of a drain.
@@ -349,11 +448,49 @@ SELECT id, status FROM reaped;
 -- A job that already used the most attempts the table allows (1000) cannot get one more: it is
 -- left alone (and the caller says why) instead of failing the CHECK for everyone.
 -- It NOTIFYs the job's queue as an enqueue does, so an idle watcher starts it at once.
-UPDATE {schema}.jobs
-SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
+-- A workflow's child (it has parents) waits again for those of its parents that have not ended
+-- yet ('waiting', parents_left); the ended ones count as satisfied, dead or cancelled too (the
+-- operator asked for it to run). With no parent left to wait for it is pending, its parents'
+-- results in its payload again.
+WITH up AS (
+  SELECT j.id, (SELECT count(*) FROM {schema}.job_dependencies d JOIN {schema}.jobs p ON p.id = d.parent_id
+                WHERE d.child_id = j.id AND p.status NOT IN ('done', 'dead', 'cancelled')) AS left_,
+         ARRAY(SELECT d.parent_id FROM {schema}.job_dependencies d WHERE d.child_id = j.id) AS parents
+  FROM {schema}.jobs j WHERE j.id = %(id)s
+)
+UPDATE {schema}.jobs AS j
+SET status = CASE WHEN up.left_ > 0 THEN 'waiting' ELSE 'pending' END, parents_left = up.left_,
+    payload = CASE WHEN up.left_ = 0 AND cardinality(up.parents) > 0
+                   THEN {schema}.with_parent_results(j.payload, up.parents) ELSE j.payload END,
+    run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(max_attempts, attempts + 1)
-WHERE id = %(id)s AND status IN ('dead', 'cancelled') AND attempts < 1000
-RETURNING id, pg_notify(%(channel)s, queue);
+FROM up
+WHERE j.id = up.id AND j.status IN ('dead', 'cancelled') AND j.attempts < 1000
+RETURNING j.id, j.status, pg_notify(%(channel)s, j.queue);
+
+-- name: retry_children
+-- retry(..., children=True): after the job itself, its descendants that a parent's failure
+-- cancelled (last_error says so, on_parent_failure 'cancel') wait again: each counts its parents
+-- not ended yet, and those being revived here (they are not done), as left.
+WITH RECURSIVE revived(id) AS (
+  SELECT d.child_id FROM {schema}.job_dependencies d JOIN {schema}.jobs c ON c.id = d.child_id
+  WHERE d.parent_id = %(id)s AND c.status = 'cancelled' AND c.last_error LIKE 'parent job %% (on_parent_failure: cancel)'
+  UNION
+  SELECT d.child_id FROM revived r JOIN {schema}.job_dependencies d ON d.parent_id = r.id
+  JOIN {schema}.jobs c ON c.id = d.child_id
+  WHERE c.status = 'cancelled' AND c.last_error LIKE 'parent job %% (on_parent_failure: cancel)'
+), up AS (
+  SELECT r.id, (SELECT count(*) FROM {schema}.job_dependencies d JOIN {schema}.jobs p ON p.id = d.parent_id
+                WHERE d.child_id = r.id AND (p.id = %(id)s OR p.id IN (SELECT id FROM revived)
+                                             OR p.status NOT IN ('done', 'dead', 'cancelled'))) AS left_
+  FROM revived r
+)
+UPDATE {schema}.jobs AS j
+SET status = 'waiting', parents_left = up.left_, run_after = now(), finished_at = NULL,
+    cancel_requested_at = NULL, last_error = NULL, max_attempts = GREATEST(max_attempts, attempts + 1)
+FROM up
+WHERE j.id = up.id AND j.status = 'cancelled' AND j.attempts < 1000
+RETURNING j.id;
 
 -- name: retry_all_dead
 -- A dead job with a key is retried only if no job holds that key now, and only the newest of
@@ -361,6 +498,8 @@ RETURNING id, pg_notify(%(channel)s, queue);
 -- enqueue committed after this statement's snapshot makes it fail on that index: the caller runs
 -- it again (Queue.retry_all_dead), and the new snapshot sees the key held and skips the job.
 -- NOTIFYs each retried job's queue, as an enqueue does.
+-- A dead job is never a workflow's waiting child (a child whose parent failed is cancelled, and
+-- it runs only once its parents ended): pending, as before.
 UPDATE {schema}.jobs AS j
 SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
     max_attempts = GREATEST(j.max_attempts, j.attempts + 1)
@@ -378,11 +517,12 @@ SELECT id FROM {schema}.jobs WHERE status = 'dead' AND attempts >= 1000 ORDER BY
 -- A pending job is cancelled at once. A running one is marked (cancel_requested_at): the drainer
 -- holding it polls for the mark, kills its sandbox and writes the attempt's end, which the mark
 -- turns into cancelled (so does the reaper, if that drainer died). Returns the status after.
+-- A waiting job (a workflow's, its parents not done yet) is cancelled at once, as a pending one.
 UPDATE {schema}.jobs
-SET status = CASE WHEN status = 'pending' THEN 'cancelled' ELSE status END,
-    finished_at = CASE WHEN status = 'pending' THEN now() ELSE finished_at END,
+SET status = CASE WHEN status IN ('pending', 'waiting') THEN 'cancelled' ELSE status END,
+    finished_at = CASE WHEN status IN ('pending', 'waiting') THEN now() ELSE finished_at END,
     cancel_requested_at = COALESCE(cancel_requested_at, now())
-WHERE id = %(id)s AND status IN ('pending', 'running')
+WHERE id = %(id)s AND status IN ('pending', 'running', 'waiting')
 RETURNING status;
 
 -- name: cancel_requested
@@ -427,6 +567,11 @@ WITH gone AS (
   DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
 ), history AS (
   DELETE FROM {schema}.job_attempts a USING gone g WHERE a.job_id = g.id
+), edges_up AS (
+  -- its edges (workflows): no job still waits on a finished job, which counted as ended already
+  DELETE FROM {schema}.job_dependencies d USING gone g WHERE d.child_id = g.id
+), edges_down AS (
+  DELETE FROM {schema}.job_dependencies d USING gone g WHERE d.parent_id = g.id
 )
 SELECT id FROM gone;
 
@@ -463,7 +608,8 @@ SELECT status, attempts FROM {schema}.jobs WHERE id = %(id)s;
 -- name: get
 SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
        locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
-       claimed_by, tier, last_error, result, result_json, key, cancel_requested_at
+       claimed_by, tier, last_error, result, result_json, key, cancel_requested_at, parents_left,
+       on_parent_failure
 FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: wait_mark
@@ -595,6 +741,10 @@ LEFT JOIN (SELECT min(run_after) AS run_after FROM {schema}.jobs WHERE status = 
 -- history goes with it (the CTE "history"). As delete does (and after fold_lock, likewise), the
 -- deleted jobs' attempts no scrape has folded yet are added to attempt_totals first, so pruning
 -- inside the fold margin never lowers the counters.
+-- Workflows: a finished job is kept while any child of it has not ended (the child may still
+-- read its result and show its parents), so a graph goes once all of it has ended; the deleted
+-- jobs' edges go with them. The check is a probe of the edges' primary key per candidate, the
+-- child's status a scalar subquery by its primary key (as a join, the planner scanned jobs).
 WITH gone AS (
 DELETE FROM {schema}.jobs
 WHERE id IN (
@@ -603,14 +753,23 @@ WHERE id IN (
     SELECT due.id FROM (
       (SELECT id, finished_at FROM {schema}.jobs
        WHERE status = 'done' AND finished_at < now() - make_interval(secs => %(done)s::float8)
+         AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
+                         AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                             IN ('waiting', 'pending', 'running'))
        ORDER BY status, finished_at LIMIT %(limit)s)
       UNION ALL
       (SELECT id, finished_at FROM {schema}.jobs
        WHERE status = 'cancelled' AND finished_at < now() - make_interval(secs => %(cancelled)s::float8)
+         AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
+                         AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                             IN ('waiting', 'pending', 'running'))
        ORDER BY status, finished_at LIMIT %(limit)s)
       UNION ALL
       (SELECT id, finished_at FROM {schema}.jobs
        WHERE status = 'dead' AND finished_at < now() - make_interval(secs => %(dead)s::float8)
+         AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
+                         AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                             IN ('waiting', 'pending', 'running'))
        ORDER BY status, finished_at LIMIT %(limit)s)
     ) AS due
     ORDER BY due.finished_at LIMIT %(limit)s))
@@ -639,6 +798,11 @@ RETURNING id, kind
   DO UPDATE SET n = t.n + EXCLUDED.n, seconds = t.seconds + EXCLUDED.seconds
 ), history AS (
   DELETE FROM {schema}.job_attempts a USING gone g WHERE a.job_id = g.id
+), edges_up AS (
+  -- its edges (workflows): no job still waits on a finished job, which counted as ended already
+  DELETE FROM {schema}.job_dependencies d USING gone g WHERE d.child_id = g.id
+), edges_down AS (
+  DELETE FROM {schema}.job_dependencies d USING gone g WHERE d.parent_id = g.id
 )
 SELECT id FROM gone;
 

@@ -1,0 +1,262 @@
+"""Workflows (issue 29): jobs that wait for other jobs (enqueue after=[ids]), released by the finish
+of their last parent (migration 020's trigger), through real PostgreSQL and real drains.
+Assertions read the table."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from fleetless import Queue
+from fleetless.drainer import DrainConfig, Drainer
+
+pytestmark = pytest.mark.usefixtures("private_workdir")
+SQL = Callable[..., list[Any]]
+
+ECHO = """
+    def handle(payload):
+        if payload.get("fail"):
+            raise RuntimeError("asked to fail")
+        return {"me": payload.get("n"), "parents": payload.get("_parents")}
+"""
+
+
+def _drain(queue: Queue, h: Path, **config: Any) -> Any:
+    return Drainer(queue, DrainConfig(handlers_dir=h, timeout=60, **{"concurrency": 2, **config})).run()
+
+
+def _status(sql: SQL, *ids: int) -> list[str]:
+    rows = dict(sql("SELECT id, status FROM fleetless.jobs WHERE id = ANY(%s)", list(ids)))
+    return [rows[i] for i in ids]
+
+
+def _starts_after_parents(sql: SQL) -> None:
+    """Every attempt of every child started after each of its parents finished (the table's clocks)."""
+    early = sql("""
+        SELECT d.child_id, d.parent_id FROM fleetless.job_dependencies d
+        JOIN fleetless.job_attempts a ON a.job_id = d.child_id
+        JOIN fleetless.jobs p ON p.id = d.parent_id
+        WHERE p.finished_at IS NULL OR a.started_at < p.finished_at""")
+    assert early == []
+
+
+def test_a_child_waits_for_its_parent_and_reads_its_result(queue: Queue, handlers, sql: SQL) -> None:
+    h = handlers(**{"echo.py": ECHO})
+    a = queue.enqueue("echo", {"n": "a"})
+    b = queue.enqueue("echo", {"n": "b"}, after=[a])
+    c = queue.enqueue("echo", {"n": "c"}, after=[b])
+    assert _status(sql, a, b, c) == ["pending", "waiting", "waiting"]
+    assert [j.id for j in queue.claim(10)] == [a]  # the children are never claimed while they wait
+    sql("UPDATE fleetless.jobs SET status = 'pending', attempts = 0 WHERE id = %s", a)
+    _drain(queue, h, per_sandbox=1)
+    assert _status(sql, a, b, c) == ["done", "done", "done"]
+    results = dict(sql("SELECT id, result_json FROM fleetless.jobs"))
+    assert results[b]["parents"] == {str(a): {"me": "a", "parents": None}}
+    assert results[c]["parents"][str(b)]["me"] == "b"
+    _starts_after_parents(sql)
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 50])
+def test_fan_out_fan_in_and_a_diamond_drain_in_order(queue: Queue, handlers, sql: SQL, per_sandbox: int) -> None:
+    h = handlers(**{"echo.py": ECHO})
+    ids = queue.enqueue_many(
+        [{"kind": "echo", "payload": {"n": "root"}, "name": "root"}]
+        + [{"kind": "echo", "payload": {"n": i}, "name": f"mid{i}", "after": ["root"]} for i in range(20)]
+        + [{"kind": "echo", "payload": {"n": "sink"}, "after": [f"mid{i}" for i in range(20)]}]
+        + [{"kind": "echo", "payload": {"n": "a"}, "name": "a"},
+           {"kind": "echo", "payload": {"n": "b"}, "name": "b", "after": ["a"]},
+           {"kind": "echo", "payload": {"n": "c"}, "name": "c", "after": ["a"]},
+           {"kind": "echo", "payload": {"n": "d"}, "after": ["b", "c"]}])
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1 ORDER BY 1") == [
+        ("pending", 2), ("waiting", 24)]
+    _drain(queue, h, per_sandbox=per_sandbox)
+    assert sql("SELECT status, count(*), max(attempts) FROM fleetless.jobs GROUP BY 1") == [("done", 26, 1)]
+    sink = dict(sql("SELECT id, result_json FROM fleetless.jobs"))[ids[21]]
+    assert sorted(sink["parents"]) == sorted(str(i) for i in ids[1:21])
+    _starts_after_parents(sql)
+
+
+@pytest.mark.parametrize("policy", ["cancel", "run"])
+def test_a_failed_parent_cancels_its_descendants_or_lets_them_run(queue: Queue, handlers, sql: SQL,
+                                                                  policy: str) -> None:
+    h = handlers(**{"echo.py": ECHO})
+    a = queue.enqueue("echo", {"fail": True}, max_attempts=1)
+    ok = queue.enqueue("echo", {})
+    b = queue.enqueue("echo", {}, after=[a, ok], on_parent_failure=policy)  # type: ignore[arg-type]
+    c = queue.enqueue("echo", {}, after=[b])
+    d = queue.enqueue("echo", {}, after=[c], on_parent_failure="run")
+    _drain(queue, h)
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, last_error FROM fleetless.jobs")}
+    assert rows[a][0] == "dead" and rows[ok][0] == "done"
+    if policy == "cancel":
+        assert rows[b] == ("cancelled", f"parent job {a} ended dead (on_parent_failure: cancel)")
+        assert rows[c] == ("cancelled", f"parent job {b} was cancelled: one of its parents failed"
+                                        " (on_parent_failure: cancel)")
+        assert rows[d][0] == "done"  # "run": a cancelled parent counts as ended
+    else:
+        assert [rows[x][0] for x in (b, c, d)] == ["done", "done", "done"]
+    _starts_after_parents(sql)
+
+
+def test_enqueue_after_an_ended_parent(queue: Queue, sql: SQL) -> None:
+    done = queue.enqueue("echo", {})
+    dead = queue.enqueue("echo", {})
+    sql("UPDATE fleetless.jobs SET status = 'done', result_json = '{\"x\": 1}', finished_at = now() WHERE id = %s",
+        done)
+    sql("UPDATE fleetless.jobs SET status = 'dead', finished_at = now() WHERE id = %s", dead)
+    ready = queue.enqueue("echo", {"k": 1}, after=[done])
+    doomed = queue.enqueue("echo", {}, after=[done, dead])
+    runs = queue.enqueue("echo", {}, after=[dead], on_parent_failure="run")
+    assert _status(sql, ready, doomed, runs) == ["pending", "cancelled", "pending"]
+    assert queue.get(ready)["payload"] == {"k": 1, "_parents": {str(done): {"x": 1}}}
+    assert queue.get(doomed)["last_error"] == (f"parent job {dead} had ended dead before this job was enqueued"
+                                               " (on_parent_failure: cancel)")
+    with pytest.raises(ValueError, match=r"after: no job with id 999999"):
+        queue.enqueue("echo", {}, after=[done, 999999])
+    with pytest.raises(ValueError, match=r"job #1: after: no earlier item is named 'nope'"):
+        queue.enqueue_many([("echo", {}), {"kind": "echo", "payload": {}, "after": ["nope"]}])
+    with pytest.raises(ValueError, match="cannot have a key"):
+        queue.enqueue("echo", {}, after=[done], key="k")
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(5,)]  # nothing of the bad calls was written
+
+
+def test_enqueue_after_joins_the_callers_transaction(queue: Queue, dsn: str, sql: SQL) -> None:
+    a = queue.enqueue("echo", {})
+    with psycopg.connect(dsn) as conn:
+        b = queue.enqueue("echo", {}, after=[a], conn=conn)
+        conn.rollback()
+    assert sql("SELECT id FROM fleetless.jobs") == [(a,)]
+    assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
+    assert b != a
+
+
+def test_cancel_retry_and_run_now_of_a_workflow(queue: Queue, sql: SQL) -> None:
+    a = queue.enqueue("echo", {})
+    b = queue.enqueue("echo", {}, after=[a])
+    c = queue.enqueue("echo", {}, after=[b])
+    with pytest.raises(ValueError, match=f"job {b} is waiting for its parents"):
+        queue.run_now(b)
+    queue.cancel(a)
+    assert _status(sql, a, b, c) == ["cancelled", "cancelled", "cancelled"]
+    assert queue.retry(a) == []  # the children stay cancelled unless asked
+    assert _status(sql, a, b, c) == ["pending", "cancelled", "cancelled"]
+    queue.cancel(a)
+    assert sorted(queue.retry(a, children=True)) == [b, c]
+    assert _status(sql, a, b, c) == ["pending", "waiting", "waiting"]
+    assert sql("SELECT id, parents_left FROM fleetless.jobs ORDER BY id") == [(a, 0), (b, 1), (c, 1)]
+    (job,) = queue.claim(1)
+    queue.complete(job, "hi")
+    assert _status(sql, a, b, c) == ["done", "pending", "waiting"]
+    assert queue.get(b)["payload"]["_parents"] == {str(a): "hi"}
+
+
+def test_a_fan_in_is_released_once_by_racing_finishers(queue: Queue, dsn: str, sql: SQL) -> None:
+    """Finishers on 4 connections end 2,000 parents at once, in interleaved batches: the child's
+    counter is decremented once per parent and it becomes pending exactly once, by the last."""
+    parents = queue.enqueue_many([("echo", {})] * 2000)
+    child = queue.enqueue("echo", {}, after=parents)
+    claimed = queue.claim(2000)
+    assert len(claimed) == 2000
+    start = threading.Barrier(4)
+
+    def finish(part: list[Any]) -> None:
+        q = Queue(dsn)
+        start.wait()
+        for i in range(0, len(part), 50):
+            for job in part[i:i + 50]:
+                q.complete(job, None)
+        q.close()
+
+    threads = [threading.Thread(target=finish, args=(claimed[k::4],)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sql("SELECT status, parents_left FROM fleetless.jobs WHERE id = %s", child) == [("pending", 0)]
+    assert len(queue.get(child)["payload"]["_parents"]) == 2000
+
+
+def test_racing_batch_drainers_release_a_10000_parent_fan_in_exactly_once(queue: Queue, dsn: str, handlers,
+                                                                         sql: SQL, tmp_path: Path) -> None:
+    """Four drainer processes race over 10,000 parents of one child: the child becomes pending once
+    (a test trigger logs every waiting -> pending change of it), runs once, after the last parent."""
+    import subprocess
+    import sys
+    import textwrap
+
+    h = handlers(**{"noop.py": "def handle(payload):\n    return None\n"})
+    parents = queue.enqueue_many([("noop", {})] * 10_000)
+    child = queue.enqueue("noop", {"sink": True}, after=parents)
+    sql("CREATE TABLE test_releases (id bigint, at timestamptz DEFAULT clock_timestamp())")
+    sql("""CREATE FUNCTION test_log_release() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN INSERT INTO test_releases (id) VALUES (NEW.id); RETURN NULL; END $$""")
+    sql("""CREATE TRIGGER test_log_release AFTER UPDATE ON fleetless.jobs FOR EACH ROW
+           WHEN (OLD.status = 'waiting' AND NEW.status = 'pending') EXECUTE FUNCTION test_log_release()""")
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from fleetless import Queue
+        from fleetless.drainer import DrainConfig, Drainer
+        Drainer(Queue({dsn!r}), DrainConfig(handlers_dir=Path({str(h)!r}), per_sandbox=250, concurrency=1,
+                                            timeout=120)).run()
+    """)
+    try:
+        drains = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(4)]
+        for d in drains:
+            assert d.wait(timeout=600) == 0
+        # a drainer that found nothing claimable exits; one more drain runs whatever is left
+        _drain(queue, h, per_sandbox=250)
+    finally:
+        sql("DROP TRIGGER IF EXISTS test_log_release ON fleetless.jobs")
+    assert sql("SELECT id FROM test_releases") == [(child,)]
+    assert sql("SELECT status, count(*), max(attempts) FROM fleetless.jobs GROUP BY 1") == [("done", 10_001, 1)]
+    assert sql("SELECT count(*) FROM fleetless.job_attempts WHERE job_id = %s", child) == [(1,)]
+    assert sql("""SELECT count(*) FROM fleetless.job_attempts a, fleetless.jobs p
+                  WHERE a.job_id = %s AND p.id <> a.job_id AND a.started_at < p.finished_at""", child) == [(0,)]
+
+
+def test_the_claim_of_jobs_without_parents_reads_what_it_read_before(queue: Queue, dsn: str, sql: SQL) -> None:
+    """5 pending jobs beside 20,000 waiting ones: the claim's plan is the one it has beside 20,000
+    finished jobs (the same nodes and indexes: waiting rows are outside its partial indexes), reads
+    about the rows it claims and never scans the table."""
+    from test_query_plans import CLAIM, assert_reads_little, nodes, plan
+
+    def shape(root: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return [(n["Node Type"], n.get("Index Name"), n.get("Relation Name")) for n in nodes(root)]
+
+    queue.enqueue_many([("plain", {})] * 5)
+    root_id = queue.enqueue("plain", {}, delay=3600)
+    queue.enqueue_many([{"kind": "child", "payload": {}, "after": [root_id]}] * 20_000)
+    sql("ANALYZE fleetless.jobs")
+    waiting = plan(queue, "claim", {**CLAIM, "queues": None})
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now() WHERE status = 'waiting'")
+    sql("ANALYZE fleetless.jobs")
+    finished = plan(queue, "claim", {**CLAIM, "queues": None})
+    assert shape(waiting) == shape(finished)
+    for root in (waiting, finished):
+        assert_reads_little(root, most=20)
+        assert root["Actual Rows"] == 5
+
+
+def test_the_command_line_enqueues_after_and_shows_the_graph(queue: Queue, dsn: str, fleetless, sql: SQL) -> None:
+    a = int(fleetless("enqueue", "echo", '{"n": 1}', dsn=dsn).stdout)
+    b = int(fleetless("enqueue", "echo", dsn=dsn).stdout)
+    made = fleetless("enqueue", "echo", "--after", str(a), "--after", str(b), "--on-parent-failure", "run", dsn=dsn)
+    assert made.returncode == 0, made.stderr
+    c = int(made.stdout)
+    assert sql("SELECT status, parents_left, on_parent_failure FROM fleetless.jobs WHERE id = %s", c) == [
+        ("waiting", 2, "run")]
+    shown = fleetless("show", str(c), dsn=dsn)
+    assert "parents (2):" in shown.stdout and f"\n{a}" in shown.stdout.split("parents (2):")[1]
+    parent = fleetless("show", str(a), "--json", dsn=dsn)
+    import json
+    data = json.loads(parent.stdout)
+    assert data["n_children"] == 1 and data["children"][0]["id"] == c
+    assert data["children_by_status"] == {"waiting": 1}
+    missing = fleetless("enqueue", "echo", "--after", "424242", dsn=dsn)
+    assert missing.returncode != 0 and "after: no job with id 424242" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
