@@ -260,3 +260,47 @@ def test_the_command_line_enqueues_after_and_shows_the_graph(queue: Queue, dsn: 
     missing = fleetless("enqueue", "echo", "--after", "424242", dsn=dsn)
     assert missing.returncode != 0 and "after: no job with id 424242" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+def test_a_watching_drainer_takes_a_released_child_when_woken(queue: Queue, dsn: str, handlers, sql: SQL) -> None:
+    """The child's queue is NOTIFYed by the finish that releases it: a watcher whose heartbeat (its
+    longest sleep) is minutes apart and that has nothing pending wakes for it and runs it."""
+    from proctools import wait_for
+
+    h = handlers(**{"echo.py": ECHO})
+    parent = queue.enqueue("echo", {"n": "p"}, queue="elsewhere")  # not the watcher's queue
+    child = queue.enqueue("echo", {"n": "c"}, after=[parent])
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, watch=True, queues=("default",), concurrency=1,
+                                         watch_lease=900, timeout=60))
+    t = threading.Thread(target=drainer.run)
+    t.start()
+    try:
+        wait_for(lambda: sql("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+                             " AND datname = current_database()") == [(1,)], what="the watcher to listen")
+        producer = Queue(dsn)
+        (job,) = producer.claim(1, queues=["elsewhere"])
+        producer.complete(job, "parent's output")
+        producer.close()
+        wait_for(lambda: _status(sql, child) == ["done"], timeout=60, what="the released child to run")
+        assert drainer._watcher is not None and "default" in drainer._watcher.heard
+    finally:
+        drainer.stop(grace=0)
+        t.join(30)
+    assert not t.is_alive()
+    assert dict(sql("SELECT id, result_json FROM fleetless.jobs"))[child]["parents"] == {str(parent): "parent's output"}
+
+
+def test_retention_keeps_a_parent_while_a_child_waits(queue: Queue, sql: SQL) -> None:
+    parent = queue.enqueue("echo", {})
+    other = queue.enqueue("echo", {})
+    child = queue.enqueue("echo", {}, after=[parent, other])
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now() - interval '30 days' WHERE id = %s", parent)
+    assert queue.prune_batch({"done": 86400.0}) == 0  # its child still waits (for the other parent)
+    for job in queue.claim(5):
+        queue.complete(job, None)
+    (job,) = queue.claim(5)
+    assert job.id == child
+    queue.complete(job, None)
+    sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days'")
+    assert queue.prune_batch({"done": 86400.0}) == 3
+    assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
