@@ -289,6 +289,17 @@ def test_exit_codes(code: int, stderr: str, action: str, delay: float, decided: 
     assert o.error is not None and len(o.error.splitlines()[0]) < 200
 
 
+def test_a_reason_postgresql_cannot_store_is_made_storable(queue: Queue, sql: SQL) -> None:
+    """A lone surrogate in a Snooze's reason: the snooze still stands (not a refused outcome, which
+    the completer would turn into a permanent failure)."""
+    o = from_handle({"decided": "snooze", "seconds": 5, "reason": "bad \udc80 text \x00"}, RUN, None, "")
+    assert o.action == "snooze" and o.error is not None and "\udc80" not in o.error
+    job_id = queue.enqueue("k", {})
+    (job,) = queue.claim(1)
+    assert queue.finish_many([(job, o)]) == {job_id: "pending"}
+    assert sql("SELECT outcome FROM fleetless.job_attempts WHERE job_id = %s", job_id) == [("snoozed",)]
+
+
 def test_other_exit_codes_are_not_decisions() -> None:
     assert all(from_exit(code, "30\n", RUN, None, False) is None for code in (1, 2, 89, 93, 126, 127))
 

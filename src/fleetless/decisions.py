@@ -76,7 +76,10 @@ def from_handle(rec: Mapping[str, Any], run: Run, stdout: str | None, stderr: st
     ``{"decided": "snooze", "seconds": 30, "reason": "..."}``."""
     if not isinstance(rec, Mapping):
         return _bad("handle() raised an outcome the runner could not describe", stderr, run, stdout, False)
-    decided, reason = rec.get("decided"), str(rec.get("reason") or "")[:_REASON_CHARS]
+    decided = rec.get("decided")
+    # text PostgreSQL can store: a lone surrogate (a "\udXXX" the handler put in its reason) would
+    # make the whole outcome unstorable, and the completer would then fail the job permanently
+    reason = str(rec.get("reason") or "")[:_REASON_CHARS].encode("utf-8", "replace").decode("utf-8")
     name = str(decided).capitalize()
     if decided not in ("discard", "snooze", "retry"):
         return _bad(f"handle() raised an unknown outcome {str(decided)[:40]!r}", stderr, run, stdout, False)
