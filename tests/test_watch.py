@@ -6,9 +6,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer, sleep_for
@@ -130,3 +132,60 @@ def test_a_watcher_whose_loop_stops_turning_is_taken_over_after_its_lease(queue:
         other.close()
     finally:
         live.close()
+
+
+GATED = """
+    import os, time
+    def handle(payload):
+        gate = payload.get("gate")
+        if gate:  # runs until the test opens its gate (bounded)
+            open(gate + ".started", "w").close()
+            give_up = time.monotonic() + 120
+            while not os.path.exists(gate) and time.monotonic() < give_up:
+                time.sleep(0.02)
+        return payload["n"]
+"""
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 2], ids=["per-job", "batch"])
+def test_a_watcher_that_lost_its_lease_claims_nothing_more_and_exits_once_its_jobs_end(
+        queue: Queue, sql, handlers, tmp_path, private_workdir, per_sandbox: int) -> None:
+    """Issue 26: a watcher whose queues' row was taken over (its heartbeat was older than its
+    lease) used to go on claiming while its jobs ran. Now: its running job finishes (done, fenced
+    as usual), a job enqueued after the loss is never claimed by it, and it exits."""
+    gates = tmp_path / "gates"
+    gates.mkdir()
+    gates.chmod(0o777)
+    gate = str(gates / "open")
+    h = handlers(**{"gated.py": GATED})
+    lost = f"lost-{per_sandbox}"  # a queue of its own: the row this case's watcher loses stays taken
+    first = queue.enqueue("gated", {"n": 0, "gate": gate}, queue=lost)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", concurrency=2, per_sandbox=per_sandbox,
+                                         watch=True, idle_exit=300, watch_lease=3, queues=(lost,)))
+    turns = [0]
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(lambda: Path(gate + ".started").exists(), timeout=180, what="the first job to start")
+        w = drainer._watcher
+        assert w is not None
+        original = w.alive
+
+        def alive() -> None:  # counts the drain loop's turns
+            turns[0] += 1
+            original()
+
+        w.alive = alive  # type: ignore[method-assign]
+        # a cron tick took the queues over (as after this watcher's heartbeat outlived its lease)
+        sql("UPDATE fleetless.watchers SET holder = 'another-tick' WHERE queues = %s", lost)
+        wait_for(lambda: w.lost, timeout=30, what="the watcher to learn it lost its queues")
+        second = queue.enqueue("gated", {"n": 1}, queue=lost)
+        seen = turns[0]
+        # two more turns of the loop (each claims while a slot is free): its chance to claim the job
+        wait_for(lambda: turns[0] >= seen + 2, timeout=30, what="the drain loop to turn")
+        assert sql("SELECT status, attempts FROM fleetless.jobs WHERE id = %s", second) == [("pending", 0)]
+    finally:
+        Path(gate).touch()
+        thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert sql("SELECT id, status FROM fleetless.jobs ORDER BY id") == [(first, "done"), (second, "pending")]

@@ -423,11 +423,14 @@ class Drainer:
         next_beat = float("inf")  # the next lease renewal: set by the claims themselves
         while True:
             self._maintenance()  # a no-op until the maintenance interval has passed
-            claiming = (
+            may_claim = (
                 not self.stopping
                 and self._fatal is None
                 and (budget_end is None or time.monotonic() < budget_end)
             )
+            # a watcher claims only while its queues' row is surely its own: one that lost it (or
+            # whose heartbeat is past its lease) finishes what it runs and claims nothing more
+            claiming = may_claim and (self._watcher is None or self._watcher.holds())
             short = False
             if not self._batched and not (claiming and len(running) < c.concurrency):
                 self._db(self._completer.flush)  # no claim to write them with: on their own
@@ -469,7 +472,7 @@ class Drainer:
                     if self._ahead:
                         next_beat = min(next_beat, time.monotonic() + self._lease_beat(self._ahead))
                     short = len(self._ahead) < want
-            watching = self._watcher is not None and not self._watcher.lost and claiming
+            watching = self._watcher is not None and not self._watcher.lost and may_claim
             if self._watcher is not None:
                 self._watcher.alive()  # the loop turns: the heartbeat goes on (a hung loop stops it)
             now = time.monotonic()
@@ -485,16 +488,19 @@ class Drainer:
                     continue
                 if not watching:
                     break
-                assert idle_since is not None
-                idle_left = None if c.idle_exit is None else idle_since + c.idle_exit - now
+                # (idle_since is None only when it did not claim: not sure it holds its row)
+                idle_left = None if c.idle_exit is None or idle_since is None else idle_since + c.idle_exit - now
                 if idle_left is not None and idle_left <= 0:
                     break
-                pause = sleep_for(self._next_wake(short), idle_left, cap=self._watch_cap())
+                if claiming:
+                    pause = sleep_for(self._next_wake(short), idle_left, cap=self._watch_cap())
+                else:  # its heartbeat is past its lease: no claim until the next one says (about a second)
+                    pause = sleep_for(None, idle_left, cap=min(1.0, self._watch_cap()))
                 if budget_end is not None:
                     pause = min(pause, max(budget_end - now, 0.0))
             else:
                 pause = 0.25
-                if watching and len(running) < c.concurrency:
+                if watching and claiming and len(running) < c.concurrency:
                     pause = sleep_for(self._db(partial(self._next_due, short)), None, cap=0.25)
             if self._stop_at is not None and now >= self._stop_at:
                 self._abort(running.values())

@@ -19,6 +19,11 @@ A lost connection is ridden out: the thread reconnects (backing off to 5 s), tak
 again (it is still the holder), LISTENs again and wakes the loop (notifications sent meanwhile
 were missed, so the loop claims once). If another watcher took the row over in the meantime (or
 at a heartbeat), this one reports ``lost`` and the drain ends as soon as it holds no job.
+
+A watcher claims only while it holds its row (:meth:`Watcher.holds`): once it has lost it, or its
+last heartbeat is older than its lease (it may have been taken over without knowing yet), the
+drain claims nothing more; the jobs it runs finish (fenced as always) and it exits, or claims again
+once a heartbeat shows the row is still its own.
 """
 
 from __future__ import annotations
@@ -72,6 +77,16 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._loop_seen = time.monotonic()
         self._next_beat = 0.0
+        #: Until when the row is surely this watcher's: the lease from the moment before its last
+        #: take or heartbeat was sent (the server's heartbeat is no earlier, so this ends first).
+        self._held_until = 0.0
+
+    def holds(self) -> bool:
+        """Whether this watcher may claim: it has not lost the row, and its last heartbeat is
+        younger than its lease (past it, a cron tick may have taken the queues over without this
+        one knowing yet: a stopped process, a heartbeat that could not reach the database). It
+        holds again once a heartbeat goes through; ``lost`` once one finds the row taken."""
+        return not self.lost and time.monotonic() < self._held_until
 
     def alive(self) -> None:
         """The drain loop turned: the heartbeat goes on. A loop that stops turning (hung) stops
@@ -99,6 +114,7 @@ class Watcher:
         try:
             with db.errors_translated(self.schema):
                 conn.execute(self._q["watcher_lock_timeout"])
+                sent = time.monotonic()
                 try:
                     row = conn.execute(self._q["watcher_take"], self._params()).fetchone()
                 except db.LockTimeout:  # someone with rights on the table holds the row: not ours
@@ -106,6 +122,7 @@ class Watcher:
                 if not row or not row[0]:
                     conn.close()
                     return None
+                self._held_until = sent + self.lease
                 self._next_beat = time.monotonic() + self.beat_every
                 listen = self._q["listen"].replace("{channel}", sql.Identifier(self.channel).as_string(conn))
                 conn.execute(listen.encode())
@@ -165,7 +182,9 @@ class Watcher:
             except db.LockTimeout:
                 return conn  # the row is held by someone with rights on it: try again next second
             self._next_beat = now + self.beat_every
-            if not row:
+            if row:
+                self._held_until = now + self.lease
+            else:
                 log.warning("another watcher took over queue(s) %s: this one's heartbeat was older than its"
                             " lease (%g s)", self.set_name, self.lease)
                 self._lose()
