@@ -48,6 +48,10 @@ MODULE = """
             raise e
         if do == "negative":
             raise Snooze(-5)
+        if do == "huge":
+            e = Retry(after=1)
+            e.after = 10**5000
+            raise e
         return {"done": do}
 """
 
@@ -158,6 +162,7 @@ def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
     last = [queue.enqueue(kind, {"do": "retry"}, max_attempts=1) for kind in ("mod", "scr")]
     policy = queue.enqueue("mod", {"do": "retry_policy"}, max_attempts=3)
     huge = queue.enqueue("scr", {"do": "huge"}, max_attempts=3)
+    huge_int = queue.enqueue("mod", {"do": "huge"}, max_attempts=3)
     _drain(dsn, h, "process", 1)
     for job_id in last:  # max_attempts still applies to a retry the handler asked for
         got = _row(sql, job_id)
@@ -168,6 +173,10 @@ def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
     got = _row(sql, huge)  # 1e300 s: out of range, a failure as any other
     assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "retry"), got
     assert "1e+300 s is out of range" in got["error"].splitlines()[0], got
+    got = _row(sql, huge_int)  # an int no float holds, set on the exception after it was made
+    assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "retry"), got
+    assert got["error"].splitlines()[0] == ("handle() raised Retry with a bad delay: not a number of seconds:"
+                                            " 'an integer too large'"), got
 
 
 @pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
@@ -265,7 +274,8 @@ RUN = Run(tier="process")
 
 @pytest.mark.parametrize(("seconds", "problem"), [
     ("soon", "not a number of seconds: 'soon'"), (-1, "-1 s is out of range"), (True, "not a number"),
-    (float("nan"), "out of range"), (1e12, "out of range"), (None, "not a number"), ([1], "not a number")])
+    (float("nan"), "out of range"), (1e12, "out of range"), (10**400, "out of range"), (None, "not a number"),
+    ([1], "not a number")])
 def test_a_bad_snooze_from_handle_is_a_failure_in_one_line(seconds: object, problem: str) -> None:
     o = from_handle({"decided": "snooze", "seconds": seconds, "reason": "x"}, RUN, None, "")
     assert (o.action, o.permanent, o.decided) == ("fail", False, None)
@@ -308,7 +318,7 @@ def test_the_exceptions_check_their_values() -> None:
     assert Snooze(datetime.timedelta(minutes=2)).seconds == 120.0
     assert Retry(after=datetime.timedelta(seconds=3)).after == 3.0 and Retry().after is None
     assert Discard("why").reason == "why"
-    for bad in (-1, float("inf"), "5", True, 366 * 86400):
+    for bad in (-1, float("inf"), "5", True, 366 * 86400, 10**400):
         with pytest.raises(ValueError, match="Snooze seconds"):
             Snooze(bad)  # type: ignore[arg-type]
     assert json.dumps(Snooze(1).seconds) == "1.0"

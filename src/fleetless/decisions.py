@@ -34,9 +34,12 @@ class _Bad(ValueError):
 def _seconds(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(f"not a number of seconds: {str(value)[:60]!r}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past any float
+        seconds = math.inf
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
-        raise _Bad(f"{value!r} s is out of range (0 to {MAX_SECONDS:.0f} s, 365 days)")
+        raise _Bad(f"{str(value)[:40]} s is out of range (0 to {MAX_SECONDS:.0f} s, 365 days)")
     return seconds
 
 

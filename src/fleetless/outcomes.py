@@ -53,9 +53,12 @@ def _seconds(what: str, value: object) -> float:
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{what} must be a number of seconds or a timedelta, not {type(value).__name__}")
-    seconds = float(value)
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past any float
+        seconds = math.inf
     if not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
-        raise ValueError(f"{what} must be from 0 to {MAX_SECONDS:.0f} s (365 days), not {value!r}")
+        raise ValueError(f"{what} must be from 0 to {MAX_SECONDS:.0f} s (365 days), not {str(value)[:40]}")
     return seconds
 
 

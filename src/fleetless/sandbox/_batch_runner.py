@@ -99,10 +99,19 @@ def _number(value: Any) -> Any:
     drainer refuses (with a one-line error) for anything else."""
     if hasattr(value, "total_seconds"):
         value = value.total_seconds()
-    if value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
-                         and value == value and value not in (float("inf"), float("-inf"))):
-        return value
-    return repr(value)[:80]
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            value = float(value)
+        except OverflowError:  # an int past any float
+            return "an integer too large"
+        if value == value and value not in (float("inf"), float("-inf")):
+            return value
+    try:
+        return repr(value)[:80]
+    except Exception:
+        return type(value).__name__
 
 
 def decision(exc: BaseException) -> dict[str, Any] | None:
