@@ -173,12 +173,12 @@ FOLD_BATCH = 200_000
 #: Most attempts a scrape folds (and a drain's retention run, once a minute per database): a
 #: bounded step, so a long unfolded history costs each scrape no more than this (issue 26: 4-15 s
 #: a scrape at 5M attempts), and the totals catch up over the scrapes that follow.
-STEP_FOLD_BATCH = 10_000
+STEP_FOLD_BATCH = 5_000
 #: Most attempts past the totals a scrape counts itself (the unfolded tail, by id): until the
 #: folds catch up, the counters show the totals plus this much of the tail, and rise to the exact
 #: figures as the folds move on, never down (every attempt at or below an id is counted once the
 #: tail's end passes it, and that end never moves back).
-TAIL_MAX = 20_000
+TAIL_MAX = 10_000
 
 
 class Insights:
