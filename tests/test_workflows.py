@@ -304,3 +304,20 @@ def test_retention_keeps_a_parent_while_a_child_waits(queue: Queue, sql: SQL) ->
     sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days'")
     assert queue.prune_batch({"done": 86400.0}) == 3
     assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
+
+
+def test_the_dashboards_job_page_shows_the_workflow(queue: Queue) -> None:
+    from starlette.testclient import TestClient
+
+    from fleetless.web import create_app
+
+    a = queue.enqueue("extract", {})
+    b = queue.enqueue("merge", {}, after=[a], on_parent_failure="run")
+    client = TestClient(create_app(queue))
+    parent = client.get(f"/jobs/{a}").text
+    assert "<h2>Workflow</h2>" in parent and f'<a href="/jobs/{b}">{b}</a>' in parent
+    assert 'id="children-by-status">children by status: waiting 1' in parent
+    child = client.get(f"/jobs/{b}").text
+    assert f'<a href="/jobs/{a}">{a}</a>' in child and 'id="field-parents_left">1<' in child
+    assert 'id="cancel"' in child and 'id="run-now"' not in child
+    assert "<h2>Workflow</h2>" not in client.get(f"/jobs/{queue.enqueue('plain', {})}").text

@@ -129,6 +129,7 @@ def create_app(
             number = _page_number(request, "attempts_page")
             row = await run_in_threadpool(insights.job, job_id)
             history = await run_in_threadpool(insights.attempts_page, job_id, number, page_size)
+            graph = await run_in_threadpool(insights.graph, job_id)
         except JobNotFound as exc:
             return html(request, "not found", pages.message_page("Not found", str(exc.args[0])), 404)
         except ValueError as exc:
@@ -137,7 +138,7 @@ def create_app(
         flash = _flash(request, job_id)
         body = pages.job_page(row, history, root=root(request), csrf=auth.csrf_for(nonce) if nonce else None,
                               writable=auth.writable, flash=flash[0] if flash else None,
-                              flash_bad=flash is not None and flash[1])
+                              flash_bad=flash is not None and flash[1], graph=graph)
         return html(request, f"job {job_id}", body)
 
     async def schedules(request: Request) -> Response:

@@ -189,11 +189,11 @@ def _when(value: dt.datetime | None) -> str:
     return e(value.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"))
 
 
-_ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending", "running"), "run-now": ("pending",)}
+_ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending", "running", "waiting"), "run-now": ("pending",)}
 
 
 def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: str, csrf: str | None,
-             writable: bool, flash: str | None, flash_bad: bool) -> str:
+             writable: bool, flash: str | None, flash_bad: bool, graph: Mapping[str, Any] | None = None) -> str:
     buttons = []
     for action, statuses in _ACTIONS.items():
         if job["status"] not in statuses:
@@ -208,6 +208,8 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
                            f'<button id="{action}" title="{e(hint)}">{action}</button></form>')
     fields = ["status", "kind", "queue", "priority", "attempts", "max_attempts", "run_after", "created_at",
               "started_at", "finished_at", "lease_expires_at", "timeout_seconds", "claimed_by", "tier"]
+    if job.get("on_parent_failure") is not None:  # a workflow's child
+        fields += ["parents_left", "on_parent_failure"]
     rows = [[e(f), _when(job.get(f)) if isinstance(job.get(f), dt.datetime) else
              f'<span id="field-{f}">{e(job.get(f) if job.get(f) is not None else "-")}</span>']
             for f in fields if f in job]
@@ -233,7 +235,27 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
     body += "<h2>Attempts</h2>" + (
         _table(["#", "outcome", "drainer", "tier", "started", "took", "ended", "kill reason", "error"], rows, (0, 5),
                "attempts") if rows else '<p class="muted">no attempt has ended yet</p>')
-    return body + _pager(attempts, f"{root}/jobs/{job['id']}", {}, "attempts_page", "attempts")
+    return body + _pager(attempts, f"{root}/jobs/{job['id']}", {}, "attempts_page", "attempts") + _graph(graph, root)
+
+
+def _graph(graph: Mapping[str, Any] | None, root: str) -> str:
+    """A workflow's job: its parents and children (the first of each, linked), and its children by status."""
+    if not graph or not (graph["n_parents"] or graph["n_children"]):
+        return ""
+    body = "<h2>Workflow</h2>"
+    for what in ("parents", "children"):
+        shown, total = graph[what], graph[f"n_{what}"]
+        if not total:
+            continue
+        rows = [[f'<a href="{root}/jobs/{r["id"]}">{r["id"]}</a>', e(r["kind"]), e(r["status"]),
+                 _when(r["finished_at"])] for r in shown]
+        more = f", the first {len(shown)} shown" if total > len(shown) else ""
+        body += f"<h3>{what.capitalize()} ({total}{more})</h3>"
+        body += _table(["id", "kind", "status", "finished"], rows, (0,), what)
+    if graph["n_children"]:
+        counts = ", ".join(f"{e(k)} {v}" for k, v in sorted(graph["children_by_status"].items()))
+        body += f'<p id="children-by-status">children by status: {counts}</p>'
+    return body
 
 
 def schedules_page(found: Page[dict[str, Any]], *, root: str) -> str:
