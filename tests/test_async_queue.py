@@ -118,3 +118,37 @@ def test_the_async_queue_needs_a_database_and_names_a_bad_driver(monkeypatch: py
         AsyncQueue("postgresql://x", driver="aiopg")  # type: ignore[arg-type]
 
 
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_async_workflows_enqueue_after_and_a_graph_in_the_apps_transaction(queue: Queue, dsn: str, sql: Any,
+                                                                           driver: str) -> None:
+    done = queue.enqueue("a", {})
+    sql("UPDATE fleetless.jobs SET status = 'done', result = 'out', finished_at = now() WHERE id = %s", done)
+
+    async def scenario(commit: bool) -> list[int]:
+        conn = await _connect(driver, dsn)
+        try:
+            aq = AsyncQueue(conn)
+
+            async def body() -> list[int]:
+                ready = await aq.enqueue("b", {"x": 1}, after=[done])
+                graph = await aq.enqueue_many([
+                    {"kind": "c", "payload": {}, "name": "c"},
+                    {"kind": "d", "payload": {}, "name": "d", "after": ["c", done]},
+                    {"kind": "e", "payload": {}, "after": ["d"], "on_parent_failure": "run"}])
+                return [ready, *graph]
+
+            return list(await _in_transaction(driver, conn, body, commit))
+        finally:
+            await conn.close()
+
+    asyncio.run(scenario(commit=False))
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(1,)]
+    assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
+    ready, c, d, e = asyncio.run(scenario(commit=True))
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, parents_left, payload FROM fleetless.jobs")}
+    assert rows[ready] == ("pending", 0, {"x": 1, "_parents": {str(done): "out"}})
+    assert [rows[j][:2] for j in (c, d, e)] == [("pending", 0), ("waiting", 1), ("waiting", 1)]
+    with pytest.raises(ValueError, match="after: no job with id 987654"):
+        asyncio.run(AsyncQueue(dsn).enqueue("x", {}, after=[987654]))

@@ -33,8 +33,10 @@ from .queue import (
     Finished,
     JobNotFound,
     OnDuplicate,
+    OnParentFailure,
     Queue,
     WaitTimeout,
+    _parent_ids,
     _positional,
     finished_channel,
     notify_payloads,
@@ -147,14 +149,33 @@ class AsyncQueue:
         self, kind: str, payload: Any, *, max_attempts: int | None = None, run_after: dt.datetime | None = None,
         delay: float | dt.timedelta | None = None, queue: str = "default", priority: int = 0,
         timeout: float | dt.timedelta | None = None, key: str | None = None, on_duplicate: OnDuplicate = "existing",
+        after: Iterable[int] | None = None, on_parent_failure: OnParentFailure = "cancel",
         conn: AnyConnection | None = None,
     ) -> Enqueued:
-        """As :meth:`Queue.enqueue`: one job, its id (an :class:`Enqueued`)."""
+        """As :meth:`Queue.enqueue`: one job, its id (an :class:`Enqueued`); ``after``: a workflow's
+        child (docs/workflows.md)."""
         params = self._shape._job_params(
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay, queue=queue,
-            priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate)
+            priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
+            on_parent_failure=on_parent_failure)
+        parents = _parent_ids(after) if after is not None else []
+        if parents and key is not None:
+            raise ValueError("a job with parents (after) cannot have a key")
         async with self._connection(conn) as c:
+            if parents:
+                async with self._atomic(c):
+                    child = await self._enqueue_waiting(c, {**params, "parents": parents})
+                    await self._execute(c, "settle_children", {"ids": [child], "channel": self.channel})
+                    return Enqueued(child)
             return await self._enqueue_params(c, params)
+
+    async def _enqueue_waiting(self, conn: AnyConnection, params: dict[str, Any]) -> int:
+        """A workflow's child, written waiting with its edges (settle_children decides its status)."""
+        rows = await self._execute(conn, "enqueue_waiting", {**params, "after": params["parents"]})
+        if not rows:
+            missing = [r["id"] for r in await self._execute(conn, "missing_jobs", {"ids": params["parents"]})]
+            raise ValueError(f"after: no job with id {', '.join(map(str, missing)) or '?'}")
+        return int(rows[0]["id"])
 
     async def _enqueue_params(self, conn: AnyConnection, params: dict[str, Any]) -> Enqueued:
         params = {**params, "channel": self.channel}
@@ -176,7 +197,10 @@ class AsyncQueue:
         unknown = set(defaults) - set(ITEM_OPTIONS)
         if unknown:
             raise ValueError(f"enqueue_many: unknown default option(s) {', '.join(sorted(unknown))}")
-        rows = [self._shape._item_params(i, item) for i, item in enumerate(with_defaults(jobs, defaults))]
+        items = list(with_defaults(jobs, defaults))
+        if any(isinstance(item, Mapping) and ("after" in item or "name" in item) for item in items):
+            return await self._enqueue_graph(items, conn)
+        rows = [self._shape._item_params(i, item) for i, item in enumerate(items)]
         if not rows:
             return []
         ids: list[int] = [0] * len(rows)
@@ -199,6 +223,34 @@ class AsyncQueue:
                     ids[i] = int(await self._enqueue_params(c, r))
             await self._execute(c, "notify", {"channel": self.channel,
                                               "payloads": notify_payloads(r["queue"] for r in rows)})
+        return ids
+
+    async def _enqueue_graph(self, items: list[Mapping[str, Any]], conn: AnyConnection | None) -> list[int]:
+        """enqueue_many of a workflow (items with ``name`` or ``after``): one statement per item, in
+        order (each item's parents are known by then), then the children settled in one statement;
+        all in one transaction."""
+        names: dict[str, int] = {}
+        ids: list[int] = []
+        children: list[int] = []
+        async with self._connection(conn) as c, self._atomic(c):
+            for i, item in enumerate(items):
+                r = self._shape._item_params(i, item, names)
+                if r["parents"]:
+                    if -1 in r["parents"]:
+                        raise ValueError(f"job #{i}: after names a keyed item; a keyed job cannot be a parent"
+                                         " in the same call")
+                    try:
+                        job_id = await self._enqueue_waiting(c, r)
+                    except ValueError as exc:
+                        raise ValueError(f"job #{i}: {exc}") from None
+                    children.append(job_id)
+                else:
+                    job_id = int(await self._enqueue_params(c, r))
+                if r["name"] is not None:
+                    names[r["name"]] = job_id if r["key"] is None else -1
+                ids.append(job_id)
+            if children:
+                await self._execute(c, "settle_children", {"ids": children, "channel": self.channel})
         return ids
 
     # -- reads -------------------------------------------------------------------------------
