@@ -203,7 +203,7 @@ def test_show_and_the_job_page_name_the_decision(queue: Queue, dsn: str, handler
     snoozed, discarded = queue.enqueue("mod", {"do": "snooze"}), queue.enqueue("mod", {"do": "discard"})
     _drain(dsn, h, "process", 1)
     out = fleetless("show", str(snoozed), dsn=dsn)
-    assert out.returncode == 0 and "snoozed" in out.stdout, out
+    assert out.returncode == 0 and "snoozed" in out.stdout and "\nsnoozes: 1\n" in out.stdout, out
     out = fleetless("show", str(discarded), "--json", dsn=dsn)
     assert out.returncode == 0, out
     assert "discarded" in out.stdout, out.stdout
@@ -213,6 +213,7 @@ def test_show_and_the_job_page_name_the_decision(queue: Queue, dsn: str, handler
 
     page = TestClient(create_app(queue)).get(f"/jobs/{discarded}")
     assert page.status_code == 200 and "<td>discarded</td>" in page.text, page.text
+    assert '<span id="field-snoozes">1</span>' in TestClient(create_app(queue)).get(f"/jobs/{snoozed}").text
     assert "discarded: payload version 1 is no longer supported" in page.text
     from fleetless.insights import Insights
 

@@ -606,7 +606,7 @@ FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id;
 SELECT status, attempts FROM {schema}.jobs WHERE id = %(id)s;
 
 -- name: get
-SELECT id, kind, queue, status, priority, attempts, max_attempts, payload, run_after, created_at,
+SELECT id, kind, queue, status, priority, attempts, max_attempts, snoozes, payload, run_after, created_at,
        locked_at, started_at, finished_at, lease_expires_at, timeout_seconds, claim_token,
        claimed_by, tier, last_error, result, result_json, key, cancel_requested_at, parents_left,
        on_parent_failure

@@ -206,7 +206,7 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
             hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
             buttons.append(f'<form class="inline" method="post" action="{root}/jobs/{job["id"]}/{action}">'
                            f'<button id="{action}" title="{e(hint)}">{action}</button></form>')
-    fields = ["status", "kind", "queue", "priority", "attempts", "max_attempts", "run_after", "created_at",
+    fields = ["status", "kind", "queue", "priority", "attempts", "max_attempts", "snoozes", "run_after", "created_at",
               "started_at", "finished_at", "lease_expires_at", "timeout_seconds", "claimed_by", "tier"]
     if job.get("on_parent_failure") is not None:  # a workflow's child
         fields += ["parents_left", "on_parent_failure"]
