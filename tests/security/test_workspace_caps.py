@@ -7,6 +7,7 @@ filled the disk) in its workspace on the work directory's disk. Each test runs a
 from __future__ import annotations
 
 import os
+import pwd
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from fleetless import Queue
-from fleetless.sandbox import Limits, get_backend
+from fleetless.sandbox import Limits, _subuid, get_backend
 
 from .drains import drain, handlers_dir, need_tier, shared, work_dir
 from proctools import leftovers
@@ -97,12 +98,63 @@ def test_a_job_making_150000_files_gets_enospc_in_its_own_tmpfs_and_a_normal_job
         assert "disk capped by a tmpfs workspace of 512 MiB and 16384 files" in r.stderr, r.stderr
 
 
+#: (user, whether CI gives it a subordinate uid range)
+USERS = [pytest.param(os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci"), True, id="subuid-range"),
+         pytest.param(os.environ.get("FLEETLESS_TEST_PLAIN_USER", "fleetless-ci2"), False, id="no-range")]
+
+
+def drainer_uid(user: str) -> int | None:
+    """The uid to start the drain as (None: the test's own, when it runs as ``user``), else skip."""
+    try:
+        uid = pwd.getpwnam(user).pw_uid
+    except KeyError:
+        pytest.skip(f"no user {user} (.ci/run makes it)")
+    if os.getuid() == uid:
+        return None
+    if os.getuid() != 0:
+        pytest.skip(f"needs root, or to run as {user}")
+    return uid
+
+
+@pytest.mark.parametrize(("user", "ranged"), USERS)
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_an_unprivileged_drainers_job_making_150000_files_gets_enospc_where_it_has_a_subordinate_range(
+        tier: str, user: str, ranged: bool, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """A non-root drainer with a subordinate uid range caps its workspaces too, on a tmpfs in its
+    holder's mount namespace (``_subuid.Holder.cap``): the job stops at 16,384 files with ``No
+    space left on device``, charged; the normal job beside it is done; the work directory is empty
+    afterwards. Before, it made all 150,000 files on the work directory's disk. Without a range,
+    the caps say the disk is NOT capped (and the job makes them all)."""
+    need_tier(tier)
+    uid = drainer_uid(user)
+    h = handlers_dir(shared, **{"many.py": MANY_FILES, "normal.py": NORMAL})
+    work = work_dir(shared, uid)
+    many = queue.enqueue("many", {}, max_attempts=1)
+    normal = queue.enqueue("normal", {}, max_attempts=1)
+    r = drain(dsn, h, work, "-v", tier=tier, user=uid)
+    assert r.returncode == 0, r.stderr
+    [(status, result, error)] = sql("SELECT status, result, last_error FROM fleetless.jobs WHERE id = %s", many)
+    said = f"{result} {error}"
+    [(nstatus, nresult)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", normal)
+    assert (nstatus, nresult) == ("done", f"normal 300 {8 << 20}\n"), (nresult, r.stderr)
+    if ranged:
+        assert status == "dead" and "No space left on device" in said, (status, said, r.stderr)
+        made = int(said.split("made ", 1)[1].split()[0])
+        assert 16_000 < made < Limits().inodes, said
+        assert "disk capped by a tmpfs workspace of 512 MiB and 16384 files" in r.stderr, r.stderr
+    else:
+        assert status == "done" and "made 150000 files" in said, (status, said)
+        assert "disk NOT capped: workspaces are on the work directory's disk" in r.stderr, r.stderr
+    assert leftovers(work) == [] and not (work / "quarantine").exists()
+
+
 def test_caps_say_where_workspaces_are_not_capped() -> None:
-    """A drainer that cannot mount (non-root) says so in its caps (``fleetless doctor``, the
-    drain's first lines); a root one names the tmpfs's size and files."""
+    """A drainer that cannot mount (non-root without a subordinate range) says so in its caps
+    (``fleetless doctor``, the drain's first lines); a root one, or one with a range, names the
+    tmpfs's size and files."""
     for tier in ("process", "bwrap"):
         disk = get_backend(tier).caps(Limits())["disk"]
-        if os.getuid() == 0:
+        if os.getuid() == 0 or _subuid.delegation() is not None:
             assert disk.startswith("capped by a tmpfs workspace of 512 MiB and 16384 files"), disk
         else:
             assert disk.startswith("NOT capped: workspaces are on the work directory's disk"), disk

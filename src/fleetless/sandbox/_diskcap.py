@@ -8,8 +8,10 @@ gets ``ENOSPC``, nothing of it reaches the disk, and its pages are charged to th
 the job that writes them. :func:`release` detaches it (the files go with it, however many) before
 the directory is removed; :func:`._workspace.remove` does the same for what a dead drainer left.
 
-A non-root drainer cannot mount in the host's mount namespace: its workspaces stay on the work
-directory's disk, not capped, and :func:`missing` says so (``fleetless doctor``, the drain's caps).
+A non-root drainer cannot mount in the host's mount namespace. One with a subordinate uid range
+mounts the same tmpfs in its holder's mount namespace (:meth:`._subuid.Holder.cap`), where its jobs'
+launchers are; without a range its workspaces stay on the work directory's disk, not capped, and
+:func:`missing` says so (``fleetless doctor``, the drain's caps).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import ctypes
 import os
 from pathlib import Path
 
-__all__ = ["available", "cap", "caps_text", "missing", "release"]
+__all__ = ["available", "cap", "caps_text", "missing", "mount", "release"]
 
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
@@ -28,16 +30,22 @@ _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 def available() -> bool:
-    """Whether this drainer gives workspaces a capped tmpfs (a root drainer does)."""
-    return os.geteuid() == 0
+    """Whether this drainer gives workspaces a capped tmpfs: a root drainer does, and a non-root one
+    with a subordinate uid range (in its holder's mount namespace)."""
+    from . import _subuid
+
+    return os.geteuid() == 0 or _subuid.delegation() is not None
 
 
 def missing() -> str:
     """Why workspaces are not capped here ("" where they are)."""
+    from . import _subuid
+
     if available():
         return ""
     return ("workspaces are on the work directory's disk, not capped in size or files (a non-root "
-            "drainer cannot mount a tmpfs for them)")
+            "drainer without a subordinate uid range cannot mount a tmpfs for them; here: "
+            f"{_subuid.missing()})")
 
 
 def caps_text(disk_bytes: int | None, inodes: int | None, extra: str) -> str:
@@ -54,10 +62,16 @@ def caps_text(disk_bytes: int | None, inodes: int | None, extra: str) -> str:
 
 def cap(path: Path, size: int | None, inodes: int | None, uid: int, gid: int) -> bool:
     """Mount a fresh tmpfs on ``path`` (an empty directory the drainer just made), owned by
-    ``uid``:``gid``, mode 0700; True if mounted (False where this drainer cannot: see
-    :func:`missing`). OSError when the kernel refuses a root drainer."""
-    if not available():
+    ``uid``:``gid``, mode 0700; True if mounted (False where this drainer cannot in the host's mount
+    namespace: not root). OSError when the kernel refuses a root drainer."""
+    if os.geteuid() != 0:
         return False
+    mount(path, size, inodes, uid, gid)
+    return True
+
+
+def mount(path: Path, size: int | None, inodes: int | None, uid: int, gid: int) -> None:
+    """The tmpfs of :func:`cap`, mounted in this process's mount namespace (OSError if refused)."""
     options = [f"mode=0700,uid={uid},gid={gid}"]
     if size is not None:
         options.append(f"size={max(size, 4096)}")
@@ -67,7 +81,6 @@ def cap(path: Path, size: int | None, inodes: int | None, uid: int, gid: int) ->
                    ",".join(options).encode()) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"cannot mount a tmpfs on the workspace {path}: {os.strerror(errno)}")
-    return True
 
 
 def release(path: Path) -> None:

@@ -18,7 +18,14 @@ shares (:func:`lock_dir`), so concurrent jobs of that user never share a uid.
 
 The drainer cannot remove or chown files of those uids itself; the holder does it on request
 (one JSON line on its stdin, one back): removing a workspace with :func:`._workspace.remove`'s
-symlink-safe routine, chowning a job's workspace to its uid, writing a file into it. The drainer,
+symlink-safe routine, chowning a job's workspace to its uid, writing a file into it, and capping
+it: the holder has a mount namespace of its own too (owned by its user namespace, so ns-root may
+mount there), where each workspace gets a tmpfs of its own, ``size=Limits.disk_bytes`` and
+``nr_inodes=Limits.inodes`` (:meth:`Holder.cap`, issue 25's disk cap for a non-root drainer).
+Launchers enter that mount namespace with the user namespace, so the job's bwrap or supervisor
+finds its workspace on that tmpfs; the drainer reaches it only through the holder (writes,
+removal). On the host the workspace stays an empty directory of the work directory's disk, and
+the tmpfs goes with the holder's namespace, also when the drainer dies. The drainer,
 owner of the namespace, has every capability in it for the kernel, so it can still signal the
 job's processes. Without a range or ``newuidmap`` the jobs stay the drainer's uid, and the drain's
 one line says what to add (:func:`missing`).
@@ -127,9 +134,10 @@ def _probe() -> tuple[Delegation | None, str]:
 
 
 def _unshare(d: Delegation) -> list[str]:
-    """argv prefix of a program run as ns-root of a new user namespace mapping ``d``."""
+    """argv prefix of a program run as ns-root of a new user namespace mapping ``d``, in a mount
+    namespace of its own (private: nothing it mounts reaches the host)."""
     return ["unshare", "--map-user=0", "--map-group=0", f"--map-users={d.uid_first},1,{d.count}",
-            f"--map-groups={d.gid_first},1,{d.count}", "--"]
+            f"--map-groups={d.gid_first},1,{d.count}", "--mount", "--propagation", "private", "--"]
 
 
 def delegation() -> Delegation | None:
@@ -200,8 +208,9 @@ class Holder:
         return f"/proc/{self.proc.pid}/ns/user"
 
     def enter(self) -> list[str]:
-        """argv prefix that runs a program as ns-root in the holder's namespace."""
-        return ["nsenter", f"--user={self.userns}", "--"]
+        """argv prefix that runs a program as ns-root in the holder's user and mount namespaces
+        (where the workspaces' tmpfs are: :meth:`cap`)."""
+        return ["nsenter", f"--user={self.userns}", f"--mount=/proc/{self.proc.pid}/ns/mnt", "--"]
 
     def call(self, op: str, **args: object) -> object:
         with self._lock:
@@ -228,6 +237,12 @@ class Holder:
     def chown(self, path: Path, uid: int, gid: int) -> None:
         """``lchown`` with ns-ids (-1: unchanged)."""
         self.call("chown", path=str(path), uid=uid, gid=gid)
+
+    def cap(self, path: Path, size: int | None, inodes: int | None, ns: int, dirs: tuple[str, ...] = ()) -> bool:
+        """Mount a tmpfs of its own on the workspace ``path`` in the holder's mount namespace
+        (:func:`._diskcap.cap`: ``size`` bytes, ``inodes`` files, owned by ns-id ``ns``, 0700) and
+        make ``dirs`` in it, the job's too. False when both caps are None (nothing mounted)."""
+        return bool(self.call("cap", path=str(path), size=size, inodes=inodes, uid=ns, dirs=list(dirs)))
 
     def write(self, path: Path, data: bytes, top: Path, ns: int) -> None:
         """Write ``data`` at ``path`` under ``top`` (made dirs and the file owned by ns-id ``ns``)."""
@@ -311,6 +326,8 @@ def serve() -> None:
             elif op == "chown":
                 os.chown(req["path"], req["uid"], req["gid"], follow_symlinks=False)
                 reply = {"ok": True}
+            elif op == "cap":
+                reply = {"ok": _cap(Path(req["path"]), req["size"], req["inodes"], int(req["uid"]), req["dirs"])}
             elif op == "write":
                 _write(Path(req["path"]), Path(req["top"]), bytes.fromhex(req["data"]), int(req["uid"]))
                 reply = {"ok": True}
@@ -338,3 +355,18 @@ def _write(path: Path, top: Path, data: bytes, ns: int) -> None:
         os.close(fd)
     for p in made:
         os.chown(p, ns, ns, follow_symlinks=False)
+
+
+def _cap(path: Path, size: int | None, inodes: int | None, ns: int, dirs: list[str]) -> bool:
+    """The holder's side of :meth:`Holder.cap`."""
+    from . import _diskcap
+
+    if size is None and inodes is None:
+        return False
+    _diskcap.mount(path, size, inodes, ns, ns)
+    for name in dirs:
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"not a directory name: {name!r}")
+        os.mkdir(path / name, 0o700)
+        os.chown(path / name, ns, ns, follow_symlinks=False)
+    return True

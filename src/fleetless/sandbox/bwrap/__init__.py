@@ -374,6 +374,8 @@ class BwrapSandbox(Sandbox):
                 self._holder.chown(self._outer, -1, self._uid)
                 os.chmod(self._outer, 0o710)
                 self._holder.chown(self._workspace, self._uid, self._uid)
+                # its tmpfs in the holder's mount namespace, which the launcher enters (_subuid)
+                self._holder.cap(self._workspace, limits.disk_bytes, limits.inodes, self._uid)
             elif self._lease is not None:
                 os.chown(self._outer, -1, self._lease.gid)  # bwrap, as the job's uid, passes it
                 os.chmod(self._outer, 0o710)

@@ -114,6 +114,10 @@ class ProcessSandbox(Sandbox):
                 self._lease = _subuid.lease(d)
                 ns = _subuid.ns_id(d, self._lease)
                 assert self._holder is not None
+                # its tmpfs (and TMPDIR in it) in the holder's mount namespace, which the supervisor
+                # enters; the .tmp made above stays under it on the disk, the drainer's, removed after
+                limits = template.limits
+                self._holder.cap(self._workspace, limits.disk_bytes, limits.inodes, ns, (".tmp",))
                 self._holder.chown(Path(self._tmpdir), ns, ns)
                 self._holder.chown(self._workspace, ns, ns)
                 self._creds = f"{ns}:{ns}"
