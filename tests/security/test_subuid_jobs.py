@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 
 from fleetless import Queue
+from fleetless.sandbox._workspace import start_time
 
 from .drains import SRC, drain, handlers_dir, need_tier, open_to_jobs, shared, work_dir
-from proctools import leftovers
+from proctools import descendants, leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 
@@ -77,9 +78,50 @@ def hdir(base: Path, **bodies: str) -> Path:
     return handlers_dir(base, **{f"{k}.py": textwrap.dedent(PROLOGUE) + textwrap.dedent(v) for k, v in bodies.items()})
 
 
-def markers(work: Path, tier: str) -> list[Path]:
+def holder_roots(proc: subprocess.Popen[str]) -> list[Path]:
+    """``/proc/PID/root`` of one process per mount namespace among the drain's own processes other
+    than the test's: the drainer's holder keeps each workspace's capped tmpfs in a namespace of its
+    own (``_subuid.Holder.cap``), so the host sees only an empty directory there."""
+    own = os.stat("/proc/self/ns/mnt").st_ino
+    roots: dict[int, tuple[int, int]] = {}  # namespace -> (start time, pid) of its oldest: the holder
+    for pid in descendants(proc.pid):
+        try:
+            ino = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+            oldest = (start_time(pid), pid)
+        except OSError:
+            continue
+        if ino != own and oldest < roots.get(ino, oldest):
+            roots[ino] = oldest
+        roots.setdefault(ino, oldest)
+    return [Path(f"/proc/{pid}/root") for ino, (_, pid) in roots.items() if ino != own]
+
+
+def markers(work: Path, tier: str, proc: subprocess.Popen[str] | None = None) -> list[Path]:
+    """The jobs' markers, on the host or in the holder's mount namespace (each file once)."""
     sub = "*/workspace/marker" if tier == "bwrap" else "*/marker"
-    return sorted(p for p in work.glob(f"ws-{sub}"))
+    found: dict[tuple[int, int], Path] = {}
+    for root in [Path("/"), *(holder_roots(proc) if proc is not None else [])]:
+        try:
+            for m in sorted((root / str(work).lstrip("/")).glob(f"ws-{sub}")):
+                st = m.stat()
+                found.setdefault((st.st_dev, st.st_ino), m)
+        except OSError:  # a process gone meanwhile, a namespace the test may not enter
+            continue
+    return sorted(found.values())
+
+
+def touch_as_owner(folder: Path, name: str) -> None:
+    """Create ``folder/name`` as the owner of ``folder`` (a job's workspace, maybe on a tmpfs of
+    the holder's user namespace, where a file of root's could not be made: EOVERFLOW), through a
+    descriptor the test opened (the owner may not pass ``/proc/HOLDER/root``)."""
+    st = folder.stat()
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        subprocess.run(["/usr/bin/python3", "-c", f"import os; os.close(os.open({name!r}, os.O_CREAT | os.O_WRONLY, "
+                        f"0o644, dir_fd={fd}))"], pass_fds=(fd,), user=st.st_uid, group=st.st_gid,
+                       extra_groups=[], check=True, cwd="/")
+    finally:
+        os.close(fd)
 
 
 def uids_of_processes(uids: set[int]) -> set[int]:
@@ -123,21 +165,26 @@ def wait_for(what: str, check: Any, seconds: float = 120, proc: subprocess.Popen
 
 
 def observe(work: Path, tier: str, n: int, proc: subprocess.Popen[str]) -> list[int]:
-    return [m.stat().st_uid for m in observe_markers(work, tier, n, proc)]
+    uids: list[int] = []
+    observe_markers(work, tier, n, proc, uids)
+    return uids
 
 
-def observe_markers(work: Path, tier: str, n: int, proc: subprocess.Popen[str]) -> list[Path]:
+def observe_markers(work: Path, tier: str, n: int, proc: subprocess.Popen[str],
+                    owners: list[int] | None = None) -> list[Path]:
     """Wait until ``n`` jobs wait in their workspaces; their host uids (the markers' owners, each
     checked against a process of the job running as it); then let them go."""
-    found = wait_for(f"{n} waiting jobs", lambda: (m := markers(work, tier)) and len(m) >= n and m,
+    found = wait_for(f"{n} waiting jobs", lambda: (m := markers(work, tier, proc)) and len(m) >= n and m,
                      proc=proc)
     uids = [m.stat().st_uid for m in found]
+    if owners is not None:  # (read before ``go``: a workspace's tmpfs may be gone right after its job)
+        owners += uids
     running = uids_of_processes(set(uids))
     for m in found:
         assert int(m.read_text()) > 0
     assert running, f"no process runs as {uids}"
     for m in found:
-        (m.parent / "go").write_text("")
+        touch_as_owner(m.parent, "go")
     return found
 
 

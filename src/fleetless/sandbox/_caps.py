@@ -55,11 +55,13 @@ def caps_line(tier: str, caps: dict[str, str]) -> str:
 
 
 def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: str | None,
-              cpu_cgroup: str | None, disk_extra: str = "", nice: bool = True) -> dict[str, str]:
+              cpu_cgroup: str | None, disk_extra: str = "", nice: bool = True, own_mounts: bool = False,
+              ) -> dict[str, str]:
     """A host tier's caps in words: ``pids`` says how pids are held ("" entries left out; none:
     ``no_pids`` says why not), ``memory_cgroup``/``cpu_cgroup`` name the cgroup version holding
     each (None: none is writable), ``disk_extra`` what else holds the disk (/tmp's size), ``nice``
-    whether jobs run at :data:`JOB_NICE`."""
+    whether jobs run at :data:`JOB_NICE`, ``own_mounts`` whether the tier caps a non-root drainer's
+    workspaces without a subordinate range too (:func:`._diskcap.available`)."""
     from . import _diskcap
 
     out: dict[str, str] = {}
@@ -88,5 +90,5 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
     fsize = "" if limits.file_size_bytes is None else (
         f"RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
     extra = "; ".join(x for x in (disk_extra, fsize) if x)
-    out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "")
+    out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "", own_mounts)
     return out

@@ -186,13 +186,20 @@ def ns_id(d: Delegation, job: _hostuid.Lease) -> int:
     return job.uid - d.uid_first + 1
 
 
-class Holder:
-    """A process of this module, ns-root in a user namespace mapping the delegation (see above)."""
+#: A mount holder's namespaces: a user namespace mapping only the drainer's uid (as ns-root) and a
+#: mount namespace of its own (:func:`mount_holder`).
+_UNSHARE_OWN = ["unshare", "--map-root-user", "--mount", "--propagation", "private", "--"]
 
-    def __init__(self, d: Delegation) -> None:
+
+class Holder:
+    """A process of this module, ns-root in a user namespace mapping the delegation (see above);
+    without one (``d`` None: :func:`mount_holder`), mapping only the drainer's own uid, as ns-root,
+    for its mount namespace alone."""
+
+    def __init__(self, d: Delegation | None) -> None:
         self.delegation = d
         self._lock = threading.Lock()
-        argv = [*_unshare(d), sys.executable, "-I", "-S", "-c", _HOLDER_MAIN,
+        argv = [*(_unshare(d) if d is not None else _UNSHARE_OWN), sys.executable, "-I", "-S", "-c", _HOLDER_MAIN,
                 json.dumps([p for p in sys.path if p])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={},
                                      start_new_session=True, cwd="/")
@@ -203,6 +210,12 @@ class Holder:
             raise
 
     @property
+    def root(self) -> Path:
+        """The holder's view of the filesystem (its mount namespace's), for the drainer's own use:
+        ``root / "tmp/x"`` is ``/tmp/x`` as the holder and the launchers it holds see it."""
+        return Path(f"/proc/{self.proc.pid}/root")
+
+    @property
     def userns(self) -> str:
         """The namespace to enter (``nsenter --user=``)."""
         return f"/proc/{self.proc.pid}/ns/user"
@@ -210,7 +223,8 @@ class Holder:
     def enter(self) -> list[str]:
         """argv prefix that runs a program as ns-root in the holder's user and mount namespaces
         (where the workspaces' tmpfs are: :meth:`cap`)."""
-        return ["nsenter", f"--user={self.userns}", f"--mount=/proc/{self.proc.pid}/ns/mnt", "--"]
+        keep = [] if self.delegation is not None else ["--preserve-credentials"]  # (setgroups is denied there)
+        return ["nsenter", f"--user={self.userns}", f"--mount=/proc/{self.proc.pid}/ns/mnt", *keep, "--"]
 
     def call(self, op: str, **args: object) -> object:
         with self._lock:
@@ -223,8 +237,8 @@ class Holder:
             except OSError as exc:
                 raise SandboxUnavailable(f"job uid holder: {exc}") from None
         if not line:
-            raise SandboxUnavailable(f"job uid holder (unshare with {self.delegation}) exited: "
-                                     f"{_died(self.proc)}")
+            what = f"unshare with {self.delegation}" if self.delegation is not None else "unshare --map-root-user"
+            raise SandboxUnavailable(f"job uid holder ({what}) exited: {_died(self.proc)}")
         reply = json.loads(line)
         if "error" in reply:  # a ValueError (a path outside the workspace) stays one
             raise (ValueError if reply.get("kind") == "ValueError" else OSError)(reply["error"])
@@ -303,6 +317,36 @@ def holder() -> Holder | None:
         h = Holder(d)
         _holder = (os.getpid(), h)
         return h
+
+
+_mounts: tuple[int, Holder | None, str] | None = None
+
+
+def mount_holder() -> Holder | None:
+    """A non-root drainer's holder *without* a subordinate range (its jobs are its own uid): ns-root
+    of a user namespace mapping only that uid, in a mount namespace of its own, where the bwrap
+    tier's workspaces get their capped tmpfs (:meth:`Holder.cap`); started once per process (again
+    after a fork, or if it died). None for a root drainer, one with a range (:func:`holder` does
+    it), or where the kernel refuses the namespaces (:func:`mount_holder_missing` says why)."""
+    global _mounts
+    if os.geteuid() == 0 or delegation() is not None:
+        return None
+    with _holder_lock:
+        if _mounts is not None and _mounts[0] == os.getpid() and (_mounts[1] is None or _mounts[1].alive()):
+            return _mounts[1]
+        try:
+            h: Holder | None = Holder(None)
+            why = ""
+        except (OSError, SandboxUnavailable) as exc:
+            h, why = None, str(exc)
+        _mounts = (os.getpid(), h, why)
+        return h
+
+
+def mount_holder_missing() -> str:
+    """Why :func:`mount_holder` is None here ("" when there is one)."""
+    mount_holder()
+    return "" if _mounts is None else _mounts[2]
 
 
 #: The holder's side, run with ``-I -S`` (so nothing of the environment steers it) and the

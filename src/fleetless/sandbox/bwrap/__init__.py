@@ -209,7 +209,8 @@ def tier_caps(limits: Limits, nice: bool = True) -> dict[str, str]:
     why = "no /usr/bin/prlimit" if _PRLIMIT is None else "this kernel counts RLIMIT_NPROC per host uid (< 5.14)"
     out = caps_words(limits, pids=pids, no_pids=f"no pids cgroup is writable, and {why}",
                      memory_cgroup=ver if caps.memory else None, cpu_cgroup=ver if caps.cpu else None,
-                     disk_extra=f"/tmp and /dev/shm are tmpfs of {limits.tmp_bytes // MiB} MiB", nice=nice)
+                     disk_extra=f"/tmp and /dev/shm are tmpfs of {limits.tmp_bytes // MiB} MiB", nice=nice,
+                     own_mounts=True)
     return out
 
 
@@ -347,6 +348,8 @@ class BwrapSandbox(Sandbox):
         self._lease: _hostuid.Lease | None = None
         self._uid: int | None = None  # what the launcher drops to (see _job_uid)
         self._holder: _subuid.Holder | None = None
+        # a non-root drainer's without a range: the holder whose mount namespace has the capped workspace
+        self._mounts: _subuid.Holder | None = None
         self._watched: _tree.Watched | None = None  # the drainer's watch on the job's memory, if any
         self._capped = False  # the workspace is a tmpfs of its own (issue 25, item 8)
         self._view = ""
@@ -376,6 +379,10 @@ class BwrapSandbox(Sandbox):
                 self._holder.chown(self._workspace, self._uid, self._uid)
                 # its tmpfs in the holder's mount namespace, which the launcher enters (_subuid)
                 self._holder.cap(self._workspace, limits.disk_bytes, limits.inodes, self._uid)
+            elif self._lease is None and not _hostuid.needed():  # its own uid: capped in its mount holder
+                self._mounts = _subuid.mount_holder()
+                if self._mounts is not None:
+                    self._mounts.cap(self._workspace, limits.disk_bytes, limits.inodes, 0)
             elif self._lease is not None:
                 os.chown(self._outer, -1, self._lease.gid)  # bwrap, as the job's uid, passes it
                 os.chmod(self._outer, 0o710)
@@ -497,7 +504,10 @@ class BwrapSandbox(Sandbox):
 
     @property
     def host_workspace(self) -> Path | None:
-        """Where the workspace is on the host (None after :meth:`kill`)."""
+        """Where the drainer reaches the workspace (None after :meth:`kill`): on the host, or through
+        its mount holder's root where the workspace's tmpfs is only in the holder's namespace."""
+        if self._mounts is not None and self._workspace is not None:
+            return self._mounts.root / str(self._workspace).lstrip("/")
         return self._workspace
 
     @property
@@ -511,6 +521,10 @@ class BwrapSandbox(Sandbox):
         if self._holder is not None and self._uid is not None:  # the job's uid owns the workspace
             self._holder.write(self._workspace / path, data.encode() if isinstance(data, str) else data,
                                self._workspace, self._uid)
+            return
+        if self._mounts is not None:  # the workspace's tmpfs is in the mount holder's namespace
+            self._mounts.write(self._workspace / path, data.encode() if isinstance(data, str) else data,
+                               self._workspace, 0)
             return
         target = (self._workspace / path).resolve()
         if not target.is_relative_to(self._workspace):
@@ -651,7 +665,7 @@ class BwrapSandbox(Sandbox):
                     _diskcap.release(self._workspace)
                     self._capped = False
                 if self._outer is not None:
-                    _subuid.remove(self._outer, self._holder)
+                    _subuid.remove(self._outer, self._holder or self._mounts)
                     self._outer = self._workspace = None
             finally:
                 if self._lease is not None:  # last: nothing of the job runs as it any more

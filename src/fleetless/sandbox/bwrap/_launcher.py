@@ -32,8 +32,11 @@ _SHIM = ["/bin/sh", "-c", _SHIM_SCRIPT, "fleetless-bwrap"]
 
 def _shim() -> list[str]:
     """The launcher's argv; for a non-root drainer with a subordinate range, as ns-root of its holder
-    (:mod:`.._subuid`), where ``setpriv`` drops it to the job's ns-uid."""
-    helper = _subuid.holder() if not _hostuid.needed() else None
+    (:mod:`.._subuid`), where ``setpriv`` drops it to the job's ns-uid; without a range, in its
+    mount holder (:func:`.._subuid.mount_holder`), whose mount namespace has the workspaces' tmpfs."""
+    helper = None
+    if not _hostuid.needed():
+        helper = _subuid.holder() or _subuid.mount_holder()
     return _SHIM if helper is None else [*helper.enter(), *_SHIM]
 
 
