@@ -116,7 +116,9 @@ class ProcessSandbox(Sandbox):
                 assert self._holder is not None
                 # its tmpfs (and TMPDIR in it) in the holder's mount namespace, which the supervisor
                 # enters; the .tmp made above stays under it on the disk, the drainer's, removed after
+                # (the directory under it the job's too, as before: the drainer makes no pipe there)
                 limits = template.limits
+                self._holder.chown(self._workspace, ns, ns)
                 self._holder.cap(self._workspace, limits.disk_bytes, limits.inodes, ns, (".tmp",))
                 self._holder.chown(Path(self._tmpdir), ns, ns)
                 self._holder.chown(self._workspace, ns, ns)
