@@ -115,7 +115,7 @@ def queue(dsn: str) -> Iterator[Queue]:
     q.init()
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts, fleetless.maintenance_runs,"
-                  " fleetless.job_dependencies RESTART IDENTITY CASCADE")
+                  " fleetless.job_dependencies, fleetless.queue_settings RESTART IDENTITY CASCADE")
     yield q
     q.close()
 

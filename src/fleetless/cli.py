@@ -746,6 +746,77 @@ def schedule_remove(ctx: click.Context, name: str, as_json: bool) -> None:
         click.echo(f"schedule {name} removed")
 
 
+@cli.group("queue")
+def queue_group() -> None:
+    """Operate queues: pause and resume them, cap how many of their jobs run at once."""
+
+
+def _concurrency(_: click.Context | None, param: click.Parameter | None, value: str | None) -> int | None:
+    """--concurrency: a positive integer, or "none" for no limit."""
+    if value is None or value.strip().lower() == "none":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a positive integer or 'none'") from None
+    if n < 1:
+        raise click.BadParameter(f"{value!r} is not a positive integer or 'none'")
+    return n
+
+
+def _echo_setting(setting: Any, as_json: bool, said: str) -> None:
+    if as_json:
+        _echo_json({"queue": setting.queue, "paused": setting.paused, "concurrency": setting.concurrency})
+    else:
+        click.echo(f"queue {setting.queue} {said}")
+
+
+@queue_group.command("list")
+@json_option
+@click.pass_context
+def queue_list(ctx: click.Context, as_json: bool) -> None:
+    """Every queue with jobs or settings: paused or running, its concurrency, its job counts."""
+    rows = _insights(ctx).queues()
+    if as_json:
+        _echo_json(rows)
+        return
+    for r in rows:
+        r["state"] = "paused" if r["paused"] else "running"
+        r["concurrency"] = "-" if r["concurrency"] is None else r["concurrency"]
+    _table(rows, ["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled"])
+
+
+@queue_group.command("pause")
+@click.argument("name")
+@json_option
+@click.pass_context
+def queue_pause(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Pause queue NAME: no drain claims its jobs until it is resumed (running ones finish)."""
+    _echo_setting(_queue(ctx).pause_queue(name), as_json, "paused")
+
+
+@queue_group.command("resume")
+@click.argument("name")
+@json_option
+@click.pass_context
+def queue_resume(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Resume queue NAME: its due jobs are claimed again at once."""
+    _echo_setting(_queue(ctx).resume_queue(name), as_json, "resumed")
+
+
+@queue_group.command("set")
+@click.argument("name")
+@click.option("--concurrency", callback=_concurrency, required=True, metavar="N|none",
+              help="At most N of the queue's jobs running at once, across every drainer on every host"
+                   " ('none': no limit).")
+@json_option
+@click.pass_context
+def queue_set(ctx: click.Context, name: str, concurrency: int | None, as_json: bool) -> None:
+    """Change queue NAME's settings."""
+    setting = _queue(ctx).set_queue_concurrency(name, concurrency)
+    _echo_setting(setting, as_json, f"concurrency {'none' if concurrency is None else concurrency}")
+
+
 @cli.command()
 @click.pass_context
 def metrics(ctx: click.Context) -> None:

@@ -258,8 +258,10 @@ class Drainer:
 
     @property
     def _limited(self) -> bool:
-        """A kind has a global limit (concurrency or rate) in fleetless.toml."""
-        return any(ks.limited for ks in self._kinds.values())
+        """A kind has a global limit (concurrency or rate) in fleetless.toml, or one of the drain's
+        queues a concurrency (``fleetless queue set``, as the last claim read them)."""
+        return any(ks.limited for ks in self._kinds.values()) or bool(
+            self.queue.limited_queues(self.config.queues, read=False))
 
     def _tier_of(self, kind: str) -> str:
         return self._kinds.get(kind, _NO_SETTINGS).tier or self.config.sandbox
@@ -620,7 +622,7 @@ class Drainer:
         asked for, so a job due now is one it could not take: waited for, longer each time."""
         due = self.queue.next_due(self.config.queues, sorted(self._unrunnable))
         if due is not None and due <= 0 and self._limited:
-            return LIMIT_POLL_SECONDS  # due but not claimed: a limited kind waits for room
+            return LIMIT_POLL_SECONDS  # due but not claimed: a limited kind or queue waits for room
         if due is not None and due <= 0 and short:
             self._unclaimable = min(max(self._unclaimable * 2, UNCLAIMABLE_FIRST_SECONDS), UNCLAIMABLE_MAX_SECONDS)
             return self._unclaimable

@@ -193,6 +193,11 @@ class Insights:
         """Counts by status and kind, the oldest due job's wait, next due (``fleetless status``)."""
         return self.queue.stats()
 
+    def queues(self) -> list[dict[str, Any]]:
+        """Every queue with jobs or settings (``fleetless queue list``, the dashboard): ``queue``,
+        ``paused``, ``concurrency`` and its counts by status."""
+        return self.queue.queues()
+
     def jobs(
         self,
         *,

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from .kinds import KindSettings
 
-__all__ = ["DuplicateJob", "Enqueued", "Finished", "JobNotFound", "Queue", "WaitTimeout"]
+__all__ = ["DuplicateJob", "Enqueued", "Finished", "JobNotFound", "Queue", "QueueSettings", "WaitTimeout"]
 
 #: ``result`` keeps at most this much of the handler's stdout.
 MAX_RESULT_CHARS = 64 * 1024
@@ -66,6 +66,9 @@ MAX_RELEASES = 5
 RETRY_ALL_DEAD_TRIES = 10
 #: How long a limited kind's claim waits for its kind_limits row before skipping the kind this pass.
 KIND_LOCK_TIMEOUT = 2.0
+#: A claim reads which queues have a concurrency (to claim them apart) at most this often; the
+#: plain claim leaves a limited queue out by itself, so a limit set meanwhile is never exceeded.
+QUEUE_LIMITS_TTL = 1.0
 _PG_INT = 2**31 - 1
 
 
@@ -122,6 +125,17 @@ class Finished:
         return cls(id=row["id"], kind=row["kind"], queue=row["queue"], status=row["status"],
                    attempts=row["attempts"], result=result, error=row["last_error"],
                    finished_at=row["finished_at"])
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """One queue's run-time settings (``fleetless queue pause|resume|set``): ``paused`` (no drain
+    claims its jobs) and ``concurrency`` (at most this many of its jobs running at once across every
+    drainer; None: no limit)."""
+
+    queue: str
+    paused: bool
+    concurrency: int | None
 
 
 class Enqueued(int):
@@ -243,6 +257,8 @@ class Queue:
         self.max_payload_bytes = max_payload_bytes
         #: The NOTIFY channel of this schema: every enqueue notifies it in its own transaction.
         self.channel = f"fleetless_{self.schema}"
+        self._queue_limits: dict[str, int] = {}  # queue -> concurrency, as read at _limits_read_at
+        self._limits_read_at = -QUEUE_LIMITS_TTL
 
     # -- connections -------------------------------------------------------------------------
 
@@ -688,8 +704,21 @@ class Queue:
                                claimed_by=claimed_by, tier=tier, skip_kinds=[*skip_kinds, *limited], token=token,
                                kinds=kinds)
         got: list[Job] = []
+        limited_queues = self.limited_queues(queues)
+        if limited_queues:
+            due = [r["queue"] for r in self._run("limited_queues_due", {"queues": limited_queues})]
+            random.shuffle(due)  # no limited queue always goes first
+            for queue in due:
+                size = n if one_kind else n - len(got)
+                jobs = self._claim_queue_limited(queue, limited, kinds, {**params, "n": size}, one_kind=one_kind)
+                if one_kind and jobs:
+                    return jobs
+                got += jobs
+                if len(got) >= n:
+                    return got
         if limited:
-            due = [r["kind"] for r in self._run("limited_kinds_due", {"limited": limited, "queues": params["queues"]})]
+            due = [r["kind"] for r in self._run("limited_kinds_due", {"limited": limited, "queues": params["queues"],
+                                                                      "held_queue": None})]
             random.shuffle(due)  # no limited kind always goes first
             for kind in due:
                 size = (kinds[kind].batch_size or n) if one_kind else n - len(got)
@@ -708,23 +737,85 @@ class Queue:
         The lock wait is bounded (KIND_LOCK_TIMEOUT): when it runs out the kind is skipped this
         pass (nothing claimed), so a claim never hangs behind whoever holds the row."""
         try:
-            with db.errors_translated(self.schema), self._connection() as c:
-                own = c.autocommit  # the block is a transaction of its own, not part of the caller's
-                with db.atomic(c), c.cursor(row_factory=dict_row) as cur:
-                    cur.execute(self._q["kind_limit_wait"], {"timeout": f"{KIND_LOCK_TIMEOUT * 1000:.0f}ms"})
-                    before = cur.fetchone()
-                    cur.execute(self._q["kind_limit_lock"], {"kind": kind})
-                    cur.execute(self._q["claim_limited"], {
-                        **params, "kind": kind, "concurrency": ks.concurrency,
-                        "rate": ks.rate.count if ks.rate else None, "window": ks.rate.seconds if ks.rate else None})
-                    jobs = _jobs(cur.fetchall())
-                    if not own:  # the caller's transaction goes on: its lock_timeout as it was
-                        cur.execute(self._q["kind_limit_unwait"], {"old": before["old"] if before else "0"})
-                    return jobs
+            with self._limit_lock() as cur:
+                return self._claim_kind_within(cur, kind, ks, params, held_queue=None, queue_concurrency=None)
         except db.LockTimeout:
             log.warning("kind %r: its limit row stayed locked for %g s; skipping it this pass", kind,
                         KIND_LOCK_TIMEOUT)
             return []
+
+    def _claim_kind_within(self, cur: psycopg.Cursor[dict[str, Any]], kind: str, ks: KindSettings,
+                           params: dict[str, Any], *, held_queue: str | None,
+                           queue_concurrency: int | None) -> list[Job]:
+        """A limited kind's row lock and claim, in the transaction of ``cur`` (``held_queue``: the
+        limited queue whose row that transaction holds, its concurrency counted too)."""
+        cur.execute(self._q["kind_limit_lock"], {"kind": kind})
+        cur.execute(self._q["claim_limited"], {
+            **params, "kind": kind, "concurrency": ks.concurrency,
+            "rate": ks.rate.count if ks.rate else None, "window": ks.rate.seconds if ks.rate else None,
+            "held_queue": held_queue, "queue_concurrency": queue_concurrency})
+        return _jobs(cur.fetchall())
+
+    @contextmanager
+    def _limit_lock(self) -> Iterator[psycopg.Cursor[dict[str, Any]]]:
+        """A transaction of its own (a savepoint in a caller's) whose row-lock waits are bounded by
+        KIND_LOCK_TIMEOUT (db.LockTimeout when one runs out), for a limited kind's or queue's claim."""
+        with db.errors_translated(self.schema), self._connection() as c:
+            own = c.autocommit  # the block is a transaction of its own, not part of the caller's
+            with db.atomic(c), c.cursor(row_factory=dict_row) as cur:
+                cur.execute(self._q["kind_limit_wait"], {"timeout": f"{KIND_LOCK_TIMEOUT * 1000:.0f}ms"})
+                before = cur.fetchone()
+                yield cur
+                if not own:  # the caller's transaction goes on: its lock_timeout as it was
+                    cur.execute(self._q["kind_limit_unwait"], {"old": before["old"] if before else "0"})
+
+    def _claim_queue_limited(self, queue: str, limited: Sequence[str], kinds: Mapping[str, KindSettings],
+                             params: dict[str, Any], *, one_kind: bool) -> list[Job]:
+        """One concurrency-limited queue's claim, one transaction: its queue_settings row lock, then
+        its jobs within its concurrency (counted from the table: every drainer's running rows); then
+        its jobs of limited kinds, each under its kind's row too (always queue first, then kind).
+        A lock wait that runs out skips the queue this pass; a queue paused meanwhile gives none."""
+        n = params["n"]
+        try:
+            with self._limit_lock() as cur:
+                cur.execute(self._q["queue_limit_lock"], {"queue": queue})
+                row = cur.fetchone()
+                if row is None or row["paused"]:
+                    return []
+                concurrency = row["concurrency"]
+                cur.execute(self._q["claim_queue_limited"],
+                            {**params, "queue": queue, "concurrency": concurrency, "one_kind": one_kind})
+                jobs = _jobs(cur.fetchall())
+                if not limited or (one_kind and jobs) or len(jobs) >= n:
+                    return jobs
+                cur.execute(self._q["limited_kinds_due"], {"limited": list(limited), "queues": [queue],
+                                                           "held_queue": queue})
+                due = [r["kind"] for r in cur.fetchall()]
+                random.shuffle(due)
+                for kind in due:
+                    size = (kinds[kind].batch_size or n) if one_kind else n - len(jobs)
+                    got = self._claim_kind_within(cur, kind, kinds[kind], {**params, "queues": [queue], "n": size},
+                                                  held_queue=queue, queue_concurrency=concurrency)
+                    if one_kind and got:
+                        return got
+                    jobs += got
+                    if len(jobs) >= n:
+                        break
+                return jobs
+        except db.LockTimeout:
+            log.warning("queue %r: its settings row stayed locked for %g s; skipping it this pass", queue,
+                        KIND_LOCK_TIMEOUT)
+            return []
+
+    def limited_queues(self, queues: Sequence[str] | None = None, *, read: bool = True) -> list[str]:
+        """The queues (of ``queues``; None: all) with a concurrency, as read at most
+        QUEUE_LIMITS_TTL ago: a claim takes their jobs apart, each under its queue's row lock.
+        ``read=False``: as the last claim read them (no query)."""
+        now = time.monotonic()
+        if read and now - self._limits_read_at >= QUEUE_LIMITS_TTL:
+            self._queue_limits = {r["queue"]: int(r["concurrency"]) for r in self._run("queue_limits", {})}
+            self._limits_read_at = now
+        return sorted(q for q in self._queue_limits if queues is None or q in queues)
 
     def claimed_with(self, token: uuid.UUID) -> list[Job]:
         """The jobs a claim with this token took and still holds."""
@@ -826,10 +917,12 @@ class Queue:
         writes its job's outcome and takes its next job with one round trip and one commit (two
         commits per job were most of its drainer's time), and the outcome is durable no later than
         the claim. All or nothing: a database error writes neither and propagates. A claim that is
-        more than its one statement (a kind with a concurrency or rate limit), ``one_kind``, or
+        more than its one statement (a kind with a concurrency or rate limit, a queue with a
+        concurrency), ``one_kind``, or
         ``n`` < 1: the two calls, one after the other."""
         kinds: Mapping[str, KindSettings] = claim.get("kinds") or {}
-        if n < 1 or claim.get("one_kind") or any(ks.limited for ks in kinds.values()) or not outcomes:
+        if (n < 1 or claim.get("one_kind") or any(ks.limited for ks in kinds.values()) or not outcomes
+                or self.limited_queues(claim.get("queues"))):
             return self.finish_many(outcomes), self.claim(n, **claim)
         claim.pop("one_kind", None)
         params = {**_finish_params(outcomes), **_claim_params(n, **claim)}
@@ -969,6 +1062,41 @@ class Queue:
             if status == Status.WAITING:
                 raise ValueError(f"job {job_id} is waiting for its parents (a workflow); it runs once they are done")
             raise ValueError(f"job {job_id} is {status}; only pending jobs can be run now")
+
+    # -- queue settings ----------------------------------------------------------------------
+
+    def pause_queue(self, name: str) -> QueueSettings:
+        """Pause queue ``name``: from the next claim on, no drain takes its jobs (they stay pending;
+        jobs already running finish). Works for a queue with no jobs yet."""
+        return self._set_queue(name, paused=True)
+
+    def resume_queue(self, name: str) -> QueueSettings:
+        """Resume queue ``name``: its due jobs are claimed again (watchers are woken at once)."""
+        return self._set_queue(name, paused=False)
+
+    def set_queue_concurrency(self, name: str, concurrency: int | None) -> QueueSettings:
+        """At most ``concurrency`` jobs of queue ``name`` running at once across every drainer on
+        every host (None: no limit)."""
+        if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
+                                        or not 1 <= concurrency <= _PG_INT):
+            raise ValueError(f"invalid concurrency {concurrency!r}: a positive integer (or None for no limit)")
+        return self._set_queue(name, concurrency=concurrency, set_concurrency=True)
+
+    def _set_queue(self, name: str, *, paused: bool | None = None, concurrency: int | None = None,
+                   set_concurrency: bool = False) -> QueueSettings:
+        rows = self._run("queue_settings_set", {
+            "queue": validate_queue_name(name), "paused": paused, "concurrency": concurrency,
+            "set_concurrency": set_concurrency, "channel": self.channel})
+        self._limits_read_at = -QUEUE_LIMITS_TTL  # this process sees its own change at once
+        r = rows[0]
+        return QueueSettings(queue=r["queue"], paused=r["paused"], concurrency=r["concurrency"])
+
+    def queues(self) -> list[dict[str, Any]]:
+        """Every queue with jobs or settings, by name: ``queue``, ``paused``, ``concurrency`` and
+        its job counts (``pending``, ``running``, ``done``, ``dead``, ``cancelled``)."""
+        self.compact_counts()
+        return [{**r, **{s: int(r[s]) for s in ("pending", "running", "done", "dead", "cancelled")}}
+                for r in self._run("queue_list", {})]
 
     # -- periodic jobs -----------------------------------------------------------------------
 

@@ -235,6 +235,9 @@ COPY {schema}.jobs (id, kind, payload, max_attempts_default) FROM STDIN;
 -- its rows, and a job enqueued without its own max_attempts takes its kind's, else the default 3
 -- (never below the attempt it is starting). Kinds with a concurrency or rate limit are in skip_kinds here: they are
 -- claimed by claim_limited, so this stays one statement for a drain without limits.
+-- Queues that are paused or have a concurrency (queue_settings) are left out here: a paused one is
+-- not claimed at all, a limited one by claim_queue_limited under its row lock. The list is an
+-- InitPlan read once per statement, always current (a pause holds from the next claim on).
 UPDATE {schema}.jobs AS j
 SET status = 'running',
     attempts = j.attempts + 1,
@@ -263,6 +266,7 @@ WHERE j.id = ANY(ARRAY(
   (SELECT id FROM {schema}.jobs
    WHERE status = 'pending' AND run_after <= now() AND %(skip_kinds)s::text[] IS NULL
      AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+     AND queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings WHERE paused OR concurrency IS NOT NULL))
    ORDER BY priority DESC, run_after
    FOR UPDATE SKIP LOCKED
    LIMIT %(n)s)
@@ -283,6 +287,7 @@ WHERE j.id = ANY(ARRAY(
      LIMIT %(n)s) AS c
    WHERE p.kind <> ALL(%(skip_kinds)s::text[])
      AND (%(queues)s::text[] IS NULL OR p.queue = ANY(%(queues)s::text[]))
+     AND p.queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings WHERE paused OR concurrency IS NOT NULL))
    ORDER BY c.priority DESC, c.run_after
    LIMIT %(n)s)
 ))
@@ -955,6 +960,7 @@ RETURNING j.id, extract(epoch FROM j.lease_expires_at - now())::float8;
 -- locked by the CTE and therefore not skipped by the claim that follows. A kind's batch_size
 -- (fleetless.toml, in kinds) replaces the drain's n for its batches.
 -- The rows come back in run order (priority, then id), sorted here rather than by the client.
+-- Paused and concurrency-limited queues are left out, as in claim.
 -- With skip_kinds, the head is found as claim finds its rows with them: the first due row of each
 -- (kind, queue) pair the drain may take, never a read through the skipped kinds' backlog.
 WITH RECURSIVE pair AS (
@@ -969,6 +975,7 @@ WITH RECURSIVE pair AS (
     SELECT kind FROM {schema}.jobs
     WHERE status = 'pending' AND run_after <= now() AND %(skip_kinds)s::text[] IS NULL
       AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+      AND queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings WHERE paused OR concurrency IS NOT NULL))
     ORDER BY priority DESC, run_after
     FOR UPDATE SKIP LOCKED
     LIMIT 1), (
@@ -980,6 +987,7 @@ WITH RECURSIVE pair AS (
      LIMIT 1) AS c
    WHERE p.kind <> ALL(%(skip_kinds)s::text[])
      AND (%(queues)s::text[] IS NULL OR p.queue = ANY(%(queues)s::text[]))
+     AND p.queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings WHERE paused OR concurrency IS NOT NULL))
    ORDER BY c.priority DESC, c.run_after
    LIMIT 1)) AS kind
 ), claimed AS (
@@ -1004,6 +1012,7 @@ WHERE j.id = ANY(ARRAY(
   WHERE status = 'pending' AND run_after <= now()
     AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
     AND kind = (SELECT kind FROM head) AND (SELECT kind FROM head) IS NOT NULL  -- (none: no read at all)
+    AND queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings WHERE paused OR concurrency IS NOT NULL))
   ORDER BY priority DESC, run_after
   FOR UPDATE SKIP LOCKED
   LIMIT COALESCE((%(kinds)s::jsonb -> (SELECT kind FROM head) ->> 'batch_size')::int, %(n)s)
@@ -1018,12 +1027,25 @@ SELECT * FROM claimed ORDER BY priority DESC, id;
 -- Which of the kinds with a global limit have a due job in the drain's queues: the limited claim
 -- (a transaction under the kind's lock) runs only for these, so an idle limited kind costs this
 -- one statement per claim, shared by all of them. Each probe stops at its kind's first due row.
+-- Paused and limited queues are left out but for held_queue (inside claim_queue_limited's transaction).
 SELECT k.kind
 FROM unnest(%(limited)s::text[]) AS k(kind)
 WHERE EXISTS (
   SELECT 1 FROM {schema}.jobs j
   WHERE j.kind = k.kind AND j.status = 'pending' AND j.run_after <= now()
-    AND (%(queues)s::text[] IS NULL OR j.queue = ANY(%(queues)s::text[])));
+    AND (%(queues)s::text[] IS NULL OR j.queue = ANY(%(queues)s::text[]))
+    AND j.queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings
+                             WHERE (paused OR concurrency IS NOT NULL) AND queue IS DISTINCT FROM %(held_queue)s)));
+
+-- name: limited_queues_due
+-- Which of the queues with a concurrency have a due job: the limited queue's claim (a transaction
+-- under the queue's row lock) runs only for these. Each probe is the first row of the queue's part
+-- of the pending index on (queue, run_after).
+SELECT q.queue
+FROM unnest(%(queues)s::text[]) AS q(queue)
+WHERE EXISTS (
+  SELECT 1 FROM {schema}.jobs j
+  WHERE j.queue = q.queue AND j.status = 'pending' AND j.run_after <= now());
 
 -- name: kind_limit_wait
 -- A limited kind's claim, first statement: bound how long it waits for the kind's row (lock_timeout,
@@ -1053,6 +1075,9 @@ SELECT set_config('lock_timeout', %(old)s, true);
 -- (also the jobs' started_at, so job_attempts shows them), later than every start the previous
 -- lock holder logged; so no window of the rate's length ever holds more than its count. Rows the
 -- window has passed are deleted here. Otherwise the same row changes as claim.
+-- Paused and concurrency-limited queues are left out, but for held_queue: the limited queue whose
+-- row claim_queue_limited holds (then queues is that one queue, and queue_concurrency its limit,
+-- counted here against its running rows; NULL for both otherwise).
 WITH t AS (
   SELECT clock_timestamp() AS at
 ), room AS (
@@ -1063,7 +1088,9 @@ WITH t AS (
     COALESCE(%(rate)s::int - (SELECT count(*) FROM {schema}.kind_starts s, t
                               WHERE s.kind = %(kind)s
                                 AND s.started_at > t.at - make_interval(secs => %(window)s::float8)),
-             %(n)s::int)), 0) AS n
+             %(n)s::int),
+    COALESCE(%(queue_concurrency)s::int - (SELECT count(*) FROM {schema}.jobs
+                                           WHERE queue = %(held_queue)s AND status = 'running'), %(n)s::int)), 0) AS n
 ), claimed AS (
   UPDATE {schema}.jobs AS j
   SET status = 'running',
@@ -1085,6 +1112,8 @@ WITH t AS (
     SELECT id FROM {schema}.jobs
     WHERE status = 'pending' AND run_after <= now() AND kind = %(kind)s
       AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+      AND queue <> ALL(ARRAY(SELECT queue FROM {schema}.queue_settings
+                             WHERE (paused OR concurrency IS NOT NULL) AND queue IS DISTINCT FROM %(held_queue)s))
     ORDER BY priority DESC, run_after
     FOR UPDATE SKIP LOCKED
     LIMIT (SELECT n FROM room)
@@ -1100,6 +1129,105 @@ WITH t AS (
   WHERE s.kind = %(kind)s AND s.started_at <= t.at - make_interval(secs => %(window)s::float8)
 )
 SELECT * FROM claimed;
+
+-- name: queue_settings_set
+-- `fleetless queue pause|resume|set`, the dashboard: change one queue's row (made the first time).
+-- NULL leaves a setting as it is (set_concurrency false: concurrency as it is). The NOTIFY (the
+-- queue's name, as an enqueue's) wakes watchers in the same transaction: a resumed queue's due
+-- jobs start at once, not at a poll; a watcher woken by a pause claims once and finds nothing.
+INSERT INTO {schema}.queue_settings AS s (queue, paused, concurrency)
+VALUES (%(queue)s, COALESCE(%(paused)s, false), CASE WHEN %(set_concurrency)s THEN %(concurrency)s::int END)
+ON CONFLICT (queue) DO UPDATE
+SET paused = COALESCE(%(paused)s, s.paused),
+    concurrency = CASE WHEN %(set_concurrency)s THEN %(concurrency)s::int ELSE s.concurrency END,
+    updated_at = now()
+RETURNING queue, paused, concurrency, pg_notify(%(channel)s, queue);
+
+-- name: queue_limits
+-- The queues with a concurrency (not paused): a drainer claims these apart (claim_queue_limited).
+-- Read again at most once a second (Queue.QUEUE_LIMITS_TTL); the plain claim leaves them out by
+-- itself, so a drainer that has not read a new limit yet only waits to claim that queue.
+SELECT queue, concurrency FROM {schema}.queue_settings WHERE concurrency IS NOT NULL AND NOT paused;
+
+-- name: queue_list
+-- `fleetless queue list`, the dashboard's queues: every queue that has jobs (job_counts, a few
+-- rows whatever the table's size) or settings, with its counts by status, paused and concurrency.
+SELECT COALESCE(c.queue, s.queue) AS queue, COALESCE(s.paused, false) AS paused, s.concurrency,
+       COALESCE(c.pending, 0) AS pending, COALESCE(c.running, 0) AS running, COALESCE(c.done, 0) AS done,
+       COALESCE(c.dead, 0) AS dead, COALESCE(c.cancelled, 0) AS cancelled
+FROM (SELECT queue,
+             sum(n) FILTER (WHERE status = 'pending')::bigint AS pending,
+             sum(n) FILTER (WHERE status = 'running')::bigint AS running,
+             sum(n) FILTER (WHERE status = 'done')::bigint AS done,
+             sum(n) FILTER (WHERE status = 'dead')::bigint AS dead,
+             sum(n) FILTER (WHERE status = 'cancelled')::bigint AS cancelled
+      FROM {schema}.job_counts GROUP BY queue HAVING sum(n) <> 0) AS c
+FULL JOIN {schema}.queue_settings AS s ON s.queue = c.queue
+ORDER BY 1;
+
+-- name: queue_limit_lock
+-- A limited queue's claim, second statement (after kind_limit_wait): lock the queue's row, so that
+-- claims of the queue by all drainers on all hosts take turns, and read its settings as they are
+-- now. Its own statement, as kind_limit_lock: claim_queue_limited, which follows, then sees every
+-- running row the previous holder committed. No row, or paused: nothing is claimed.
+SELECT paused, concurrency FROM {schema}.queue_settings WHERE queue = %(queue)s FOR UPDATE;
+
+-- name: claim_queue_limited
+-- A limited queue's claim, under queue_limit_lock: up to n due jobs of the queue, no more than its
+-- concurrency minus its running rows (every drainer's, from the table; NULL: the limit was just
+-- removed, n). one_kind (batch mode): all of the kind of the first due job, up to its batch_size,
+-- as claim_kind. Kinds with their own limit are in skip_kinds: the caller claims them next in
+-- this same transaction under their kind's row too (claim_limited with held_queue), so locks are
+-- always taken queue first, then kind. The starts are at the clock time of this statement (as in
+-- claim_limited), after every finish the count saw: the history never shows more than the
+-- concurrency at once. Otherwise the same row changes as claim.
+WITH t AS (
+  SELECT clock_timestamp() AS at
+), room AS (
+  SELECT GREATEST(LEAST(%(n)s::int,
+                        COALESCE(%(concurrency)s::int - (SELECT count(*) FROM {schema}.jobs
+                                                         WHERE queue = %(queue)s AND status = 'running'),
+                                 %(n)s::int)), 0) AS n
+), head AS (
+  SELECT kind FROM {schema}.jobs
+  WHERE status = 'pending' AND run_after <= now() AND queue = %(queue)s
+    AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
+  ORDER BY priority DESC, run_after
+  LIMIT 1
+), claimed AS (
+UPDATE {schema}.jobs AS j
+SET status = 'running',
+    attempts = j.attempts + 1,
+    claim_token = %(token)s,
+    locked_at = t.at,
+    started_at = t.at,
+    finished_at = NULL,
+    claimed_by = %(claimed_by)s,
+    tier = COALESCE(%(kinds)s::jsonb -> j.kind ->> 'tier', %(tier)s),
+    max_attempts = CASE WHEN j.max_attempts_default
+                        THEN GREATEST(COALESCE((%(kinds)s::jsonb -> j.kind ->> 'max_attempts')::int, 3),
+                                      j.attempts + 1)
+                        ELSE j.max_attempts END,
+    lease_expires_at = t.at + make_interval(
+        secs => LEAST(COALESCE(j.timeout_seconds, %(default_timeout)s::float8), %(ttl)s::float8) + %(grace)s::float8)
+FROM t
+WHERE j.id = ANY(ARRAY(
+  SELECT id FROM {schema}.jobs
+  WHERE status = 'pending' AND run_after <= now() AND queue = %(queue)s
+    AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
+    AND (NOT %(one_kind)s OR kind = (SELECT kind FROM head))
+  ORDER BY priority DESC, run_after
+  FOR UPDATE SKIP LOCKED
+  LIMIT CASE WHEN %(one_kind)s
+             THEN LEAST((SELECT n FROM room),
+                        COALESCE((%(kinds)s::jsonb -> (SELECT kind FROM head) ->> 'batch_size')::int, %(n)s::int))
+             ELSE (SELECT n FROM room) END
+))
+RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
+          j.timeout_seconds, j.queue, j.priority,
+          extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds
+)
+SELECT * FROM claimed ORDER BY priority DESC, id;
 
 -- name: listen
 -- Watch mode: enqueue NOTIFYs this channel ({channel}: the queue's, quoted) in its transaction.
@@ -1142,8 +1270,13 @@ SET lock_timeout = '2s';
 -- (filtering those indexes by kind read the skipped kinds' whole backlog, issue 26): a skip scan
 -- of jobs_kind_claim_idx (migration 020) finds the first row of each (kind, queue, priority) that
 -- has pending jobs, one index descent each: the earliest due time of the ones the drain may take.
--- Each branch is gated on skip_kinds, so only one of them runs.
-WITH RECURSIVE part AS (
+-- Each branch is gated on skip_kinds, so only one of them runs. Paused queues (queue_settings) do
+-- not wake it either: while some queue is paused, all queues (NULL) without skip_kinds are each
+-- unpaused queue's first row as for named queues (the queues with pending jobs from job_counts),
+-- so a paused backlog is never read through.
+WITH RECURSIVE paused AS (
+  SELECT ARRAY(SELECT queue FROM {schema}.queue_settings WHERE paused) AS queues
+), part AS (
   (SELECT kind, queue, priority, run_after FROM {schema}.jobs
    WHERE status = 'pending' AND %(skip_kinds)s::text[] IS NOT NULL
    ORDER BY kind, queue, priority DESC, run_after LIMIT 1)
@@ -1163,17 +1296,23 @@ FROM (
   SELECT (SELECT j.run_after FROM {schema}.jobs AS j
           WHERE j.status = 'pending' AND j.queue = q.queue
           ORDER BY j.run_after LIMIT 1) AS run_after
-  FROM unnest(%(queues)s::text[]) AS q(queue)
-  WHERE %(skip_kinds)s::text[] IS NULL
+  FROM paused, (SELECT queue FROM unnest(%(queues)s::text[]) AS queue
+                UNION ALL
+                SELECT queue FROM {schema}.job_counts, paused
+                WHERE %(queues)s::text[] IS NULL AND cardinality(paused.queues) > 0 AND status = 'pending'
+                GROUP BY queue HAVING sum(n) > 0) AS q(queue)
+  WHERE %(skip_kinds)s::text[] IS NULL AND q.queue <> ALL(paused.queues)
   UNION ALL
   SELECT (SELECT j.run_after FROM {schema}.jobs AS j
           WHERE j.status = 'pending'
           ORDER BY j.run_after LIMIT 1)
-  WHERE %(queues)s::text[] IS NULL AND %(skip_kinds)s::text[] IS NULL
+  FROM paused
+  WHERE %(queues)s::text[] IS NULL AND %(skip_kinds)s::text[] IS NULL AND cardinality(paused.queues) = 0
   UNION ALL
-  SELECT p.run_after FROM part p
+  SELECT p.run_after FROM part p, paused
   WHERE p.kind <> ALL(%(skip_kinds)s::text[])
     AND (%(queues)s::text[] IS NULL OR p.queue = ANY(%(queues)s::text[]))
+    AND p.queue <> ALL(paused.queues)
 ) AS due;
 
 -- The read service (fleetless.insights): what the CLI's reports, the dashboard and /metrics show.

@@ -1,8 +1,8 @@
 """The dashboard: a Starlette app that reads through ``insights`` and acts through ``Queue``.
 
 Read-only unless a token is configured (``FLEETLESS_DASHBOARD_TOKEN``). With one, an action
-(retry, cancel, run now) needs either ``Authorization: Bearer <token>`` (scripts; browsers never
-send it on their own, so no CSRF risk), or the session cookie the sign-in form sets plus that
+(retry, cancel, run now; pause or resume a queue) needs either ``Authorization: Bearer <token>``
+(scripts; browsers never send it on their own, so no CSRF risk), or the session cookie the sign-in form sets plus that
 session's CSRF token in the form (the cookie is also ``SameSite=Strict`` and ``HttpOnly``). Without a
 token every action answers 403; with one but without credentials, 401; neither changes anything.
 """
@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from .. import db, metrics
 from ..insights import PAGE_SIZE, Insights
-from ..queue import JobNotFound, Queue
+from ..queue import JobNotFound, Queue, QueueSettings
 from . import pages
 
 __all__ = ["COOKIE", "Auth", "create_app"]
@@ -148,20 +148,53 @@ def create_app(
             return bad_request(request, exc)
         return html(request, "schedules", pages.schedules_page(found, root=root(request)))
 
+    async def queues(request: Request) -> Response:
+        rows = await run_in_threadpool(insights.queues)
+        nonce = auth.session_nonce(request)
+        return html(request, "queues", pages.queues_page(rows, root=root(request), writable=auth.writable,
+                                                         csrf=auth.csrf_for(nonce) if nonce else None))
+
+    async def allowed(request: Request) -> Response | bool:
+        """An action's checks: a token is set, and the request carries it (True: as a bearer; False:
+        a signed-in session whose form has its CSRF token). Else the refusal to send."""
+        if not auth.writable:
+            return _refuse(request, 403, "read-only dashboard: actions need FLEETLESS_DASHBOARD_TOKEN")
+        if auth.bearer(request):
+            return True
+        nonce = auth.session_nonce(request)
+        if nonce is None:
+            return _refuse(request, 401, "sign in (or send Authorization: Bearer <token>) to act")
+        form = await request.form()
+        given = str(form.get("csrf", ""))
+        if not hmac.compare_digest(given, auth.csrf_for(nonce)):
+            return _refuse(request, 403, "missing or wrong CSRF token: reload the page and try again")
+        return False
+
+    def queue_action(name: str, call: Callable[[str], QueueSettings]) -> Callable[[Request], Any]:
+        async def endpoint(request: Request) -> Response:
+            checked = await allowed(request)
+            if isinstance(checked, Response):
+                return checked
+            try:
+                setting = await run_in_threadpool(call, request.path_params["name"])
+            except ValueError as exc:
+                if checked:
+                    return JSONResponse({"error": str(exc)}, status_code=400)
+                return bad_request(request, exc)
+            if checked:
+                return JSONResponse({"queue": setting.queue, "action": name, "paused": setting.paused,
+                                     "concurrency": setting.concurrency})
+            return RedirectResponse(f"{root(request)}/queues", status_code=303)
+
+        return endpoint
+
     def action(name: str, call: Callable[[int], object]) -> Callable[[Request], Any]:
         async def endpoint(request: Request) -> Response:
             job_id = _job_id(request)
-            if not auth.writable:
-                return _refuse(request, 403, "read-only dashboard: actions need FLEETLESS_DASHBOARD_TOKEN")
-            via_bearer = auth.bearer(request)
-            if not via_bearer:
-                nonce = auth.session_nonce(request)
-                if nonce is None:
-                    return _refuse(request, 401, "sign in (or send Authorization: Bearer <token>) to act")
-                form = await request.form()
-                given = str(form.get("csrf", ""))
-                if not hmac.compare_digest(given, auth.csrf_for(nonce)):
-                    return _refuse(request, 403, "missing or wrong CSRF token: reload the page and try again")
+            checked = await allowed(request)
+            if isinstance(checked, Response):
+                return checked
+            via_bearer = checked
             if job_id is None:
                 return _refuse(request, 404, "no such job")
             try:
@@ -242,6 +275,9 @@ def create_app(
         Route("/jobs", jobs),
         Route("/jobs/{job_id}", job),
         Route("/schedules", schedules),
+        Route("/queues", queues),
+        Route("/queues/{name}/pause", queue_action("pause", queue.pause_queue), methods=["POST"]),
+        Route("/queues/{name}/resume", queue_action("resume", queue.resume_queue), methods=["POST"]),
         Route("/jobs/{job_id}/retry", action("retry", queue.retry), methods=["POST"]),
         Route("/jobs/{job_id}/cancel", action("cancel", queue.cancel), methods=["POST"]),
         Route("/jobs/{job_id}/run-now", action("run-now", queue.run_now), methods=["POST"]),

@@ -11,7 +11,8 @@ from urllib.parse import urlencode
 
 from ..insights import Overview, Page, age, html_text
 
-__all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page", "schedules_page"]
+__all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page", "queues_page",
+           "schedules_page"]
 
 e = html_text
 
@@ -52,7 +53,8 @@ def layout(title: str, body: str, *, root: str, csrf: str | None, writable: bool
         f"<style>{STYLE}</style></head><body><header><b>fleetless</b>"
         f'<a href="{root}/">overview</a><a href="{root}/jobs">jobs</a>'
         f'<a href="{root}/jobs?status=dead">dead</a><a href="{root}/jobs?status=running">running</a>'
-        f'<a href="{root}/schedules">schedules</a><a href="{root}/metrics">metrics</a>{who}</header>'
+        f'<a href="{root}/queues">queues</a><a href="{root}/schedules">schedules</a>'
+        f'<a href="{root}/metrics">metrics</a>{who}</header>'
         f"<main>{body}</main></body></html>"
     )
 
@@ -256,6 +258,32 @@ def _graph(graph: Mapping[str, Any] | None, root: str) -> str:
         counts = ", ".join(f"{e(k)} {v}" for k, v in sorted(graph["children_by_status"].items()))
         body += f'<p id="children-by-status">children by status: {counts}</p>'
     return body
+
+
+def queues_page(rows: Sequence[Mapping[str, Any]], *, root: str, csrf: str | None, writable: bool) -> str:
+    """Every queue with jobs or settings: running or paused, its concurrency, its counts, and a
+    pause or resume button (a form with the session's CSRF token, as the job page's actions)."""
+    body = "<h1>Queues</h1>"
+    if not rows:
+        return body + '<p class="muted">no queues yet</p>'
+    table_rows = []
+    for r in rows:
+        action = "resume" if r["paused"] else "pause"
+        target = f'{root}/queues/{e(r["queue"])}/{action}'
+        if csrf is not None:
+            button = (f'<form class="inline" method="post" action="{target}"><input type="hidden" name="csrf"'
+                      f' value="{e(csrf)}"><button id="{action}-{e(r["queue"])}">{action}</button></form>')
+        else:
+            hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
+            button = (f'<form class="inline" method="post" action="{target}">'
+                      f'<button id="{action}-{e(r["queue"])}" title="{e(hint)}">{action}</button></form>')
+        state = '<span class="err">paused</span>' if r["paused"] else "running"
+        table_rows.append([
+            f'<a href="{root}/jobs?{urlencode({"queue": r["queue"]})}">{e(r["queue"])}</a>', state,
+            e("-" if r["concurrency"] is None else r["concurrency"]),
+            *(str(r[s]) for s in ("pending", "running", "done", "dead", "cancelled")), button])
+    return body + _table(["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled", ""],
+                         table_rows, (2, 3, 4, 5, 6, 7), "queues")
 
 
 def schedules_page(found: Page[dict[str, Any]], *, root: str) -> str:
