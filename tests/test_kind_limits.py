@@ -114,7 +114,8 @@ class CountingCursor(psycopg.Cursor[Any]):
         return super().execute(query, params, **kwargs)
 
 
-def test_a_claim_is_one_statement_unless_a_kind_has_a_limit(dsn: str, queue: Queue, handlers) -> None:
+def test_a_claim_is_one_statement_unless_a_kind_has_a_limit(dsn: str, queue: Queue, handlers, monkeypatch) -> None:
+    monkeypatch.setattr("fleetless.queue.QUEUE_LIMITS_TTL", 3600.0)  # queues' limits: read once, below
     h = settings_file(handlers(**{"a.py": "", "b.py": ""}),
                       "[kinds.a]\nmax_attempts = 5\ntier = \"process\"\nbatch_size = 4\n")
     for kind in ("a", "b", "a"):
@@ -123,6 +124,7 @@ def test_a_claim_is_one_statement_unless_a_kind_has_a_limit(dsn: str, queue: Que
     counted = Queue(conn)
     drainer = Drainer(counted, DrainConfig(handlers_dir=h))
     drainer._kinds = load(h)
+    assert counted.limited_queues() == []  # read at most once a second (QUEUE_LIMITS_TTL): not per claim
     CountingCursor.statements.clear()
     assert len(drainer._claim(10)) == 3
     assert len(CountingCursor.statements) == 1 and conn.info.transaction_status == 0  # autocommit: one round trip

@@ -258,7 +258,7 @@ class Queue:
         #: The NOTIFY channel of this schema: every enqueue notifies it in its own transaction.
         self.channel = f"fleetless_{self.schema}"
         self._queue_limits: dict[str, int] = {}  # queue -> concurrency, as read at _limits_read_at
-        self._limits_read_at = -QUEUE_LIMITS_TTL
+        self._limits_read_at = -float("inf")  # never
 
     # -- connections -------------------------------------------------------------------------
 
@@ -1087,7 +1087,7 @@ class Queue:
         rows = self._run("queue_settings_set", {
             "queue": validate_queue_name(name), "paused": paused, "concurrency": concurrency,
             "set_concurrency": set_concurrency, "channel": self.channel})
-        self._limits_read_at = -QUEUE_LIMITS_TTL  # this process sees its own change at once
+        self._limits_read_at = -float("inf")  # this process sees its own change at once
         r = rows[0]
         return QueueSettings(queue=r["queue"], paused=r["paused"], concurrency=r["concurrency"])
 
