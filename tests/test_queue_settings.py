@@ -200,3 +200,29 @@ def test_the_dashboard_shows_paused_queues_and_toggles_them_behind_the_token(que
     assert r.json() == {"queue": "mail", "action": "pause", "paused": True, "concurrency": 4}
     bad = client.post("/queues/no%20such/pause", data={"csrf": csrf.group(1)})
     assert bad.status_code == 400 and "invalid queue name" in bad.text
+
+
+def test_status_names_what_a_pause_or_a_limit_holds_back(fleetless, queue: Queue, dsn: str, handlers) -> None:
+    h = settings_file(handlers(**{"slow.py": "", "tick.py": "", "free.py": ""}),
+                      '[kinds.slow]\nconcurrency = 1\n[kinds.tick]\nrate = "1/1h"\n')
+    kinds = load(h)
+    queue.pause_queue("mail")
+    queue.enqueue("free", {}, queue="mail")
+    queue.set_queue_concurrency("capped", 1)
+    for _ in range(2):
+        queue.enqueue("free", {}, queue="capped")
+        queue.enqueue("slow", {})
+        queue.enqueue("tick", {})
+    assert sorted(j.kind for j in queue.claim(10, kinds=kinds)) == ["free", "slow", "tick"]  # one of each
+    queue.set_queue_concurrency("idle", 5)  # limited, nothing due: not held back
+    out = fleetless("status", "--handlers", str(h), dsn=dsn)
+    assert out.returncode == 0, out.stderr
+    said = ("held back: queue capped (concurrency 1 reached), queue mail paused,"
+            " kind slow (concurrency 1 reached), kind tick (rate 1/3600s reached)")
+    assert said in out.stdout.splitlines(), out.stdout
+    assert json.loads(fleetless("status", "--json", dsn=dsn).stdout)["held_back"] == [  # no fleetless.toml: queues
+        {"what": "queue", "name": "capped", "why": "concurrency", "limit": "1"},
+        {"what": "queue", "name": "mail", "why": "paused", "limit": None}]
+    queue.resume_queue("mail")
+    queue.set_queue_concurrency("capped", None)
+    assert "held back" not in fleetless("status", dsn=dsn).stdout

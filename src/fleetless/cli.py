@@ -424,17 +424,26 @@ def reap(ctx: click.Context, older_than: float | None, as_json: bool) -> None:
 
 
 @cli.command()
+@click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path), envvar="FLEETLESS_HANDLERS",
+              help="The handlers directory: its fleetless.toml's kind limits are checked too"
+                   " [env FLEETLESS_HANDLERS].")
 @json_option
 @click.pass_context
-def status(ctx: click.Context, as_json: bool) -> None:
-    """Counts by status and kind, oldest due job's wait, next due."""
-    s = _insights(ctx).stats()
+def status(ctx: click.Context, handlers_dir: Path | None, as_json: bool) -> None:
+    """Counts by status and kind, oldest due job's wait, next due, what a pause or limit holds back."""
+    from . import kinds
+
+    s = _insights(ctx).stats(kinds.load(handlers_dir) if handlers_dir is not None else None)
     if as_json:
         _echo_json(s)
         return
     click.echo("  ".join(f"{k} {v}" for k, v in s["by_status"].items()) + f"  (total {s['total']})")
     click.echo(f"oldest due job waiting: {age(s['oldest_due_age_seconds'])}   "
                f"next due in: {age(s['next_due_in_seconds'])}")
+    if s["held_back"]:
+        click.echo("held back: " + ", ".join(
+            f"{h['what']} {h['name']} paused" if h["why"] == "paused" else
+            f"{h['what']} {h['name']} ({h['why']} {h['limit']} reached)" for h in s["held_back"]))
     if s["by_kind"]:
         statuses = list(s["by_status"])
         width = max(len(k) for k in s["by_kind"]) + 2

@@ -11,15 +11,18 @@ is :mod:`fleetless.failure`'s, which the drain writes with each attempt.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import db
 from .attempt_totals import DURATION_BUCKETS, bucket_params
 from .failure import HEAD_CHARS, error_head, exception_line, summarize_failure
 from .job import Status
 from .queue import JobNotFound, Queue
+
+if TYPE_CHECKING:
+    from .kinds import KindSettings
 
 __all__ = [
     "DURATION_BUCKETS",
@@ -189,9 +192,10 @@ class Insights:
 
     # -- the CLI's reports -----------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """Counts by status and kind, the oldest due job's wait, next due (``fleetless status``)."""
-        return self.queue.stats()
+    def stats(self, kinds: Mapping[str, KindSettings] | None = None) -> dict[str, Any]:
+        """Counts by status and kind, the oldest due job's wait, next due, and what a pause or a
+        limit holds back (kinds' limits from ``kinds``, fleetless.toml) (``fleetless status``)."""
+        return self.queue.stats(kinds)
 
     def queues(self) -> list[dict[str, Any]]:
         """Every queue with jobs or settings (``fleetless queue list``, the dashboard): ``queue``,

@@ -1275,8 +1275,29 @@ class Queue:
             row = cur.fetchone()
         return int(row[0]) if row else 0
 
-    def stats(self) -> dict[str, Any]:
-        """Counts by status and by kind, the oldest due job's wait, and when the next is due."""
+    def held_back(self, kinds: Mapping[str, KindSettings] | None = None) -> Sequence[dict[str, Any]]:
+        """What a pause or a limit holds back now: each paused queue (``why`` "paused"), each queue
+        and each kind of ``kinds`` (fleetless.toml) with a due job whose concurrency or rate is
+        reached (``why`` "concurrency" or "rate", ``limit`` its text). ``what``: "queue" or "kind"."""
+        limited = sorted((k, ks) for k, ks in (kinds or {}).items() if ks.limited)
+        rows = self._run("held_back", {
+            "kinds": [k for k, _ in limited], "concurrency": [ks.concurrency for _, ks in limited],
+            "rate": [ks.rate.count if ks.rate else None for _, ks in limited],
+            "seconds": [ks.rate.seconds if ks.rate else None for _, ks in limited]})
+        held: list[dict[str, Any]] = []
+        for r in rows:
+            base = {"what": r["what"], "name": r["name"]}
+            if r["paused"]:
+                held.append({**base, "why": "paused", "limit": None})
+            elif r["due"] and r["concurrency"] is not None and r["running"] >= r["concurrency"]:
+                held.append({**base, "why": "concurrency", "limit": str(r["concurrency"])})
+            elif r["due"] and r["rate"] is not None and r["started"] >= r["rate"]:
+                held.append({**base, "why": "rate", "limit": f"{r['rate']}/{r['window']:g}s"})
+        return held
+
+    def stats(self, kinds: Mapping[str, KindSettings] | None = None) -> dict[str, Any]:
+        """Counts by status and by kind, the oldest due job's wait, when the next is due, and what
+        is held back (:meth:`held_back`; kinds' limits from ``kinds``, fleetless.toml)."""
         self.compact_counts()
         counts = self._run("counts", {})
         by_status = {s.value: 0 for s in Status}
@@ -1291,6 +1312,7 @@ class Queue:
             "by_kind": by_kind,
             "oldest_due_age_seconds": times["oldest_due_age_seconds"],
             "next_due_in_seconds": times["next_due_in_seconds"],
+            "held_back": self.held_back(kinds),
         }
 
     def prune_batch(self, ages: Mapping[str, float], *, limit: int | None = None, wait: bool = True) -> int:

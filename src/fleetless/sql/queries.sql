@@ -735,6 +735,29 @@ FROM (SELECT 1) AS one
 LEFT JOIN (SELECT min(run_after) AS run_after FROM {schema}.jobs WHERE status = 'pending') AS o
   ON o.run_after <= now();
 
+-- name: held_back
+-- `fleetless status`: what the limits hold back now. Every paused queue, and every queue with a
+-- concurrency, with its running rows and whether a job of it is due; every limited kind the
+-- caller's fleetless.toml names (kinds, with its concurrency, rate and window, as arrays), with its
+-- running rows, its starts in the window (kind_starts) and whether a job of it is due. The caller
+-- says which limits are reached. A few index probes per limited queue or kind.
+SELECT 'queue' AS what, s.queue AS name, s.paused, s.concurrency, NULL::int AS rate, NULL::float8 AS "window",
+       (SELECT count(*) FROM {schema}.jobs j WHERE j.queue = s.queue AND j.status = 'running') AS running,
+       0::bigint AS started,
+       EXISTS (SELECT 1 FROM {schema}.jobs j
+               WHERE j.queue = s.queue AND j.status = 'pending' AND j.run_after <= now()) AS due
+FROM {schema}.queue_settings s
+WHERE s.paused OR s.concurrency IS NOT NULL
+UNION ALL
+SELECT 'kind', k.kind, false, k.concurrency, k.rate, k.seconds,
+       (SELECT count(*) FROM {schema}.jobs j WHERE j.kind = k.kind AND j.status = 'running'),
+       (SELECT count(*) FROM {schema}.kind_starts st
+        WHERE k.rate IS NOT NULL AND st.kind = k.kind AND st.started_at > now() - make_interval(secs => k.seconds)),
+       EXISTS (SELECT 1 FROM {schema}.jobs j WHERE j.kind = k.kind AND j.status = 'pending' AND j.run_after <= now())
+FROM unnest(%(kinds)s::text[], %(concurrency)s::int[], %(rate)s::int[], %(seconds)s::float8[])
+     AS k(kind, concurrency, rate, seconds)
+ORDER BY 1 DESC, 2;
+
 -- name: prune_batch
 -- The pruner (retention, and `fleetless prune`): finished jobs older than the age given for their
 -- status (NULL: that status is kept), oldest first, at most %(limit)s rows (NULL: all) so that one
