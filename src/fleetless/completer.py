@@ -122,6 +122,12 @@ class Completer:
         with self._cond:
             return len(self._buffer)
 
+    @property
+    def unwritten(self) -> bool:
+        """Outcomes are buffered, or being written now (the background thread took them out of the
+        buffer and has not committed them yet)."""
+        return bool(self.buffered) or self._flushing.locked()
+
     # -- writing ------------------------------------------------------------------------------
 
     def flush(self) -> None:

@@ -483,8 +483,9 @@ class Drainer:
             elif idle_since is None:
                 idle_since = now
             if not running:
-                if short and self._batched and self._completer.buffered:
-                    # its jobs count against a kind's limit until written, and their finish may
+                if short and self._batched and self._completer.unwritten:
+                    # its jobs count against a kind's or queue's limit until written (also while the
+                    # background flush writes them: flush waits for it), and their finish may
                     # release waiting children (workflows): write them, then claim once more
                     self._db(self._completer.flush)
                     continue
