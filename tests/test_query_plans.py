@@ -7,6 +7,7 @@ due in one queue, 140,000 finished ones and their attempts, and a queue with not
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -171,3 +172,33 @@ def test_a_retention_pass_reads_about_the_rows_it_deletes(big: Queue) -> None:
     root = plan(big, "prune_batch", {**AGES, "done": 86400.0, "dead": 86400.0})  # ~100,000 due
     assert_reads_little(root, most=1000)
     assert root["Plans"][0]["Actual Rows"] == 500 or any(n.get("Actual Rows") == 500 for n in nodes(root))
+
+
+def _shape(q: Queue, text: str, params: dict[str, Any]) -> list[tuple[str, str | None, float]]:
+    """Each scan of jobs in a plan (EXPLAIN, not run): its node, index and estimated rows."""
+    with psycopg.connect(q.conninfo) as c:
+        c.execute("SET jit = off")
+        row = c.execute("EXPLAIN (FORMAT JSON) " + text, params).fetchone()
+    assert row is not None
+    data = row[0] if not isinstance(row[0], str) else json.loads(row[0])
+    return [(n["Node Type"], n.get("Index Name"), float(n["Plan Rows"])) for n in nodes(data[0]["Plan"])
+            if n.get("Relation Name") == "jobs"]
+
+
+@pytest.mark.parametrize("queues", [None, ["backlog"], ["idle", "backlog"]])
+@pytest.mark.parametrize("skip_kinds", [None, ALL_KINDS[1:]])
+@pytest.mark.parametrize("name", ["claim", "claim_kind"])
+def test_the_queue_gate_leaves_the_claims_plan_as_it_was(big: Queue, name: str, skip_kinds: list[str] | None,
+                                                         queues: list[str] | None) -> None:
+    """With no queue paused or limited, the claim statements plan as they did before queue_settings:
+    the same scans of the same indexes, their row estimates within 1% (the gate is one InitPlan over
+    the empty queue_settings, run once per statement)."""
+    gated = big._q[name]
+    ungated = re.sub(r"AND \(CASE WHEN [a-z.]+ = ANY\(ARRAY\(SELECT queue FROM [^)]*queue_settings.*?END\) IS NOT NULL",
+                     "", gated, flags=re.S)
+    assert ungated != gated and "queue_settings" not in ungated
+    params = {**CLAIM, "queues": queues, "skip_kinds": skip_kinds}
+    before, after = _shape(big, ungated, params), _shape(big, gated, params)
+    assert [s[:2] for s in after] == [s[:2] for s in before]
+    assert all(abs(a[2] - b[2]) <= 0.01 * b[2] + 1 for a, b in zip(after, before, strict=True)), (before, after)
+    assert [s for s in after if s[0] == "Seq Scan"] == []
