@@ -105,7 +105,7 @@ def test_the_default_options_statements_write_what_the_general_ones_write(queue:
     parameters, three COPY columns, the rest the columns' defaults): their rows are the general
     statement's with the same options, and ids follow the order given whichever COPY wrote them."""
     lean = queue.enqueue("greet", {"a": [1, "x"]})
-    general = queue._run("enqueue", {**queue._job_params("greet", {"a": [1, "x"]}), "channel": queue.channel})
+    general = queue._run("enqueue", {**queue.job_params("greet", {"a": [1, "x"]}), "channel": queue.channel})
     assert sql(ROW, lean) == sql(ROW, general[0]["id"]) == [
         ("greet", {"a": [1, "x"]}, "pending", 0, 3, True, "default", 0, None, None, 0, True)]
     ids = queue.enqueue_many([("greet", {"a": [1, "x"]}), {"kind": "report", "payload": {}, "priority": 5},

@@ -37,7 +37,6 @@ from .queue import (
     Queue,
     WaitTimeout,
     _parent_ids,
-    _positional,
     finished_channel,
     notify_payloads,
     with_defaults,
@@ -108,13 +107,12 @@ class AsyncQueue:
 
     async def _execute(self, conn: AnyConnection, name: str, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """One named statement on either driver: named placeholders become asyncpg's $n."""
-        query = self._shape._q[name]
         if _is_asyncpg(conn):
             import asyncpg
 
-            positional, names = _positional(query)
+            query, values = self._shape.bind(name, params, positional=True)
             try:
-                rows = await conn.fetch(positional, *(params[n] for n in names))
+                rows = await conn.fetch(query, *values)
             except asyncpg.UniqueViolationError as exc:
                 raise db.DuplicateValue(f"database refused a duplicate: {exc}") from exc
             except asyncpg.UndefinedTableError as exc:
@@ -127,7 +125,7 @@ class AsyncQueue:
             return [dict(r) for r in rows]
         with db.errors_translated(self.schema):
             async with conn.cursor(row_factory=dict_row) as cur:
-                await cur.execute(query, params)
+                await cur.execute(*self._shape.bind(name, params))
                 return await cur.fetchall() if cur.description else []
 
     @asynccontextmanager
@@ -154,7 +152,7 @@ class AsyncQueue:
     ) -> Enqueued:
         """As :meth:`Queue.enqueue`: one job, its id (an :class:`Enqueued`); ``after``: a workflow's
         child (docs/workflows.md)."""
-        params = self._shape._job_params(
+        params = self._shape.job_params(
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay, queue=queue,
             priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
             on_parent_failure=on_parent_failure)
@@ -200,7 +198,7 @@ class AsyncQueue:
         items = list(with_defaults(jobs, defaults))
         if any(isinstance(item, Mapping) and ("after" in item or "name" in item) for item in items):
             return await self._enqueue_graph(items, conn)
-        rows = [self._shape._item_params(i, item) for i, item in enumerate(items)]
+        rows = [self._shape.item_params(i, item) for i, item in enumerate(items)]
         if not rows:
             return []
         ids: list[int] = [0] * len(rows)
@@ -234,7 +232,7 @@ class AsyncQueue:
         children: list[int] = []
         async with self._connection(conn) as c, self._atomic(c):
             for i, item in enumerate(items):
-                r = self._shape._item_params(i, item, names)
+                r = self._shape.item_params(i, item, names)
                 if r["parents"]:
                     if -1 in r["parents"]:
                         raise ValueError(f"job #{i}: after names a keyed item; a keyed job cannot be a parent"

@@ -325,20 +325,29 @@ class Queue:
             text = self._execute_texts[name] = f"EXECUTE fleetless_{name}({', '.join(f'%({p})s' for p in params)})"
         return text
 
+    def bind(self, name: str, params: Mapping[str, Any], *, positional: bool = False) -> tuple[str, Any]:
+        """The named statement of ``sql/queries.sql`` for this schema, with its parameters as a
+        driver takes them: psycopg's ``%(name)s`` and the mapping; ``positional`` (asyncpg): ``$1``,
+        ``$2``... and the values in that order. Queue's own calls and AsyncQueue's go through here."""
+        if not positional:
+            return self._q[name], params
+        text, names = _positional(self._q[name])
+        return text, tuple(params[n] for n in names)
+
     def _run(
         self, name: str, params: Mapping[str, Any], conn: psycopg.Connection[Any] | None = None,
         *, prepare: bool | None = None,
     ) -> list[dict[str, Any]]:
         with (db.errors_translated(self.schema), self._connection(conn) as c,
               c.cursor(row_factory=dict_row) as cur):
-            cur.execute(self._q[name], params, prepare=prepare)
+            cur.execute(*self.bind(name, params), prepare=prepare)
             return cur.fetchall() if cur.description else []
 
     def _tuples(self, name: str, params: Mapping[str, Any]) -> list[tuple[Any, ...]]:
         """As :meth:`_run`, with rows as tuples: the batch path's statements return thousands of
         rows, and a dict per row was a visible share of a drain of small jobs."""
         with db.errors_translated(self.schema), self._connection() as c, c.cursor(row_factory=tuple_row) as cur:
-            cur.execute(self._q[name], params)
+            cur.execute(*self.bind(name, params))
             return cur.fetchall() if cur.description else []
 
     def query(
@@ -377,7 +386,7 @@ class Queue:
 
     # -- enqueue -----------------------------------------------------------------------------
 
-    def _job_params(
+    def job_params(
         self,
         kind: str,
         payload: Any,
@@ -392,6 +401,9 @@ class Queue:
         on_duplicate: OnDuplicate = "existing",
         on_parent_failure: OnParentFailure = "cancel",
     ) -> dict[str, Any]:
+        """One job's enqueue parameters (the statements' names), checked: a bad option is a one-line
+        ValueError. :meth:`enqueue` and :class:`~fleetless.async_queue.AsyncQueue` both build theirs
+        here, and run them with :meth:`bind`."""
         validate_kind(kind)
         if on_parent_failure not in _ON_PARENT_FAILURE:
             raise ValueError(f"on_parent_failure must be cancel or run, not {on_parent_failure!r:.40}")
@@ -477,7 +489,7 @@ class Queue:
         parent's id to its result. A parent ending dead or cancelled cancels it (and its own
         waiting descendants), or, with ``on_parent_failure="run"``, counts as ended. A parent that
         does not exist: ValueError, nothing written. See docs/workflows.md."""
-        params = self._job_params(
+        params = self.job_params(
             kind, payload, max_attempts=max_attempts, run_after=run_after, delay=delay,
             queue=queue, priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
             on_parent_failure=on_parent_failure,
@@ -521,10 +533,11 @@ class Queue:
                 return Enqueued(rows[0]["id"], existing=not rows[0]["inserted"], replaced=rows[0]["replaced"])
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
-    def _item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any],
+    def item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any],
                      names: dict[str, int] | None = None) -> dict[str, Any]:
-        """An enqueue_many item's parameters; ``names`` (the call's items so far by name, to their
-        ids) resolves its ``after``, given as ``parents``."""
+        """An enqueue_many item's parameters (as :meth:`job_params`, for Queue and AsyncQueue);
+        ``names`` (the call's items so far by name, to their ids) resolves its ``after``, given as
+        ``parents``."""
         try:
             if isinstance(item, Mapping):
                 options = dict(item)
@@ -534,7 +547,7 @@ class Queue:
                 if "kind" not in options or "payload" not in options:
                     raise ValueError("needs 'kind' and 'payload'")
                 name, after = options.pop("name", None), options.pop("after", None)
-                params = self._job_params(options.pop("kind"), options.pop("payload"), **options)
+                params = self.job_params(options.pop("kind"), options.pop("payload"), **options)
                 params["name"] = name
                 if name is not None and (not isinstance(name, str) or not name):
                     raise ValueError(f"name must be a non-empty string, not {name!r:.40}")
@@ -545,7 +558,7 @@ class Queue:
                     raise ValueError("a job with parents (after) cannot have a key")
                 return params
             kind, payload = item
-            params = self._job_params(kind, payload)
+            params = self.job_params(kind, payload)
             params["name"] = params["parents"] = None
             return params
         except (ValueError, TypeError) as exc:
@@ -612,7 +625,7 @@ class Queue:
                 children: list[dict[str, Any]] = []  # with parents: written waiting, then settled
                 with cur.copy(self._q["copy_default_jobs"]) as copy:
                     for (i, item), job_id in zip(chunk, reserved, strict=True):
-                        r = self._item_params(i, item, names)
+                        r = self.item_params(i, item, names)
                         rows.append(r)
                         if r["name"] is not None:
                             names[r["name"]] = job_id if r["key"] is None else -1
@@ -1398,7 +1411,7 @@ def _claim_params(
 
 
 def _all_default(params: Mapping[str, Any]) -> bool:
-    """Whether a job's :meth:`Queue._job_params` are every option's default (but a key): the job the
+    """Whether a job's :meth:`Queue.job_params` are every option's default (but a key): the job the
     lean statements (enqueue_default, copy_default_jobs) write from the columns' defaults."""
     return bool(params["max_attempts_default"] and params["run_after"] is None and not params["delay"]
                 and params["queue"] == "default" and params["priority"] == 0 and params["timeout"] is None)
