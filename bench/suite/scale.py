@@ -15,6 +15,7 @@ import time
 import psycopg
 
 from fleetless import Queue
+from fleetless.attempt_totals import DURATION_BUCKETS, bucket_params
 from fleetless.insights import Insights
 from fleetless.maintenance import retention
 
@@ -65,6 +66,43 @@ CLAIM = {"token": "00000000-0000-0000-0000-000000000001", "claimed_by": "bench:1
 
 
 SKIP = [f"k{i}" for i in range(20)]  # every kind of the backlog
+
+# The same reads as fleetless ran them before issue 26's last fixes (390c217), for same-run ratios:
+# the claim's choice of rows with skip_kinds (the claim index's order filtered by kind) and the
+# attempt totals over a history not folded yet (the whole tail, its kinds by a join).
+OLD_CLAIM_SKIPPING = """
+SELECT id FROM fleetless.jobs
+WHERE status = 'pending' AND run_after <= now()
+  AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]))
+  AND (%(skip_kinds)s::text[] IS NULL OR kind <> ALL(%(skip_kinds)s::text[]))
+ORDER BY priority DESC, run_after
+FOR UPDATE SKIP LOCKED
+LIMIT %(n)s"""
+OLD_TAIL = """
+SELECT kind, outcome, bound, sum(n)::bigint AS n, sum(seconds)::float8 AS seconds
+FROM (
+  SELECT kind, outcome, bound, n, seconds FROM fleetless.attempt_totals
+  UNION ALL
+  SELECT COALESCE(j.kind, '(pruned)'), a.outcome,
+         CASE WHEN a.duration_seconds IS NULL THEN -1
+              ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
+                            - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END,
+         1, COALESCE(a.duration_seconds, 0)
+  FROM fleetless.job_attempts a
+  LEFT JOIN fleetless.jobs j ON j.id = a.job_id
+  WHERE a.id > %(after)s
+) AS t
+GROUP BY kind, outcome, bound"""
+
+
+def _server_ms_sql(dsn: str, text: str, params: dict[str, object]) -> float:
+    """As _server_ms, for a statement given as text."""
+    with psycopg.connect(dsn) as c:
+        for _ in range(2):
+            rows = [r[0] for r in c.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + text, params)]
+            c.rollback()
+    top = rows[0][0]
+    return float(top["Planning Time"] + top["Execution Time"]) / 1000
 
 
 def _reader(dsn: str) -> str:
@@ -174,6 +212,11 @@ def run(ctx: Context) -> Section:
         for _ in range(reps):
             cases.setdefault("fleetless metrics, history not folded yet", []).append(
                 _timed(lambda: Insights(q).metrics()))
+        with psycopg.connect(dsn) as c:  # once: it reads the whole unfolded history
+            mark = c.execute("SELECT last_id FROM fleetless.attempt_totals_mark").fetchone()[0]  # type: ignore[index]
+            t0 = time.perf_counter()
+            c.execute(OLD_TAIL, {"after": mark, **bucket_params([float(b) for b in DURATION_BUCKETS])}).fetchall()
+            old_tail = time.perf_counter() - t0
         t0 = time.perf_counter()
         Insights(q).fold_history()  # what `fleetless init` does on an upgraded database
         fold = time.perf_counter() - t0
@@ -196,6 +239,8 @@ def run(ctx: Context) -> Section:
                  lambda: _server_ms(dsn, q, "claim", {**CLAIM, "queues": None, "skip_kinds": SKIP})),
                 ("next_due skipping every backlog kind, server time",
                  lambda: _server_ms(dsn, q, "next_due", {"queues": None, "skip_kinds": SKIP})),
+                ("the same claim's rows as chosen before (390c217), server time",
+                 lambda: _server_ms_sql(dsn, OLD_CLAIM_SKIPPING, {"queues": None, "skip_kinds": SKIP, "n": 10})),
                 ("retention pass (deletes its batch of 500)",
                  lambda: retention.run_once(q, retention.Settings(every=None))),
             ):
@@ -225,6 +270,7 @@ def run(ctx: Context) -> Section:
         "retention pass (deletes its batch of 500)": (None, "bounded"),
         "4 drains' retention passes at once, slowest": (None, "no global lock"),
     }
+    goals["the same claim's rows as chosen before (390c217), server time"] = (None, "")
     status_over = [s - median(empty_status) for s in cases["fleetless status"]]
     for name, values in cases.items():
         ms = f"{1000 * median(values):.1f} ms [{spread(values)}]"
@@ -236,6 +282,13 @@ def run(ctx: Context) -> Section:
         else:
             limit, goal = goals[name]
             section.rows.append([name, ms, goal, "" if limit is None else ("yes" if median(values) <= limit else "NO")])
+    now_claim = median(cases["claim 10 skipping every backlog kind, server time"])
+    before_claim = median(cases["the same claim's rows as chosen before (390c217), server time"])
+    section.rows.append(["claim skipping every backlog kind, before / now (server time)",
+                         f"**{before_claim / now_claim:.0f}x**", "", ""])
+    unfolded = median(cases["fleetless metrics, history not folded yet"])
+    section.rows.append(["the attempt totals over the unfolded history as read before (390c217), once",
+                         f"{1000 * old_tail:.0f} ms; **{old_tail / unfolded:.0f}x** a whole scrape now", "", ""])
     for what in ("enqueue", "enqueue_many"):
         ratio = median(costs[f"{what}, as shipped"]) / median(costs[f"{what}, without"])
         section.rows.append([f"{what} wall time, with the counts' triggers and queue and kind indexes / without",
