@@ -54,6 +54,7 @@ RUNNER_NAME = "_fleetless_batch.py"
 _RUNNER_BYTES = RUNNER.read_bytes().replace(
     b'\nOUTCOMES_SOURCE = ""\n',
     b"\nOUTCOMES_SOURCE = " + repr((Path(__file__).parent / "outcomes.py").read_text()).encode() + b"\n", 1)
+_RUNNER_COMM = b"fleetless-batch"  # the name the runner gives itself (_batch_runner.NAME)
 #: The named pipes of the channel to a batch runner: jobs in, results out (unlinked once open).
 CHANNEL_IN, CHANNEL_OUT = "batch.in", "batch.out"
 #: Seconds a batch waits for a spare sandbox that is being started.
@@ -80,6 +81,9 @@ RELEASED_STOPPING = "released: the drainer stopped before the job finished"
 CANCELLED = "cancelled: an operator cancelled the job while it ran"
 LEASE_ENDED = "released: its lease ended before it started (its drainer was stopped or cut off)"
 CANCELLED_WAITING = "cancelled: an operator cancelled the job before its turn in its batch"
+DESTROYED = "killed: sandbox destroyed"
+RELEASED_FOR_CANCEL = ("released: its batch's sandbox was destroyed for a cancel of a job after it (the"
+                       " drainer cannot reach this tier's batch runner)")
 
 
 def _signal_name(exit_code: int) -> str:
@@ -367,6 +371,11 @@ class Runner:
             if slot.aborted:
                 done += [(j, self._stopped(None)) for j in left]
                 break
+            gone = [j for j in left if self.cancelled(j)]
+            if gone:  # cancelled before their turn (a runner told to stop before them): never started
+                done += [(j, self._cancelled_waiting()) for j in gone]
+                left = [j for j in left if not self.cancelled(j)]
+                continue
             if self._lease_over(left[0]):
                 done.append((left[0], self._late()))
                 left = left[1:]
@@ -396,6 +405,11 @@ class Runner:
             if self.cancelled(left[0]):
                 run = replace(describe_run(self.backend.name, r), kill_reason="cancelled")
                 done.append((left[0], Outcome("fail", error=CANCELLED, permanent=True, run=run)))
+            elif r.killed == DESTROYED and any(self.cancelled(j) for j in left[1:]):
+                # destroyed for a cancel of a job after it (a runner the drainer cannot reach: a
+                # microVM's): not its fault, given back uncharged
+                done.append((left[0], Outcome("release", error=RELEASED_FOR_CANCEL,
+                                              run=describe_run(self.backend.name, r, "cancel of another job"))))
             else:
                 done.append((left[0], Outcome("fail", error=self._death(left[0], handler, r),
                                               run=describe_run(self.backend.name, r))))
@@ -610,6 +624,8 @@ class Runner:
             sbx.write("batch.json", body + b"\n")
             if len(jobs) > 1 and sbx.streams_stdout:
                 pacer = _Pacer(sbx, timeouts)
+            if not slot.attach(sbx, self._file_cancel(sbx, jobs, pacer)):
+                return [(j, self._stopped(None)) for j in jobs], None
             r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], bound)
             got = self._parse(jobs, tags, r.stdout)
             return got, _timed_out(r, got, timeouts, pacer, bound)
@@ -624,6 +640,25 @@ class Runner:
             if chan is not None:
                 chan.close()
             slot.detach()
+
+    def _file_cancel(self, sbx: Sandbox, jobs: Sequence[Job], pacer: _Pacer | None) -> Callable[[], None]:
+        """File mode's answer to a cancel of a job of this batch (the drainer's cancel poll). The
+        job running is the first without a record (:class:`_Pacer`; without one, the first): when
+        it is the one cancelled, the sandbox is destroyed (the jobs after it run on in a fresh one).
+        When a job after it was, the runner is told to start no other job (SIGUSR1,
+        :func:`_stop_runner`): the job running finishes, and the rest go to a fresh sandbox without
+        the cancelled ones. Where the runner cannot be reached (a microVM's guest), the sandbox is
+        destroyed as before, and the job running is released, not charged (Runner.run)."""
+
+        def cancel() -> None:
+            at = pacer.records() if pacer is not None else 0
+            if at >= len(jobs) or self.cancelled(jobs[at]) or not any(self.cancelled(j) for j in jobs[at + 1:]):
+                sbx.kill()
+            elif not _stop_runner(sbx):
+                log.warning("cannot reach the batch runner of a %s sandbox: destroying it for a cancel", sbx.name)
+                sbx.kill()
+
+        return cancel
 
     def _job_line(self, job: Job, tag: str) -> str:
         # the payload as the table gave it (jsonb's own output, valid JSON): never decoded here.
@@ -650,14 +685,12 @@ class Runner:
         if not slot.attach(sbx, cancel):
             return [(j, self._stopped(None)) for j in jobs], None
         out: list[tuple[Job, Outcome]] = []
-        tier = self.backend.name
         overdue: float | None = None
         late = ""
         if chan.send(header):
             for job in jobs:
                 if self.cancelled(job):  # cancelled while it waited: it never starts
-                    out.append((job, Outcome("fail", error=CANCELLED_WAITING, permanent=True,
-                                             run=Run(tier=tier, kill_reason="cancelled"))))
+                    out.append((job, self._cancelled_waiting()))
                     continue
                 if slot.aborted:
                     break
@@ -727,6 +760,10 @@ class Runner:
         end = self.not_after(job)
         return None if end is None else end - self.timeout_of(job)
 
+    def _cancelled_waiting(self) -> Outcome:
+        return Outcome("fail", error=CANCELLED_WAITING, permanent=True,
+                       run=Run(tier=self.backend.name, kill_reason="cancelled"))
+
     def _late(self) -> Outcome:
         return Outcome("release", error=LEASE_ENDED, run=describe_run(self.backend.name, None, "lease ended"))
 
@@ -780,6 +817,11 @@ class _Pacer:
         self._thread = threading.Thread(target=self._watch, name="pacer", daemon=True)
         self._thread.start()
         sbx.on_stdout = self._seen
+
+    def records(self) -> int:
+        """How many jobs have written their record: the index of the job running."""
+        with self._cond:
+            return self._records
 
     def _seen(self, chunk: bytes) -> None:
         n = chunk.count(b"\n")
@@ -909,6 +951,38 @@ class _Channel:
             for fd in self._fds:
                 os.close(fd)
             self._fds = []
+
+
+def _stop_runner(sbx: Sandbox) -> bool:
+    """Send SIGUSR1 to the batch runner running in ``sbx`` (file mode: start no other job); False
+    when it cannot be found for certain or signalled. The runner is the one process of the
+    sandbox's tree named as the runner names itself whose parent is not so named (a handle() job is
+    a fork of it, with its name; an orphan comes back to it, a subreaper): a job that mimics it
+    elsewhere makes two, and none is signalled."""
+    from .sandbox import _tree
+
+    top = sbx.host_pid
+    if top is None:
+        return False
+    marked: dict[int, int] = {}  # pid -> parent, of the processes that look like the runner
+    for pid in [top, *_tree.descendants(top)]:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if stat[stat.index(b"(") + 1:stat.rindex(b")")] == _RUNNER_COMM:
+            marked[pid] = parent
+    tops = [pid for pid, parent in marked.items() if parent not in marked]
+    if len(tops) != 1:
+        return False
+    try:
+        os.kill(tops[0], signal.SIGUSR1)
+    except OSError as exc:
+        log.debug("cannot signal the batch runner %d: %s", tops[0], exc)
+        return False
+    return True
 
 
 def _said_late(stdout: str) -> bool:

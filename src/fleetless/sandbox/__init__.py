@@ -196,6 +196,13 @@ class Sandbox(ABC):
         None where it is not (a microVM's copy, the forkserver's tmpfs of its mount namespace)."""
         return None
 
+    @property
+    def host_pid(self) -> int | None:
+        """The host pid at the top of the running exec's process tree (its supervisor, bwrap, the
+        fork server's init), whose descendants the drainer may look at and signal; None where
+        there is none on this host (a microVM's guest) or nothing runs."""
+        return None
+
     @abstractmethod
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         """Run ``argv`` with the workspace as cwd; never raises for the job's own failures.

@@ -29,7 +29,10 @@ non-dumpable, so no job can open them again (by path, or through ``/proc/<runner
 drainer sends a job only when the one before it has ended and its leftovers are dead, so no job
 ever sees another's payload; a line ``{"cancel": TAG}`` kills the job running with that tag.
 **File mode** (IN is a file, tiers whose workspace is a copy: microvm, forkserver): every job is
-in IN, which the runner unlinks before the first job starts; results go to stdout.
+in IN, which the runner unlinks before the first job starts; results go to stdout. SIGUSR1 (from
+the drainer: a job after the one running was cancelled) makes the runner start no other job once
+the one running has ended: it exits 0 and the host runs the rest, the cancelled one left out, in a
+fresh sandbox.
 
 Each job runs in a fork of this runner (``handle(payload)`` modules: the module is imported once,
 before the first fork; scripts: the fork execs the handler with ``payload.json``), in its own
@@ -61,7 +64,10 @@ from typing import Any
 ERROR_CHARS = 2000
 #: Largest JSON result of handle(), in bytes (as the queue's MAX_RESULT_CHARS).
 RESULT_BYTES = 64 * 1024
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+PR_SET_NAME, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 15, 4, 36
+#: The runner's name (its /proc/<pid>/comm), by which the drainer finds it to signal it: on the fork
+#: server's tier it runs without an exec of its own, under the server's command line.
+NAME = b"fleetless-batch"
 #: fleetless/outcomes.py's text, put here by fleetless.batch when it writes this file into a
 #: sandbox: served as ``fleetless.outcomes`` where the sandbox's python has no such module.
 OUTCOMES_SOURCE = ""
@@ -152,7 +158,7 @@ def _write_all(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
-def _prctl(option: int, value: int) -> bool:
+def _prctl(option: int, value: int | bytes) -> bool:
     try:
         import ctypes
 
@@ -252,6 +258,12 @@ class Runner:
         self.import_error: str | None = None
         self.desc: dict[str, Any] = {}
         self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self.stop = False  # file mode: SIGUSR1 came, start no other job
+        if not channel:
+            signal.signal(signal.SIGUSR1, self._stop)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stop = True
 
     # -- the channel -----------------------------------------------------------------------
     def read_line(self, block: bool = True) -> bytes | None:
@@ -329,7 +341,7 @@ class Runner:
             if "cancel" in job:  # for a job that has ended already
                 continue
             timeout = float(job["timeout"])
-            if not first and time.monotonic() - started + timeout + grace > budget:
+            if not first and (self.stop or time.monotonic() - started + timeout + grace > budget):
                 return
             first = False
             tag = str(job["tag"])
@@ -464,6 +476,7 @@ class Runner:
     def child(self, job: dict[str, Any], home: str, out_path: str, err_path: str, argv: list[str],
               r: int, w: int) -> None:
         try:
+            signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # the runner's own, not the job's
             os.setpgid(0, 0)
             os.close(r)
             os.close(self.inp)
@@ -529,6 +542,7 @@ def _open_channel(args: list[str]) -> tuple[int, int, bool]:
 
 def main() -> None:
     started = time.monotonic()  # a spare's waiting counts against its budget (the sandbox's TTL)
+    _prctl(PR_SET_NAME, NAME)
     inp, out, channel = _open_channel(sys.argv[1:])
     _prctl(PR_SET_DUMPABLE, 0)  # /proc/<this>/fd is then out of the jobs' reach, even as its uid
     os.dup2(2, 1)  # the runner's own prints cannot reach the channel

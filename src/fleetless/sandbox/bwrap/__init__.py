@@ -554,6 +554,12 @@ class BwrapSandbox(Sandbox):
             return []
         return [_PRLIMIT, f"--nproc={pids + 1}", "--"]
 
+
+    @property
+    def host_pid(self) -> int | None:
+        proc = self._proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         started = time.monotonic()
         limits = self._template.limits

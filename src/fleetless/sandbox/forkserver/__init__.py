@@ -248,6 +248,12 @@ class ForkServerSandbox(Sandbox):
             rl.pop("RLIMIT_AS", None)  # the cgroup caps real memory; AS breaks some runtimes
         return {name: [v, v + 1 if name == "RLIMIT_CPU" else v] for name, v in rl.items()}
 
+
+    @property
+    def host_pid(self) -> int | None:
+        init = self._init
+        return None if init is None else init.pid
+
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         started = time.monotonic()
         ttl_left = self._ttl - (started - self._born)

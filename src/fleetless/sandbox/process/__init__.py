@@ -268,6 +268,12 @@ class ProcessSandbox(Sandbox):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
 
+
+    @property
+    def host_pid(self) -> int | None:
+        proc = self._proc
+        return None if proc is None or proc.returncode is not None else proc.pid
+
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         started = time.monotonic()
         ttl_left = self._ttl - (started - self._born)

@@ -1,0 +1,93 @@
+"""Issue 26 item 1, on every tier and batch mode: a cancel of a job waiting in a running batch never
+starts it and leaves the job running alone (it ends done); a cancel of the job running ends it
+alone, and the jobs after it run. Channel mode (process and bwrap under a root drainer, or one
+without a subordinate range) sends a cancelled job nothing; file mode (the fork server, and process
+and bwrap under a drainer with a subordinate range, as .ci/unprivileged runs this file as
+fleetless-ci) tells the runner to start no other job (SIGUSR1) and runs the rest, the cancelled one
+left out, in a fresh sandbox. The first job runs until the test signals it, found among this
+process's own descendants by the name it gives itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fleetless import Queue, Status
+from fleetless import batch as batch_module
+from fleetless.drainer import DrainConfig, Drainer
+
+from proctools import descendants, wait_for
+
+pytestmark = pytest.mark.usefixtures("private_workdir")
+
+GATED = """
+    import ctypes, signal
+    def handle(payload):
+        if payload.get("gated"):  # runs until the test sends SIGUSR2 (bounded)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+            ctypes.CDLL(None).prctl(15, b"fl-gated-job", 0, 0, 0)  # PR_SET_NAME: the test finds it
+            signal.sigtimedwait([signal.SIGUSR2], 120)
+        return payload["n"]
+"""
+
+
+def _gated() -> list[int]:
+    """This process's descendants that are the gated job, waiting for its signal."""
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            if Path(f"/proc/{pid}/comm").read_bytes().strip() == b"fl-gated-job":
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+@pytest.mark.parametrize("which", ["waiting", "running"])
+def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
+        which: str, tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    require_tier(tier)
+    if tier == "forkserver" and os.geteuid() != 0:
+        pytest.skip("the fork server needs a root drainer")
+    h = handlers(**{"gated.py": GATED})
+    ids = [queue.enqueue("gated", {"n": 0, "gated": True}, max_attempts=3)]
+    ids += [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
+    seen = threading.Event()
+    original = batch_module.Slot.kill_current
+
+    def kill_current(self: batch_module.Slot) -> None:  # the drainer acted on the cancel
+        original(self)
+        seen.set()
+
+    monkeypatch.setattr(batch_module.Slot, "kill_current", kill_current)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=4, concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(_gated, timeout=120, what="the batch's first job to run")
+        victim = ids[3] if which == "waiting" else ids[0]
+        assert queue.cancel(victim) is Status.RUNNING  # claimed with its batch
+        wait_for(seen.is_set, timeout=60, what="the drainer to act on the cancel")
+        if which == "waiting":
+            for pid in _gated():  # the running job ends on its own: done
+                os.kill(pid, signal.SIGUSR2)
+        thread.join(timeout=180)
+    finally:
+        for pid in _gated():
+            os.kill(pid, signal.SIGUSR2)
+        thread.join(timeout=180)
+    assert not thread.is_alive()
+    rows = {i: (s, a, e) for i, s, a, e in sql(
+        "SELECT id, status, attempts, last_error FROM fleetless.jobs WHERE id = ANY(%s)", ids)}
+    want = ["done", "done", "done", "cancelled"] if which == "waiting" else ["cancelled", "done", "done", "done"]
+    assert [rows[i][0] for i in ids] == want, rows
+    assert all(rows[i][1] == 1 for i in ids), rows
+    if which == "waiting":  # never started
+        assert rows[ids[3]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows
