@@ -1426,7 +1426,9 @@ def _finish_params(outcomes: Sequence[tuple[Job, Outcome]]) -> dict[str, Any]:
     """finish_many's parameters: the outcomes as one JSON array of rows (see the statement)."""
     tokens: dict[uuid.UUID, str] = {}  # a claim's jobs share its token: one str() per claim
     rows = []
-    for job, o in outcomes:
+    # in id order, as the statement then reads them: its row locks are taken in the order other
+    # writers of several rows take theirs (a workflow enqueue locks its parents by id)
+    for job, o in sorted(outcomes, key=lambda item: item[0].id):
         run = o.run or _NO_RUN
         token = tokens.get(job.claim_token)
         if token is None:
