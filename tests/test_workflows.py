@@ -321,3 +321,25 @@ def test_the_dashboards_job_page_shows_the_workflow(queue: Queue) -> None:
     assert f'<a href="/jobs/{a}">{a}</a>' in child and 'id="field-parents_left">1<' in child
     assert 'id="cancel"' in child and 'id="run-now"' not in child
     assert "<h2>Workflow</h2>" not in client.get(f"/jobs/{queue.enqueue('plain', {})}").text
+
+
+def test_one_batch_drain_runs_every_layer_of_a_layered_graph(queue: Queue, handlers, sql: SQL) -> None:
+    """Layers of 40, each job after 3 of the layer before, two slots of 20: a layer is released by
+    outcomes the completer's background thread writes, possibly while the drain finds nothing to
+    claim; the drain waits for that write and claims again instead of exiting (it exited after the
+    first layer, 500 of 10,000, in bench/bench_workflows.py)."""
+    import random
+
+    h = handlers(**{"noop.py": "def handle(payload):\n    return None\n"})
+    rng = random.Random(7)
+    items: list[dict[str, Any]] = []
+    for layer in range(8):
+        for i in range(40):
+            item: dict[str, Any] = {"kind": "noop", "payload": {}, "name": f"{layer}.{i}"}
+            if layer:
+                item["after"] = [f"{layer - 1}.{p}" for p in rng.sample(range(40), 3)]
+            items.append(item)
+    queue.enqueue_many(items)
+    _drain(queue, h, per_sandbox=20, concurrency=2)
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1") == [("done", 320)]
+    _starts_after_parents(sql)

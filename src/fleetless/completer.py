@@ -85,6 +85,9 @@ class Completer:
         self.on_written = on_written
         self.retry_of = retry_of  # a kind's own policy (fleetless.toml); None: ``retry`` for all
         self.counts = Counts()
+        #: outcomes written (or fenced out) so far: a batch drain whose claim came back short claims
+        #: again when this grew since (a finish may have released a workflow's children)
+        self.written = 0
         self._buffer: list[tuple[Job, Outcome]] = []
         self._first_at: float | None = None  # monotonic time the oldest buffered outcome arrived
         self._cond = threading.Condition()
@@ -271,6 +274,7 @@ class Completer:
 
     def _count(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
         c = self.counts
+        self.written += len(items)
         for job, outcome in items:
             status = written.get(job.id)
             if self.on_written is not None:

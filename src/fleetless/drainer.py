@@ -247,6 +247,7 @@ class Drainer:
         self._next_cancel_poll = 0.0
         self._unclaimable = 0.0  # watch mode: the current wait for a due job the claim could not take
         self._ahead: list[Job] = []  # batch mode: the next batch, claimed while every slot runs
+        self._written_at_claim = 0  # batch mode: the completer's written count when the last claim was sent
         self._teardown = Teardown(config.concurrency)  # a job's sandbox dies beside its slot's next claim
 
     def _new_completer(self) -> Completer:
@@ -483,10 +484,12 @@ class Drainer:
             elif idle_since is None:
                 idle_since = now
             if not running:
-                if short and self._batched and self._completer.unwritten:
-                    # its jobs count against a kind's or queue's limit until written (also while the
-                    # background flush writes them: flush waits for it), and their finish may
-                    # release waiting children (workflows): write them, then claim once more
+                if short and self._batched and (self._completer.unwritten
+                                                or self._completer.written != self._written_at_claim):
+                    # outcomes count against a kind's or queue's limit until written (also while the
+                    # background flush writes them: flush waits for it), and a finish may release
+                    # waiting children (workflows), also one the background thread committed while
+                    # the short claim ran: write them, then claim once more
                     self._db(self._completer.flush)
                     continue
                 if not watching:
@@ -529,6 +532,7 @@ class Drainer:
     def _claim_batch(self) -> tuple[list[list[Job]], int]:
         """Batch mode: one claim of up to a batch of one kind, as one unit, and how many it wanted
         (the drain's --per-sandbox, or the claimed kind's batch_size)."""
+        self._written_at_claim = self._completer.written  # before the claim: see the loop's end
         jobs = self._claimed(self._claim(self.config.per_sandbox, one_kind=True))
         want = self.config.per_sandbox
         if jobs:
