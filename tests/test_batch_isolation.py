@@ -169,3 +169,31 @@ def test_a_hostile_job_of_a_batch_cannot_read_change_or_forge_the_later_jobs(
     results = [json.loads(rows[i].splitlines()[-1]) if i in rows else None for i in ids]
     for n in (1, 2, 3):  # each later job: its own payload, untouched; nothing of the others; no daemon
         assert results[n] == {"secret": secrets[n], "peek": [], "daemon": False}, (n, results[n])
+
+
+@pytest.mark.parametrize("user", [None, USER], ids=["root-drainer", "subuid-drainer"])
+@pytest.mark.parametrize("tier", ["process", "bwrap"])
+def test_a_batch_is_sent_job_by_job_over_the_runners_channel_also_by_a_subordinate_range_drainer(
+        tier: str, user: str | None, dsn: str, shared: Path, sql) -> None:
+    """The runner gets each job over its two named pipes, one job at a time (channel mode), not all
+    of them in a file up front (file mode): also where the drainer may not make pipes in its jobs'
+    workspaces (a subordinate-range drainer's: its holder makes them, ``Holder.pipes``). Each job,
+    a fork of the runner, reads the runner's argv as its own ``/proc/self/cmdline``. Before, a
+    subordinate-range drainer's runner read ``batch.json``."""
+    from fleetless import Queue
+    from fleetless.batch import CHANNEL_IN, CHANNEL_OUT
+
+    need_tier(tier)
+    uid = _uid(user)
+    need_user(uid)
+    h = handlers_dir(shared, **{"argv.py": "def handle(payload):\n    return open('/proc/self/cmdline').read()"
+                                           ".split('\\0')[-3:-1]\n"})
+    work = work_dir(shared, uid)
+    q = Queue(dsn)
+    q.init()
+    ids = [q.enqueue("argv", {"n": n}, max_attempts=1) for n in range(3)]
+    r = drain(dsn, h, work, "--per-sandbox", "10", "--concurrency", "1", tier=tier, user=uid)
+    assert r.returncode == 0, r.stderr
+    rows = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done'"))
+    for i in ids:
+        assert [os.path.basename(a) for a in rows[i]] == [CHANNEL_IN, CHANNEL_OUT], (rows.get(i), r.stderr)

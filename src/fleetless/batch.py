@@ -42,7 +42,7 @@ from .failure import summarize_failure
 from .job import Job, Outcome, Run, done_with_json
 from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS
-from .sandbox import ExecResult, Sandbox, Template
+from .sandbox import ExecResult, Sandbox, SandboxUnavailable, Template
 
 __all__ = ["RUNNER_NAME", "Runner", "Slot", "Teardown", "describe_failure", "describe_run", "job_env"]
 
@@ -444,7 +444,7 @@ class Runner:
                     spare.closed = True
                 return
             sbx.write(RUNNER_NAME, _RUNNER_BYTES)
-            chan = _channel(host)
+            chan = _channel(host, sbx)
             if chan is None:  # no pipe can be made there: no spares (file mode starts its own)
                 with spare.lock:
                     spare.closed = True
@@ -610,7 +610,7 @@ class Runner:
             sbx.write(RUNNER_NAME, _RUNNER_BYTES)
             ws, host = sbx.workspace_path, sbx.host_workspace
             if host is not None:
-                chan = _channel(host)
+                chan = _channel(host, sbx)
             if chan is not None:
                 chan.start(sbx, [sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/{CHANNEL_IN}", f"{ws}/{CHANNEL_OUT}"],
                            bound)
@@ -874,14 +874,16 @@ class _Channel:
     line, each until the runner's exec has returned (a pipe this side holds read-write never
     reports the other side's end)."""
 
-    def __init__(self, host: Path) -> None:
-        owner = host.stat()  # the job's uid owns its workspace, and so its pipes
+    def __init__(self, host: Path, made: list[int] | None = None) -> None:
         self._fds: list[int] = []
-        paths = [host / CHANNEL_IN, host / CHANNEL_OUT]
-        for path in paths:
-            os.mkfifo(path, 0o600)
-            os.chown(path, owner.st_uid, owner.st_gid)
-            self._fds.append(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
+        if made is not None:  # made by the sandbox: a subordinate-range drainer's holder (open_pipes)
+            self._fds += made
+        else:
+            owner = host.stat()  # the job's uid owns its workspace, and so its pipes
+            for path in [host / CHANNEL_IN, host / CHANNEL_OUT]:
+                os.mkfifo(path, 0o600)
+                os.chown(path, owner.st_uid, owner.st_gid)
+                self._fds.append(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
         self._to, self._from = self._fds
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._fds += [self._wake_r, self._wake_w]
@@ -991,12 +993,13 @@ def _said_late(stdout: str) -> bool:
     return last.endswith('"late":true}') and last.startswith('{"tag":')
 
 
-def _channel(host: Path) -> _Channel | None:
-    """A channel in ``host``, or None where this drainer cannot make one (a non-root drainer whose
-    jobs' workspaces belong to its subordinate uids): the batch then runs in file mode."""
+def _channel(host: Path, sbx: Sandbox) -> _Channel | None:
+    """A channel in ``host`` (its pipes made by the sandbox where the drainer may not: a non-root
+    drainer's holder, whose jobs' workspaces are its subordinate uids'), or None where none can be
+    made: the batch then runs in file mode."""
     try:
-        return _Channel(host)
-    except OSError as exc:
+        return _Channel(host, sbx.open_pipes((CHANNEL_IN, CHANNEL_OUT)))
+    except (OSError, SandboxUnavailable) as exc:
         for name in (CHANNEL_IN, CHANNEL_OUT):
             with contextlib.suppress(OSError):
                 (host / name).unlink()

@@ -203,6 +203,12 @@ class Sandbox(ABC):
         there is none on this host (a microVM's guest) or nothing runs."""
         return None
 
+    def open_pipes(self, names: Sequence[str]) -> list[int] | None:
+        """Named pipes ``names`` made in the workspace for the job's uid to open, and this side of
+        each opened read-write (a batch's channel), where the drainer cannot make them itself (its
+        jobs' workspaces are subordinate uids'): None where it can, or not at all."""
+        return None
+
     @abstractmethod
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         """Run ``argv`` with the workspace as cwd; never raises for the job's own failures.

@@ -42,8 +42,10 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from . import SandboxUnavailable, _hostuid, _workspace
 
@@ -258,6 +260,25 @@ class Holder:
         make ``dirs`` in it, the job's too. False when both caps are None (nothing mounted)."""
         return bool(self.call("cap", path=str(path), size=size, inodes=inodes, uid=ns, dirs=list(dirs)))
 
+    def pipes(self, top: Path, names: Sequence[str], ns: int) -> list[int]:
+        """Named pipes ``names`` in the workspace ``top`` (in the holder's mount namespace), owned by
+        ns-root, the drainer's uid, and group ``ns``, the job's, mode 0660: the job's batch runner
+        opens them by path (and unlinks them); the drainer gets this side of each, read-write,
+        through the holder's own descriptors (``/proc/HOLDER/fd/N``: it may not search the job's
+        0700 workspace), which the holder then closes."""
+        held = [int(fd) for fd in cast(list[int], self.call("pipes", top=str(top), names=list(names), gid=ns))]
+        mine: list[int] = []
+        try:
+            for fd in held:
+                mine.append(os.open(f"/proc/{self.proc.pid}/fd/{fd}", os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError:
+            for fd in mine:
+                os.close(fd)
+            raise
+        finally:
+            self.call("close", fds=held)
+        return mine
+
     def write(self, path: Path, data: bytes, top: Path, ns: int) -> None:
         """Write ``data`` at ``path`` under ``top`` (made dirs and the file owned by ns-id ``ns``)."""
         self.call("write", path=str(path), top=str(top), data=data.hex(), uid=ns)
@@ -372,6 +393,12 @@ def serve() -> None:
                 reply = {"ok": True}
             elif op == "cap":
                 reply = {"ok": _cap(Path(req["path"]), req["size"], req["inodes"], int(req["uid"]), req["dirs"])}
+            elif op == "pipes":
+                reply = {"ok": _pipes(Path(req["top"]), req["names"], int(req["gid"]))}
+            elif op == "close":
+                for fd in req["fds"]:
+                    os.close(int(fd))
+                reply = {"ok": True}
             elif op == "write":
                 _write(Path(req["path"]), Path(req["top"]), bytes.fromhex(req["data"]), int(req["uid"]))
                 reply = {"ok": True}
@@ -399,6 +426,20 @@ def _write(path: Path, top: Path, data: bytes, ns: int) -> None:
         os.close(fd)
     for p in made:
         os.chown(p, ns, ns, follow_symlinks=False)
+
+
+def _pipes(top: Path, names: list[str], gid: int) -> list[int]:
+    """The holder's side of :meth:`Holder.pipes`: its descriptors, open until ``close``."""
+    fds = []
+    for name in names:
+        if "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"not a pipe name: {name!r}")
+        path = top / name
+        os.mkfifo(path, 0o600)
+        os.chown(path, 0, gid, follow_symlinks=False)
+        os.chmod(path, 0o660)
+        fds.append(os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW))
+    return fds
 
 
 def _cap(path: Path, size: int | None, inodes: int | None, ns: int, dirs: list[str]) -> bool:

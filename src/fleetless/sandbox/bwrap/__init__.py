@@ -536,6 +536,12 @@ class BwrapSandbox(Sandbox):
             for p in [target, *made]:
                 os.chown(p, self._lease.uid, self._lease.gid, follow_symlinks=False)
 
+    def open_pipes(self, names: Sequence[str]) -> list[int] | None:
+        """A subordinate-range drainer's: made by its holder (:meth:`.._subuid.Holder.pipes`)."""
+        if self._holder is None or self._uid is None or self._workspace is None:
+            return None
+        return self._holder.pipes(self._workspace, names, self._uid)
+
     def _rlimits(self, timeout_seconds: float) -> dict[str, int]:
         rl = rlimits_for(self._template, timeout_seconds)
         if self._cgroup is not None and self._cgroup.memory_bytes is not None:

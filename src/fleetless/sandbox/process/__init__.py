@@ -268,11 +268,16 @@ class ProcessSandbox(Sandbox):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data.encode() if isinstance(data, str) else data)
 
-
     @property
     def host_pid(self) -> int | None:
         proc = self._proc
         return None if proc is None or proc.returncode is not None else proc.pid
+
+    def open_pipes(self, names: Sequence[str]) -> list[int] | None:
+        """A subordinate-range drainer's: made by its holder (:meth:`.._subuid.Holder.pipes`)."""
+        if self._holder is None:
+            return None
+        return self._holder.pipes(self._workspace, names, int(self._creds.split(":")[1]))
 
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         started = time.monotonic()
