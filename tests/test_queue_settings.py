@@ -96,17 +96,18 @@ def test_a_watcher_stops_claiming_a_paused_queue_and_is_woken_by_its_resume(queu
 
 
 def test_queue_commands_pause_resume_set_and_list(fleetless, queue: Queue, dsn: str) -> None:
+    first = queue.enqueue("k", {}, queue="mail")
     queue.enqueue("k", {}, queue="mail")
-    queue.enqueue("k", {}, queue="mail")
+    queue.enqueue("k", {}, queue="mail", after=[first])  # a workflow's child: waiting
     out = fleetless("queue", "pause", "mail", dsn=dsn)
     assert out.returncode == 0 and out.stdout.strip() == "queue mail paused", out
     out = fleetless("queue", "set", "mail", "--concurrency", "3", "--json", dsn=dsn)
     assert json.loads(out.stdout) == {"queue": "mail", "paused": True, "concurrency": 3}
     listed = fleetless("queue", "list", dsn=dsn)
-    assert listed.stdout.split("\n")[1].split() == ["mail", "paused", "3", "2", "0", "0", "0", "0"], listed.stdout
+    assert listed.stdout.split("\n")[1].split() == ["mail", "paused", "3", "2", "0", "0", "0", "0", "1"], listed.stdout
     rows: list[dict[str, Any]] = json.loads(fleetless("queue", "list", "--json", dsn=dsn).stdout)
     assert rows == [{"queue": "mail", "paused": True, "concurrency": 3, "pending": 2, "running": 0, "done": 0,
-                     "dead": 0, "cancelled": 0}]
+                     "dead": 0, "cancelled": 0, "waiting": 1}]
     out = fleetless("queue", "resume", "mail", dsn=dsn)
     assert out.stdout.strip() == "queue mail resumed"
     out = fleetless("queue", "set", "mail", "--concurrency", "none", "--json", dsn=dsn)

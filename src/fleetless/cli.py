@@ -792,7 +792,7 @@ def queue_list(ctx: click.Context, as_json: bool) -> None:
     for r in rows:
         r["state"] = "paused" if r["paused"] else "running"
         r["concurrency"] = "-" if r["concurrency"] is None else r["concurrency"]
-    _table(rows, ["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled"])
+    _table(rows, ["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled", "waiting"])
 
 
 @queue_group.command("pause")

@@ -1106,9 +1106,10 @@ class Queue:
 
     def queues(self) -> list[dict[str, Any]]:
         """Every queue with jobs or settings, by name: ``queue``, ``paused``, ``concurrency`` and
-        its job counts (``pending``, ``running``, ``done``, ``dead``, ``cancelled``)."""
+        its job counts (``pending``, ``running``, ``done``, ``dead``, ``cancelled``, ``waiting``: a
+        workflow's children waiting for their parents)."""
         self.compact_counts()
-        return [{**r, **{s: int(r[s]) for s in ("pending", "running", "done", "dead", "cancelled")}}
+        return [{**r, **{s: int(r[s]) for s in ("pending", "running", "done", "dead", "cancelled", "waiting")}}
                 for r in self._run("queue_list", {})]
 
     # -- periodic jobs -----------------------------------------------------------------------

@@ -1189,13 +1189,14 @@ SELECT queue, concurrency FROM {schema}.queue_settings WHERE concurrency IS NOT 
 -- rows whatever the table's size) or settings, with its counts by status, paused and concurrency.
 SELECT COALESCE(c.queue, s.queue) AS queue, COALESCE(s.paused, false) AS paused, s.concurrency,
        COALESCE(c.pending, 0) AS pending, COALESCE(c.running, 0) AS running, COALESCE(c.done, 0) AS done,
-       COALESCE(c.dead, 0) AS dead, COALESCE(c.cancelled, 0) AS cancelled
+       COALESCE(c.dead, 0) AS dead, COALESCE(c.cancelled, 0) AS cancelled, COALESCE(c.waiting, 0) AS waiting
 FROM (SELECT queue,
              sum(n) FILTER (WHERE status = 'pending')::bigint AS pending,
              sum(n) FILTER (WHERE status = 'running')::bigint AS running,
              sum(n) FILTER (WHERE status = 'done')::bigint AS done,
              sum(n) FILTER (WHERE status = 'dead')::bigint AS dead,
-             sum(n) FILTER (WHERE status = 'cancelled')::bigint AS cancelled
+             sum(n) FILTER (WHERE status = 'cancelled')::bigint AS cancelled,
+             sum(n) FILTER (WHERE status = 'waiting')::bigint AS waiting
       FROM {schema}.job_counts GROUP BY queue HAVING sum(n) <> 0) AS c
 FULL JOIN {schema}.queue_settings AS s ON s.queue = c.queue
 ORDER BY 1;

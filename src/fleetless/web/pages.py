@@ -281,9 +281,9 @@ def queues_page(rows: Sequence[Mapping[str, Any]], *, root: str, csrf: str | Non
         table_rows.append([
             f'<a href="{root}/jobs?{urlencode({"queue": r["queue"]})}">{e(r["queue"])}</a>', state,
             e("-" if r["concurrency"] is None else r["concurrency"]),
-            *(str(r[s]) for s in ("pending", "running", "done", "dead", "cancelled")), button])
-    return body + _table(["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled", ""],
-                         table_rows, (2, 3, 4, 5, 6, 7), "queues")
+            *(str(r[s]) for s in ("pending", "running", "done", "dead", "cancelled", "waiting")), button])
+    return body + _table(["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled",
+                          "waiting", ""], table_rows, (2, 3, 4, 5, 6, 7, 8), "queues")
 
 
 def schedules_page(found: Page[dict[str, Any]], *, root: str) -> str:
