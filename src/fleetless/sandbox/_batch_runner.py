@@ -36,8 +36,9 @@ fresh sandbox.
 
 Each job runs in a fork of this runner (``handle(payload)`` modules: the module is imported once,
 before the first fork; scripts: the fork execs the handler with ``payload.json``), in its own
-process group, in a directory of its own (its cwd, TMPDIR, and where its stdout and stderr go:
-they are that job's alone). The runner enforces the timeout from outside (SIGKILL of the job's
+process group, in a directory of its own (its cwd and TMPDIR), its stdout and stderr pipes that
+only its own processes hold (the runner reads them as the job runs: no file per job to write, read
+and remove). The runner enforces the timeout from outside (SIGKILL of the job's
 group), then kills every process the job left (it is a child subreaper: setsid daemons included)
 and checks none is left before it writes the result. A job that dies (os._exit, a segfault) is
 charged alone; the runner goes on. The runner starts no job that could not finish within
@@ -50,6 +51,7 @@ module, this runner serves the copy of it that fleetless.batch put in ``OUTCOMES
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -218,23 +220,37 @@ def end_leftovers(me: int, group: int, subreaper: bool, within: float = 10.0) ->
         time.sleep(0.001)
 
 
-def _head(path: str, limit: int) -> tuple[str, bool]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError:
-        return "", False
-    return data[:limit].decode("utf-8", "replace"), len(data) > limit
+class _Output:
+    """A job's stdout (its first ``head`` bytes, and whether there was more) or stderr (its last
+    ``tail`` bytes), read from the pipe the job writes to as it runs, so that it never blocks on a
+    full pipe; what is past the limit is read and dropped."""
 
+    def __init__(self, fd: int, head: int = 0, tail: int = 0) -> None:
+        self.fd, self.head, self.tail = fd, head, tail
+        self.data = b""
+        self.cut = False
+        os.set_blocking(fd, False)
 
-def _tail(path: str, limit: int) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - limit))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
+    def pull(self) -> bool:
+        """Read what is there; False at the pipe's end (every writer gone)."""
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            if self.tail:
+                self.data = (self.data + chunk)[-self.tail:]
+            elif len(self.data) <= self.head:
+                self.data += chunk
+                if len(self.data) > self.head:
+                    self.cut, self.data = True, self.data[:self.head]
+            else:
+                self.cut = True
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
 
 
 def _remove(path: str) -> None:
@@ -361,7 +377,6 @@ class Runner:
         module = bool(desc["module"])
         home = os.path.join(self.cwd, f"job-{job['id']}-{tag[:12]}")
         os.mkdir(home, 0o700)
-        out_path, err_path = os.path.join(home, ".stdout"), os.path.join(home, ".stderr")
         payload_path = os.path.join(home, "payload.json")
         argv: list[str] = []
         if not module:
@@ -369,16 +384,21 @@ class Runner:
                 json.dump(job["payload"], f)
             argv = [*desc["argv"], payload_path]
         r, w = os.pipe()
+        out_r, out_w = os.pipe()  # its stdout and stderr: pipes only this job's processes hold
+        err_r, err_w = os.pipe()
         t0 = time.monotonic()
         pid = os.fork()
         if pid == 0:  # the job's own process: it never returns
-            self.child(job, home, out_path, err_path, argv, r, w)
-        os.close(w)
+            self.child(job, home, argv, (r, out_r, err_r), w, out_w, err_w)
+        for fd in (w, out_w, err_w):
+            os.close(fd)
         try:
             os.setpgid(pid, pid)  # also here: no race with the first kill
         except OSError:
             pass
-        killed, data = self.wait(pid, r, t0 + timeout, tag, timeout)
+        outs = (_Output(out_r, head=int(desc.get("stdout_bytes", RESULT_BYTES))),
+                _Output(err_r, tail=int(desc.get("stderr_bytes", ERROR_CHARS))))
+        killed, data = self.wait(pid, r, t0 + timeout, tag, timeout, outs)
         os.close(r)
         try:
             _, status = os.waitpid(pid, 0)
@@ -386,11 +406,13 @@ class Runner:
             status = 0
         clean = end_leftovers(self.me, pid, self.subreaper)
         duration = time.monotonic() - t0
-        stdout, cut = _head(out_path, int(desc.get("stdout_bytes", RESULT_BYTES)))
-        stderr = _tail(err_path, int(desc.get("stderr_bytes", ERROR_CHARS)))
-        for path in (out_path, err_path, payload_path):  # what the runner made: then one rmdir does
+        for each in outs:  # every writer is dead (when clean): the rest of what it wrote, to its end
+            each.pull()
+            os.close(each.fd)
+        stdout, cut, stderr = outs[0].text(), outs[0].cut, outs[1].text()
+        if not module:  # what the runner made: then one rmdir does
             try:
-                os.unlink(path)
+                os.unlink(payload_path)
             except OSError:
                 pass
         _remove(home)
@@ -428,9 +450,11 @@ class Runner:
         return json.dumps({"tag": tag, "ok": False, "error": error, "stdout": stdout, "stderr": stderr,
                            "duration": duration}, ensure_ascii=False)
 
-    def wait(self, pid: int, r: int, deadline: float, tag: str, timeout: float) -> tuple[str | None, bytes]:
+    def wait(self, pid: int, r: int, deadline: float, tag: str, timeout: float,
+             outs: tuple[_Output, ...]) -> tuple[str | None, bytes]:
         """The job's report, read until its process has exited (not until its pipe closes: a
-        process the job left may hold it), or why it was killed: its timeout, or a cancel."""
+        process the job left may hold it), or why it was killed: its timeout, or a cancel. Its
+        stdout and stderr are read meanwhile (``outs``)."""
         data = b""
         os.set_blocking(r, False)
         try:
@@ -440,6 +464,8 @@ class Runner:
         watch = [r] if ended is None else [r, ended]
         if self.channel:
             watch.append(self.inp)
+        streams = {each.fd: each for each in outs}
+        watch += streams
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -447,6 +473,9 @@ class Runner:
                     os.killpg(pid, signal.SIGKILL)
                     return f"killed: timeout after {_fmt(timeout)} s", b""
                 ready = select.select(watch, [], [], left)[0]
+                for fd in ready:
+                    if fd in streams and not streams[fd].pull():
+                        watch.remove(fd)  # its end: every process that held it is gone
                 if r in watch and (r in ready or (ended is not None and ended in ready)):
                     while True:
                         try:
@@ -473,19 +502,16 @@ class Runner:
             if ended is not None:
                 os.close(ended)
 
-    def child(self, job: dict[str, Any], home: str, out_path: str, err_path: str, argv: list[str],
-              r: int, w: int) -> None:
+    def child(self, job: dict[str, Any], home: str, argv: list[str], theirs: tuple[int, ...], w: int,
+              out_w: int, err_w: int) -> None:
         try:
             signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # the runner's own, not the job's
             os.setpgid(0, 0)
-            os.close(r)
-            os.close(self.inp)
-            os.close(self.out)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (*theirs, self.inp, self.out, out_w, err_w):  # the runner's ends, and the channel
+                os.close(fd)
             os.chdir(home)
-            for fd, path in ((1, out_path), (2, err_path)):
-                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-                os.dup2(f, fd)
-                os.close(f)
             sys.stdout = sys.__stdout__  # fd 1 again: this job's own stdout
             env = os.environ
             env["FLEETLESS_JOB_ID"] = str(job["id"])
@@ -554,6 +580,7 @@ def main() -> None:
     if not line:
         return
     runner.load(json.loads(line))
+    gc.freeze()  # what the runner holds now: no job's collection walks (and so copies) its pages
     runner.run(started)
 
 
