@@ -317,6 +317,9 @@ class Runner:
     spare_jobs: int = 0
     #: ... this many of them.
     spares: int = 2
+    #: Start spares only after a full batch (of ``spare_jobs``) is taken: a one-shot drain's, whose
+    #: next batch is likely only while its claims come back full (watch mode: always).
+    spare_after_full: bool = False
     #: Per-job mode: a job's sandbox is destroyed by this, beside the slot's next claim (None: inline).
     teardown: Teardown | None = None
     #: When the job's lease ends (``time.monotonic()``; None: unknown). A job starts only if its
@@ -492,7 +495,8 @@ class Runner:
                         spare.lock.acquire()
                 else:
                     taken = sbx, chan
-        self.prewarm()  # for the batches after this one
+        if not self.spare_after_full or len(jobs) >= self.spare_jobs:
+            self.prewarm()  # for the batches after this one
         return taken
 
     def close(self) -> None:

@@ -386,6 +386,10 @@ class Drainer:
             self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox,
                                                spares=c.concurrency + 1)
             self._runners[c.sandbox].prewarm()
+        elif self._batched:  # a one-shot batch drain: while a full batch runs, the next one's sandbox
+            # starts (one per slot), so a slot goes from one batch to the next without waiting for it
+            self._runners[c.sandbox] = replace(self._runners[c.sandbox], spare_jobs=c.per_sandbox,
+                                               spares=c.concurrency, spare_after_full=True)
         running: dict[Future[_Result], _Unit] = {}
         if self._batched:
             self._completer.start()
