@@ -71,7 +71,7 @@ def timed(argv: list[str], env: dict[str, str], label: str = "") -> float:
             SELF.setdefault(label, []).append(float(line.split()[1]))
     wall = time.perf_counter() - t
     proc.returncode = os.waitstatus_to_exitcode(status)
-    assert proc.returncode == 0, f"{argv[:3]} exited {proc.returncode}"
+    assert proc.returncode == 0, f"{label}: exited {proc.returncode}: {err[-2000:]}"
     CPU.setdefault(label, []).append(ru.ru_utime + ru.ru_stime)
     return wall
 
