@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import textwrap
 import threading
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,20 @@ def _gated() -> list[int]:
     return found
 
 
+#: The same, from a module that sets SIGUSR1's action when imported (in the runner's process).
+GATED_OWN_USR1 = "import signal\nsignal.signal(signal.SIGUSR1, signal.SIG_DFL)\n" + textwrap.dedent(GATED)
+
+
 @pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
-@pytest.mark.parametrize("which", ["waiting", "running"])
+@pytest.mark.parametrize("which", ["waiting", "running", "waiting-own-usr1"])
 def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
         which: str, tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     require_tier(tier)
     if tier == "forkserver" and os.geteuid() != 0:
         pytest.skip("the fork server needs a root drainer")
-    h = handlers(**{"gated.py": GATED})
+    h = handlers(**{"gated.py": GATED_OWN_USR1 if which.endswith("own-usr1") else GATED})
+    which = which.removesuffix("-own-usr1")
     ids = [queue.enqueue("gated", {"n": 0, "gated": True}, max_attempts=3)]
     ids += [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
     seen = threading.Event()

@@ -275,8 +275,7 @@ class Runner:
         self.desc: dict[str, Any] = {}
         self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.stop = False  # file mode: SIGUSR1 came, start no other job
-        if not channel:
-            signal.signal(signal.SIGUSR1, self._stop)
+        self.jobs_usr1: Any = signal.SIG_DFL  # SIGUSR1 as the jobs get it (what the module set, if it did)
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stop = True
@@ -345,6 +344,9 @@ class Runner:
             sys.stderr.flush()
 
     def run(self, started: float) -> None:
+        if not self.channel:  # after the import: a module that set its own keeps it for its jobs
+            before = signal.signal(signal.SIGUSR1, self._stop)
+            self.jobs_usr1 = signal.SIG_DFL if before is None else before
         desc = self.desc
         budget = float(desc.get("budget", 1e9))
         grace = float(desc.get("grace", 2.0))
@@ -505,7 +507,7 @@ class Runner:
     def child(self, job: dict[str, Any], home: str, argv: list[str], theirs: tuple[int, ...], w: int,
               out_w: int, err_w: int) -> None:
         try:
-            signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # the runner's own, not the job's
+            signal.signal(signal.SIGUSR1, self.jobs_usr1)  # the runner's own, not the job's
             os.setpgid(0, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
