@@ -512,7 +512,8 @@ class Runner:
 
     # -- one sandbox ---------------------------------------------------------------------------
 
-    def _sandbox(self, template: Template, slot: Slot, kind: str) -> Sandbox:
+    def _sandbox(self, template: Template, slot: Slot, kind: str,
+                 on_cancel: Callable[[], None] | None = None) -> Sandbox:
         teardown = self.teardown
         tries = 0
         while True:
@@ -528,7 +529,7 @@ class Runner:
                         or not teardown.freed_since(finished)):
                     raise SandboxBroken(str(exc)) from None
                 log.debug("no sandbox (%s): once more, as sandboxes being destroyed are gone", exc)
-        if not slot.attach(sbx):
+        if not slot.attach(sbx, on_cancel):
             sbx.kill()
             raise _Aborted()
         return sbx
@@ -599,10 +600,17 @@ class Runner:
                 slot.detach()
         per_job = limits.stdout_bytes + RECORD_OVERHEAD
         template = replace(base, limits=replace(limits, stdout_bytes=per_job * len(jobs) + 65536))
+        # file mode's answer to a cancel (a channel's conversation attaches its own): until the
+        # exec starts, a cancel is left to the checks before it (the conversation's before each
+        # job, file mode's just before the exec), so the sandbox is never destroyed while it is made
+        made: list[Sandbox] = []
+        paced: list[_Pacer | None] = [None]
+        live = threading.Event()
         try:
-            sbx = self._sandbox(template, slot, kind)
+            sbx = self._sandbox(template, slot, kind, self._file_cancel(made, jobs, paced, live))
         except _Aborted:
             return [(j, self._stopped(None)) for j in jobs], None
+        made.append(sbx)
         chan: _Channel | None = None
         pacer = None
         # The whole run is held to the sum of its jobs' deadlines by the tier itself (also while the
@@ -627,9 +635,10 @@ class Runner:
             body = b"\n".join([head.encode(), *lines])
             sbx.write("batch.json", body + b"\n")
             if len(jobs) > 1 and sbx.streams_stdout:
-                pacer = _Pacer(sbx, timeouts)
-            if not slot.attach(sbx, self._file_cancel(sbx, jobs, pacer)):
-                return [(j, self._stopped(None)) for j in jobs], None
+                pacer = paced[0] = _Pacer(sbx, timeouts)
+            live.set()
+            if any(self.cancelled(j) for j in jobs):  # cancelled while its sandbox was made: the
+                return [], None                       # batch runs again, without it, in a fresh one
             r = sbx.exec([sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/batch.json"], bound)
             got = self._parse(jobs, tags, r.stdout)
             return got, _timed_out(r, got, timeouts, pacer, bound)
@@ -645,7 +654,8 @@ class Runner:
                 chan.close()
             slot.detach()
 
-    def _file_cancel(self, sbx: Sandbox, jobs: Sequence[Job], pacer: _Pacer | None) -> Callable[[], None]:
+    def _file_cancel(self, made: list[Sandbox], jobs: Sequence[Job], paced: list[_Pacer | None],
+                     live: threading.Event) -> Callable[[], None]:
         """File mode's answer to a cancel of a job of this batch (the drainer's cancel poll). The
         job running is the first without a record (:class:`_Pacer`; without one, the first): when
         it is the one cancelled, the sandbox is destroyed (the jobs after it run on in a fresh one).
@@ -655,6 +665,9 @@ class Runner:
         destroyed as before, and the job running is released, not charged (Runner.run)."""
 
         def cancel() -> None:
+            if not live.is_set():  # not started: the check before the exec runs none of them
+                return
+            sbx, pacer = made[0], paced[0]
             at = pacer.records() if pacer is not None else 0
             if at >= len(jobs) or self.cancelled(jobs[at]) or not any(self.cancelled(j) for j in jobs[at + 1:]):
                 sbx.kill()

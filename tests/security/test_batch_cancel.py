@@ -97,3 +97,41 @@ def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
     assert all(rows[i][1] == 1 for i in ids), rows
     if which == "waiting":  # never started
         assert rows[ids[3]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_cancel_while_a_batchs_sandbox_is_made_runs_the_rest_without_it(
+        tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel lands after the batch's sandbox exists and before its runner starts: the
+    cancelled job never starts, the others run (attempt 1, done), and the drain goes on (it used to
+    destroy the sandbox under the batch's file writes: a broken sandbox, the drain's end)."""
+    require_tier(tier)
+    if tier == "forkserver" and os.geteuid() != 0:
+        pytest.skip("the fork server needs a root drainer")
+    h = handlers(**{"gated.py": GATED})
+    ids = [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in range(3)]
+    seen = threading.Event()
+    kill_current = batch_module.Slot.kill_current
+    make = batch_module.Runner._sandbox
+    first = [True]
+
+    def acted(self: batch_module.Slot) -> None:
+        kill_current(self)
+        seen.set()
+
+    def sandbox(self: batch_module.Runner, *args: Any, **kwargs: Any) -> Any:
+        sbx = make(self, *args, **kwargs)
+        if first[0]:  # the first sandbox: cancel the 2nd job now, and wait for the drainer to act
+            first[0] = False
+            assert queue.cancel(ids[1]) is Status.RUNNING
+            assert seen.wait(60), "the drainer did not act on the cancel"
+        return sbx
+
+    monkeypatch.setattr(batch_module.Slot, "kill_current", acted)
+    monkeypatch.setattr(batch_module.Runner, "_sandbox", sandbox)
+    summary = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=3, concurrency=1)).run()
+    rows = {i: (s, a, e) for i, s, a, e in sql(
+        "SELECT id, status, attempts, last_error FROM fleetless.jobs WHERE id = ANY(%s)", ids)}
+    assert [rows[i][0] for i in ids] == ["done", "cancelled", "done"], (rows, summary)
+    assert all(rows[i][1] == 1 for i in ids), rows
+    assert rows[ids[1]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows
