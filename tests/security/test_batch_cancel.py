@@ -1,10 +1,10 @@
 """Issue 26 item 1, on every tier and batch mode: a cancel of a job waiting in a running batch never
 starts it and leaves the job running alone (it ends done); a cancel of the job running ends it
-alone, and the jobs after it run. Channel mode (process and bwrap under a root drainer, or one
-without a subordinate range) sends a cancelled job nothing; file mode (the fork server, and process
-and bwrap under a drainer with a subordinate range, as .ci/unprivileged runs this file as
-fleetless-ci) tells the runner to start no other job (SIGUSR1) and runs the rest, the cancelled one
-left out, in a fresh sandbox. The first job runs until the test signals it, found among this
+alone, and the jobs after it run. Channel mode (process and bwrap, as root and as the unprivileged
+users .ci/unprivileged runs this file as) sends a cancelled job nothing; file mode (the fork server,
+and, before 648ecd2, process and bwrap under a drainer with a subordinate range) tells the runner
+to start no other job (SIGUSR1) and runs the rest, the cancelled one left out, in a fresh sandbox.
+The first job runs until the test signals it, found among this
 process's own descendants by the name it gives itself."""
 
 from __future__ import annotations
