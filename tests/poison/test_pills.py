@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from fleetless.queue import RESULT_CUT_MARKER
-from fleetless.sandbox import _diskcap, _subuid, cgroups, get_backend
+from fleetless.sandbox import _caps, _subuid, cgroups, get_backend
 from fleetless.sandbox._caps import NOT
 
 from .conftest import LIMITS, MICROVM_TTL, Context, Outcome, require_tier
@@ -185,7 +185,7 @@ def test_one_gib_in_many_workspace_files(tier: str, poison: Poison) -> None:
             or "No space left on device" in row.last_error), row
     elif tier == "forkserver":  # its workspace is a tmpfs of the job's: RAM of its memory cgroup
         assert (row.status, row.last_error) == ("dead", "killed: memory limit 256 MiB exceeded"), row
-    elif tier == "process" and _diskcap.available():
+    elif tier == "process" and _caps.workspaces_capped():
         assert row.status == "dead" and "No space left on device" in (row.last_error or ""), row
     elif tier == "bwrap" and row.status == "dead":  # capped (see above)
         assert "No space left on device" in (row.last_error or "") or (row.last_error or "").startswith(

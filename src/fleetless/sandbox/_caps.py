@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import Limits
 
-__all__ = ["CAPS", "JOB_NICE", "NOT", "caps_line", "held", "nproc_counts_per_namespace", "tier_caps"]
+__all__ = ["CAPS", "JOB_NICE", "NOT", "caps_line", "held", "nproc_counts_per_namespace", "tier_caps",
+           "workspaces_capped", "workspaces_uncapped_why"]
 
 #: The caps every tier reports, in this order.
 CAPS = ("pids", "memory", "cpu", "disk")
@@ -61,9 +62,7 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
     ``no_pids`` says why not), ``memory_cgroup``/``cpu_cgroup`` name the cgroup version holding
     each (None: none is writable), ``disk_extra`` what else holds the disk (/tmp's size), ``nice``
     whether jobs run at :data:`JOB_NICE`, ``own_mounts`` whether the tier caps a non-root drainer's
-    workspaces without a subordinate range too (:func:`._diskcap.available`)."""
-    from . import _diskcap
-
+    workspaces without a subordinate range too (:func:`workspaces_capped`)."""
     out: dict[str, str] = {}
     if limits.pids is None:
         out["pids"] = f"{NOT}: --pids not set"
@@ -90,5 +89,40 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
     fsize = "" if limits.file_size_bytes is None else (
         f"RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
     extra = "; ".join(x for x in (disk_extra, fsize) if x)
-    out["disk"] = _diskcap.caps_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "", own_mounts)
+    out["disk"] = _disk_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "", own_mounts)
     return out
+
+
+def workspaces_capped(own: bool = False) -> bool:
+    """Whether this drainer gives workspaces a capped tmpfs (:mod:`._diskcap`): a root drainer does,
+    and a non-root one with a subordinate uid range (in its holder's mount namespace); ``own``: also
+    one without a range, in a mount holder of its own (:func:`._subuid.mount_holder`: the bwrap tier)."""
+    from . import _subuid
+
+    if os.geteuid() == 0 or _subuid.delegation() is not None:
+        return True
+    return own and _subuid.mount_holder() is not None
+
+
+def workspaces_uncapped_why(own: bool = False) -> str:
+    """Why workspaces are not capped here ("" where they are)."""
+    from . import _subuid
+
+    if workspaces_capped(own):
+        return ""
+    if own:
+        why = f"it cannot make a user and mount namespace here: {_subuid.mount_holder_missing()}"
+    else:
+        why = (f"the process tier mounts one only for a root drainer or one with a subordinate uid range; "
+               f"here: {_subuid.missing()}")
+    return f"workspaces are on the work directory's disk, not capped in size or files ({why})"
+
+
+def _disk_text(disk_bytes: int | None, inodes: int | None, extra: str, own: bool = False) -> str:
+    """The ``disk`` entry of a tier's caps (process, bwrap): the workspace's tmpfs where this drainer
+    mounts one (``own``: see :func:`workspaces_capped`), else the host's disk; ``extra`` is appended."""
+    if workspaces_capped(own) and (disk_bytes is not None or inodes is not None):
+        size = "" if disk_bytes is None else f" of {disk_bytes // (1024 * 1024)} MiB"
+        files = "" if inodes is None else f" and {inodes} files"
+        return f"capped by a tmpfs workspace{size}{files} (RAM, as the job writes it){extra}"
+    return f"{NOT}: {workspaces_uncapped_why(own) or 'Limits.disk_bytes and Limits.inodes are None'}{extra}"

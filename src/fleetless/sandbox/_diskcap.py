@@ -11,7 +11,7 @@ the directory is removed; :func:`._workspace.remove` does the same for what a de
 A non-root drainer cannot mount in the host's mount namespace. One with a subordinate uid range
 mounts the same tmpfs in its holder's mount namespace (:meth:`._subuid.Holder.cap`), where its jobs'
 launchers are; without a range its workspaces stay on the work directory's disk, not capped, and
-:func:`missing` says so (``fleetless doctor``, the drain's caps).
+:func:`._caps.workspaces_uncapped_why` says so (``fleetless doctor``, the drain's caps).
 """
 
 from __future__ import annotations
@@ -20,50 +20,13 @@ import ctypes
 import os
 from pathlib import Path
 
-__all__ = ["available", "cap", "caps_text", "missing", "mount", "release"]
+__all__ = ["cap", "mount", "release"]
 
 MS_NOSUID, MS_NODEV = 2, 4
 MNT_DETACH = 2
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
-
-
-def available(own: bool = False) -> bool:
-    """Whether this drainer gives workspaces a capped tmpfs: a root drainer does, and a non-root one
-    with a subordinate uid range (in its holder's mount namespace); ``own``: also one without a
-    range, in a mount holder of its own (:func:`._subuid.mount_holder`: the bwrap tier)."""
-    from . import _subuid
-
-    if os.geteuid() == 0 or _subuid.delegation() is not None:
-        return True
-    return own and _subuid.mount_holder() is not None
-
-
-def missing(own: bool = False) -> str:
-    """Why workspaces are not capped here ("" where they are)."""
-    from . import _subuid
-
-    if available(own):
-        return ""
-    if own:
-        why = f"it cannot make a user and mount namespace here: {_subuid.mount_holder_missing()}"
-    else:
-        why = (f"the process tier mounts one only for a root drainer or one with a subordinate uid range; "
-               f"here: {_subuid.missing()}")
-    return f"workspaces are on the work directory's disk, not capped in size or files ({why})"
-
-
-def caps_text(disk_bytes: int | None, inodes: int | None, extra: str, own: bool = False) -> str:
-    """The ``disk`` entry of a tier's caps (process, bwrap): the workspace's tmpfs where this drainer
-    mounts one (``own``: see :func:`available`), else the host's disk; ``extra`` is appended."""
-    from ._caps import NOT
-
-    if available(own) and (disk_bytes is not None or inodes is not None):
-        size = "" if disk_bytes is None else f" of {disk_bytes // (1024 * 1024)} MiB"
-        files = "" if inodes is None else f" and {inodes} files"
-        return f"capped by a tmpfs workspace{size}{files} (RAM, as the job writes it){extra}"
-    return f"{NOT}: {missing(own) or 'Limits.disk_bytes and Limits.inodes are None'}{extra}"
 
 
 def cap(path: Path, size: int | None, inodes: int | None, uid: int, gid: int) -> bool:
