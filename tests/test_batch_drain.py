@@ -171,14 +171,18 @@ def test_a_reaped_batchs_late_finish_is_fenced_out(queue: Queue, handlers, sql: 
             return "late"
     """})
     queue.enqueue_many([("wait", {}) for _ in range(3)])
-    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=3, concurrency=1))
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, per_sandbox=3, concurrency=1, queues=("default",)))
     done: list[Any] = []
     t = threading.Thread(target=lambda: done.append(drainer.run()))
     t.start()
     wait_for(started.exists, what="the batch to start")
     other = Queue(queue.conninfo)
+    # the other drainer's queue: once reaped, the rows are pending where this drain's own claims
+    # (the one ahead while the batch runs, the one after it) cannot take them back first
+    sql("UPDATE fleetless.jobs SET queue = 'other'")
     assert len(other.reap(older_than=0)) == 3  # as if the lease had lapsed
-    taken = other.claim(3)  # and another drainer took the jobs
+    taken = other.claim(3, queues=("other",))  # and another drainer took the jobs
+    assert len(taken) == 3
     go.touch()
     t.join(60)
     assert done and done[0].fenced_out == 3 and done[0].done == 0
