@@ -1,5 +1,6 @@
 """(3) Per-job mode: jobs/s of `fleetless drain --concurrency 2` per tier on `print(1)` handlers,
-against the same jobs run with no sandbox (`python3 handler.py payload.json`, two at a time)."""
+against the same jobs run with no sandbox (`python3 handler.py payload.json`, two at a time); and
+with no tier flag at all (`--sandbox auto`, what a user who types the README's command gets)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import psycopg
 
 from fleetless import Queue
-from fleetless.sandbox import SandboxUnavailable, get_backend
+from fleetless.sandbox import SandboxUnavailable, choose_tier, get_backend
 
 from . import VENV_PY, Context, Section, fmt, median, run_process, scratch_db, spread
 
@@ -30,9 +31,9 @@ def _bare(folder: str, n: int) -> float:
 
 
 def run(ctx: Context) -> Section:
-    sizes = {"process": 200, "bwrap": 200, "microvm": 6}
+    sizes = {"process": 200, "bwrap": 200, "forkserver": 200, "microvm": 6}
     if ctx.quick:
-        sizes = {"process": 20, "bwrap": 20, "microvm": 2}
+        sizes = {"process": 20, "bwrap": 20, "forkserver": 20, "microvm": 2}
     tiers = []
     for tier in sizes:
         try:
@@ -42,6 +43,8 @@ def run(ctx: Context) -> Section:
             pass
     cases: dict[str, list[float]] = {"no sandbox (python3 handler.py)": []}  # /usr/bin/python3, as the tiers
     cases.update({f"{t} tier": [] for t in tiers})
+    auto, _ = choose_tier("auto")  # the tier the drain with no flag picks here
+    cases[f"no tier flag (auto: {auto})"] = []
     with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
         Path(folder, "one.py").write_text("print(1)\n")
         os.chmod(folder, 0o755)
@@ -52,12 +55,13 @@ def run(ctx: Context) -> Section:
                 if label.startswith("no sandbox"):
                     cases[label].append(_bare(folder, sizes["process"]))
                     continue
-                tier = label.split()[0]
+                tier = auto if label.startswith("no tier flag") else label.split()[0]
+                flag = [] if label.startswith("no tier flag") else ["--sandbox", tier]
                 with psycopg.connect(dsn, autocommit=True) as c:
                     c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
                 q.enqueue_many(("one", {"i": i}) for i in range(sizes[tier]))
-                wall, _, _ = run_process([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder,
-                                          "--sandbox", tier, "--concurrency", "2"], env={"DATABASE_URL": dsn})
+                wall, _, _ = run_process([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder, *flag,
+                                          "--concurrency", "2"], env={"DATABASE_URL": dsn, "FLEETLESS_SANDBOX": ""})
                 cases[label].append(sizes[tier] / wall)
         q.close()
     s = Section("perjob", "(3) Per-job mode: one sandbox per job, --concurrency 2", "bench/run.py --only perjob",

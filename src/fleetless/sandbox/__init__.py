@@ -257,9 +257,12 @@ def available_backends() -> list[str]:
 
 def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
     """The tier a drain runs with for ``name``, and one line saying which and why when ``name``
-    is ``auto`` (else ""). ``auto`` is bwrap where it can create its namespaces here, else
-    process; never microvm, which needs its guest image built first. With the drain's
-    ``template``, the chosen tier's own checks of it are started (:meth:`Sandbox.warm`)."""
+    is ``auto`` (else ""). ``auto`` is the cheapest tier that keeps bwrap's promises: the fork
+    server for a root drainer where bwrap's namespaces work (the same namespaces, uids, seccomp
+    filter and cgroups, without an interpreter start per job: issue 27), else bwrap where it can
+    create its namespaces here, else process; never microvm, which needs its guest image built
+    first. With the drain's ``template``, the chosen tier's own checks of it are started
+    (:meth:`Sandbox.warm`)."""
     if name != AUTO:
         backend = get_backend(name)  # an unknown name: one line
         if template is not None:
@@ -280,7 +283,12 @@ def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
                 "docs/isolation.md)") from None
         return "process", (f"sandbox: process (auto: bwrap cannot run here: {exc}); jobs share the "
                            "drainer's filesystem and network: see docs/isolation.md")
-    return "bwrap", "sandbox: bwrap (auto: it can create namespaces here; --sandbox chooses another)"
+    try:
+        get_backend("forkserver").check()
+    except SandboxUnavailable:
+        return "bwrap", "sandbox: bwrap (auto: it can create namespaces here; --sandbox chooses another)"
+    return "forkserver", ("sandbox: forkserver (auto: a root drainer forks each job from a pre-started server into "
+                          "bwrap's namespaces; --sandbox chooses another)")
 
 
 def get_backend(name: str) -> type[Sandbox]:
