@@ -79,7 +79,8 @@ def test_a_root_drainer_runs_jobs_from_where_it_is_installed(installed: Path, ti
     r = subprocess.run([str(installed), "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox", tier],
                        env=env, capture_output=True, text=True, timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr
-    # auto: bwrap, never a silent fall back to the process tier (whose jobs run in a host directory)
+    # auto: the fork server (bwrap's view), never a silent fall back to the process tier (whose jobs
+    # run in a host directory)
     assert sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id") == [
         ("done", 1, f"{n * 2} /workspace\n") for n in range(4)], r.stderr
 
