@@ -57,12 +57,15 @@ def caps_line(tier: str, caps: dict[str, str]) -> str:
 
 def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: str | None,
               cpu_cgroup: str | None, disk_extra: str = "", nice: bool = True, own_mounts: bool = False,
-              ) -> dict[str, str]:
+              memfds_seen: bool = True) -> dict[str, str]:
     """A host tier's caps in words: ``pids`` says how pids are held ("" entries left out; none:
     ``no_pids`` says why not), ``memory_cgroup``/``cpu_cgroup`` name the cgroup version holding
     each (None: none is writable), ``disk_extra`` what else holds the disk (/tmp's size), ``nice``
     whether jobs run at :data:`JOB_NICE`, ``own_mounts`` whether the tier caps a non-root drainer's
-    workspaces without a subordinate range too (:func:`workspaces_capped`)."""
+    workspaces without a subordinate range too (:func:`workspaces_capped`), ``memfds_seen`` whether
+    the drainer's watch (no memory cgroup) can read the job's open memfds (:mod:`._tree`)."""
+    from . import _tree
+
     out: dict[str, str] = {}
     if limits.pids is None:
         out["pids"] = f"{NOT}: --pids not set"
@@ -75,8 +78,11 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
     elif memory_cgroup is not None:
         out["memory"] = f"capped by a memory cgroup ({memory_cgroup}) at {limits.memory_bytes // MiB} MiB"
     else:
+        memfds = " and its open memfds" if memfds_seen else ""
+        unseen = "" if memfds_seen else "memfds (the drainer cannot read the job's /proc/<pid>/fd), "
         out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
-                         "summing the job tree's resident memory, killing it over the cap")
+                         f"summing the job tree's resident anonymous and shared memory{memfds} every "
+                         f"{_tree.INTERVAL:g} s, killing it over the cap (not counted: {unseen}{_tree.NOT_COUNTED})")
     seconds = "RLIMIT_CPU ends each process after its CPU seconds (the timeout's, or --cpu-seconds)"
     niced = (f"; jobs run at nice {JOB_NICE} (RLIMIT_NICE 0: they cannot lower it), so a busy job yields the "
              "CPU to the drainer and PostgreSQL") if nice else ""

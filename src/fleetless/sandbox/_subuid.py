@@ -283,6 +283,11 @@ class Holder:
         """Write ``data`` at ``path`` under ``top`` (made dirs and the file owned by ns-id ``ns``)."""
         self.call("write", path=str(path), top=str(top), data=data.hex(), uid=ns)
 
+    def memfd_bytes(self, pids: list[int]) -> int:
+        """:func:`._tree.memfd_bytes` of ``pids`` as ns-root over the job uids (the drainer may not
+        read their ``/proc/<pid>/fd``), for the drainer's memory watch."""
+        return int(cast(int, self.call("memfds", pids=pids)))
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -395,6 +400,10 @@ def serve() -> None:
                 reply = {"ok": _cap(Path(req["path"]), req["size"], req["inodes"], int(req["uid"]), req["dirs"])}
             elif op == "pipes":
                 reply = {"ok": _pipes(Path(req["top"]), req["names"], int(req["gid"]))}
+            elif op == "memfds":
+                from . import _tree
+
+                reply = {"ok": _tree.memfd_bytes([int(p) for p in req["pids"]])}
             elif op == "close":
                 for fd in req["fds"]:
                     os.close(int(fd))

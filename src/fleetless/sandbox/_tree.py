@@ -3,10 +3,16 @@ for a drainer that cannot write one): RLIMIT_AS caps each process, not the tree,
 could hold the cap many times over. One daemon thread per drainer sums, every :data:`INTERVAL`
 seconds, the resident anonymous and shared memory (``RssAnon`` + ``RssShmem``) of each watched
 tree, found from its root through ``/proc/<pid>/task/<tid>/children`` (readable by any user, so a
-job under another uid is seen too), and calls the tree's ``over`` once when the sum passes its cap;
-the sandbox then kills the tree and says ``memory limit N exceeded``
-(tests/security/test_caps.py). Pages that forked processes still share are counted in each; pages
-no process maps (a memfd only written to) are not seen.
+job under another uid is seen too), plus the pages held by the memfds its processes have open
+(:func:`memfd_bytes`: memory no process maps, issue 25), and calls the tree's ``over`` once when
+the sum passes its cap; the sandbox then kills the tree and says ``memory limit N exceeded``
+(tests/security/test_caps.py). Pages that forked processes still share are counted in each, and a
+memfd both open and mapped counts twice. Not counted (:data:`NOT_COUNTED`): files in tmpfs (the
+job's /tmp and /dev/shm and its workspace have size caps of their own), a memfd no process of the
+job has open (in flight over a socket), System V shared memory not attached, and kernel memory
+(pipe and socket buffers). ``/proc/<pid>/fd`` of a job under a subordinate uid is not the
+drainer's to read: its holder (ns-root over that uid, :meth:`._subuid.Holder.memfd_bytes`) counts
+them; where nothing can read a process's fds its memfds are unseen, and the tiers say so.
 """
 
 from __future__ import annotations
@@ -15,9 +21,12 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["INTERVAL", "Watched", "descendants", "resident_bytes", "watch"]
+__all__ = ["INTERVAL", "NOT_COUNTED", "Watched", "descendants", "memfd_bytes", "resident_bytes", "watch"]
 
 INTERVAL = 0.1
+#: What the watch does not count, in the caps line's words.
+NOT_COUNTED = ("tmpfs files (/tmp, /dev/shm and the workspace have size caps of their own), memfds no process of "
+               "the job has open, unattached System V shared memory, kernel memory such as pipe and socket buffers")
 
 
 def descendants(root: int) -> list[int]:
@@ -56,11 +65,36 @@ def resident_bytes(pids: list[int]) -> int:
     return total
 
 
+def memfd_bytes(pids: list[int]) -> int:
+    """The pages held by the memfds that ``pids`` have open (``/proc/<pid>/fd/<n>`` links to
+    ``/memfd:...``; its ``st_blocks``), each file counted once however many hold it. A process whose
+    fds the drainer cannot read (:func:`os.listdir` refused) counts 0."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
+        base = f"/proc/{pid}/fd/"
+        try:
+            fds = os.listdir(base)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if not os.readlink(base + fd).startswith("/memfd:"):
+                    continue
+                st = os.stat(base + fd)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
 class Watched:
     """One tree under watch; :meth:`cancel` when its job has ended."""
 
-    def __init__(self, root: int, cap: int, over: Callable[[], None]) -> None:
-        self.root, self.cap, self.over = root, cap, over
+    def __init__(self, root: int, cap: int, over: Callable[[], None], memfds: Callable[[list[int]], int]) -> None:
+        self.root, self.cap, self.over, self.memfds = root, cap, over, memfds
         self.hit = False  # the tree passed its cap (``over`` was called)
 
     def cancel(self) -> None:
@@ -74,11 +108,12 @@ _trees: set[Watched] = set()
 _thread: threading.Thread | None = None
 
 
-def watch(root: int, cap: int, over: Callable[[], None]) -> Watched:
+def watch(root: int, cap: int, over: Callable[[], None],
+          memfds: Callable[[list[int]], int] = memfd_bytes) -> Watched:
     """Watch the processes below ``root``; ``over()`` (once, from the watch's thread) when their
-    resident memory passes ``cap`` bytes."""
+    resident memory and open memfds (counted by ``memfds``) pass ``cap`` bytes."""
     global _thread
-    w = Watched(root, cap, over)
+    w = Watched(root, cap, over, memfds)
     with _lock:
         _trees.add(w)
         if _thread is None or not _thread.is_alive():
@@ -88,6 +123,17 @@ def watch(root: int, cap: int, over: Callable[[], None]) -> Watched:
     return w
 
 
+def _held(w: Watched) -> int:
+    pids = descendants(w.root)
+    held = resident_bytes(pids)
+    if held <= w.cap:
+        try:
+            held += w.memfds(pids)
+        except Exception:  # a holder gone (its drainer stopping): what it would count is unseen
+            pass
+    return held
+
+
 def _run() -> None:
     while True:
         with _lock:
@@ -95,7 +141,7 @@ def _run() -> None:
                 _wake.wait()
             trees = list(_trees)
         for w in trees:
-            if resident_bytes(descendants(w.root)) > w.cap:
+            if _held(w) > w.cap:
                 w.hit = True
                 w.cancel()
                 try:

@@ -604,7 +604,8 @@ class BwrapSandbox(Sandbox):
         captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         watched = None  # no memory cgroup: the tree's sum is watched (RLIMIT_AS caps each process only)
         if limits.memory_bytes is not None and (self._cgroup is None or self._cgroup.memory_bytes is None):
-            watched = _tree.watch(proc.pid, limits.memory_bytes, self._terminate)
+            watched = _tree.watch(proc.pid, limits.memory_bytes, self._terminate,
+                                  _tree.memfd_bytes if self._holder is None else self._holder.memfd_bytes)
         self._watched = watched
         try:
             hit = _capture.pump(proc.stdout, proc.stderr, captured, started + budget, self._terminate)

@@ -2,7 +2,8 @@
 
 What it isolates: the environment (only what the template passes), the working directory (a fresh
 private workspace, removed afterwards), resources by rlimit (address space, CPU seconds, file size,
-open files) and pids by a per-job pids cgroup where the drainer can write one, and the process
+open files), pids and memory by a per-job pids and memory cgroup where the drainer can write one
+(memory otherwise by RLIMIT_AS and the drainer's watch, :mod:`.._tree`), and the process
 tree (a supervisor in a session of its own, so signals meant for the drainer's process group never
 reach it; it is a subreaper that kills every descendant at exit, timeout, TTL and when the drainer
 dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Where the kernel allows, the
@@ -64,13 +65,15 @@ MiB = 1024 * 1024
 
 
 def tree_cgroup_caps() -> cgroups.CgroupCaps | None:
-    """What a process-tier job's cgroup is made with: a pids group (capped at ``Limits.pids``) and
-    the tree kill that goes with it, where this drainer can write one (root can; a non-root drainer
-    only where a cgroup is delegated to it). None where it cannot."""
+    """What a process-tier job's cgroup is made with: a pids group (capped at ``Limits.pids``), a
+    memory group where one is writable too (capped at ``Limits.memory_bytes``: it is charged what
+    no process maps, memfds and tmpfs files, issue 25) and the tree kill that goes with them, where
+    this drainer can write one (root can; a non-root drainer only where a cgroup is delegated to
+    it). None where it cannot."""
     caps = cgroups.available()
     if not caps.pids:
         return None
-    return dataclasses.replace(caps, memory=False, cpu=False)
+    return dataclasses.replace(caps, cpu=False)
 
 
 class ProcessSandbox(Sandbox):
@@ -126,7 +129,7 @@ class ProcessSandbox(Sandbox):
             caps = tree_cgroup_caps()
             if caps is not None:  # the supervisor, its uid sweeper and the job's init count too
                 pids = None if template.limits.pids is None else template.limits.pids + 3
-                self._cgroup = cgroups.JobCgroup(pids=pids, caps=caps)
+                self._cgroup = cgroups.JobCgroup(memory_bytes=template.limits.memory_bytes, pids=pids, caps=caps)
         except BaseException:
             self.kill()
             raise
@@ -214,14 +217,16 @@ class ProcessSandbox(Sandbox):
     @classmethod
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
         """pids: a pids cgroup where the drainer can write one, else RLIMIT_NPROC where it counts the
-        job alone (a uid of its own, or the user namespace its supervisor makes); memory: RLIMIT_AS
-        per process, the tree's sum by the drainer's watch (no memory cgroup is used); cpu: not in
+        job alone (a uid of its own, or the user namespace its supervisor makes); memory: a memory
+        cgroup with the pids one where writable, else RLIMIT_AS per process and the tree's sum by
+        the drainer's watch (:mod:`.._tree`: what it counts and what not); cpu: not in
         cores (RLIMIT_CPU and the job's nice are said); disk: see :mod:`.._diskcap`. The words:
         :func:`.._caps.tier_caps`, shared with bwrap."""
         limits = limits or Limits()
         how = []
         own_uid = _hostuid.needed() or _subuid.delegation() is not None
-        if tree_cgroup_caps() is not None:
+        tree = tree_cgroup_caps()
+        if tree is not None:
             how.append("a pids cgroup (pids.max)")
         elif own_uid:
             how.append("RLIMIT_NPROC (each job a uid of its own)")
@@ -229,7 +234,8 @@ class ProcessSandbox(Sandbox):
             how.append("RLIMIT_NPROC in the job's own user namespace (it counts that job's processes alone)")
         return tier_caps(limits, pids=how, no_pids=(f"no pids cgroup is writable and every job runs as the drainer's "
                                                     f"uid {os.getuid()} in no user namespace of its own"),
-                         memory_cgroup=None, cpu_cgroup=None)
+                         memory_cgroup=("v2" if tree.layout.mode == "v2" else "v1") if tree and tree.memory else None,
+                         cpu_cgroup=None, memfds_seen=_watch_reads_fds())
 
     @classmethod
     def sweep(cls) -> int:
@@ -329,6 +335,7 @@ class ProcessSandbox(Sandbox):
         try:
             if cgroup is not None:  # in the job's cgroup before the job exists
                 assert proc.stdin is not None
+                cgroup.mark()
                 cgroup.attach(proc.pid)
                 proc.stdin.write(b"g")
                 proc.stdin.close()
@@ -341,7 +348,9 @@ class ProcessSandbox(Sandbox):
         captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         deadline = started + max(budget, 0)
         memory = self._template.limits.memory_bytes  # the tree's sum: RLIMIT_AS caps each process only
-        watched = None if memory is None else _tree.watch(proc.pid, memory, self._stop_supervisor)
+        counter = _tree.memfd_bytes if self._holder is None else self._holder.memfd_bytes
+        watched = None if memory is None or (cgroup is not None and cgroup.memory_bytes is not None) else (
+            _tree.watch(proc.pid, memory, self._stop_supervisor, counter))
         try:
             hit = _capture.pump(proc.stdout, proc.stderr, captured, deadline, self._stop_supervisor,
                                 exited=(pidfd, self._kill_leftovers))
@@ -383,6 +392,8 @@ class ProcessSandbox(Sandbox):
                 f" ({reason.removeprefix('killed: ')})" if hit else "")
         if watched is not None and watched.hit and memory is not None:
             killed = f"killed: memory limit {memory_size(memory)} exceeded"
+        elif cg is not None and cg.memory_bytes is not None and exit_code != 0 and cg.oom_killed():
+            killed = f"killed: memory limit {memory_size(cg.memory_bytes)} exceeded"  # the supervisor's death too
         if killed is None:
             killed = rlimit_kill_reason(exit_code, rlimits)
         return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
@@ -468,6 +479,15 @@ def isolation_gap() -> str | None:
         return (f"its jobs would run as the drainer's own uid {os.getuid()}, which cannot be swept when "
                 f"they end; {_subuid.missing()}")
     return None
+
+
+def _watch_reads_fds() -> bool:
+    """Whether the drainer's memory watch can read its jobs' ``/proc/<pid>/fd`` (their memfds): a
+    root drainer's, and a job in a user namespace the drainer's uid owns (a subordinate range's
+    holder, or the supervisor's own), even one that made itself non-dumpable. A job run as the
+    drainer's own uid in no namespace of its own can hide them (``prctl(PR_SET_DUMPABLE, 0)``)."""
+    return (os.geteuid() == 0 or _subuid.delegation() is not None
+            or (os.environ.get(CONTAIN_ENV) != "0" and _own_userns_works()))
 
 
 #: The directories a process-tier job gets a private tmpfs on (the supervisor's PRIVATE_DIRS).
