@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from fleetless import Queue
-from fleetless.sandbox import Limits, get_backend
-from fleetless.sandbox._caps import CAPS, JOB_NICE, NOT
+from fleetless.sandbox import Limits, cgroups, get_backend
+from fleetless.sandbox._caps import CAPS, JOB_NICE, NOT, tier_caps
 
 from .drains import SRC, drain, handlers_dir, need_tier, need_user, shared, work_dir
 from proctools import leftovers
@@ -174,6 +174,9 @@ def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
         for name in CAPS:
             assert f" {name} capped by " in line or f" {name} {NOT}" in line, line
         assert " pids capped by " in line and " memory capped by " in line, line
+        # no memory cgroup: the watch says what it counts, memfds included, and what it does not
+        assert "memory capped by RLIMIT_AS per process" in line and "and its open memfds every 0.1 s" in line, line
+        assert "(not counted: tmpfs files" in line, line
     work = work_dir(shared, uid)
     h = handlers_dir(shared, **{"ok.py": "print('ok')\n"})
     queue.enqueue("ok", {})
@@ -181,6 +184,20 @@ def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
     assert not isinstance(d, subprocess.Popen)
     assert d.returncode == 0, d.stderr
     assert "caps (process): pids capped by " in d.stderr.splitlines()[0], d.stderr
+
+
+def test_a_root_drainers_process_tier_says_its_memory_cgroup() -> None:
+    """Where a root drainer can write a memory cgroup the process tier's job is in one (issue 25);
+    where nothing can read a job's fds the watch's line says memfds are not counted."""
+    need_user(None)
+    need_tier("process")
+    if not cgroups.available().memory:
+        pytest.skip("no writable memory cgroup here")
+    memory = get_backend("process").caps(Limits(memory_bytes=64 << 20))["memory"]
+    assert memory.startswith("capped by a memory cgroup (v") and memory.endswith(") at 64 MiB"), memory
+    unseen = tier_caps(Limits(memory_bytes=64 << 20), pids=[], no_pids="-", memory_cgroup=None, cpu_cgroup=None,
+                       memfds_seen=False)["memory"]
+    assert "not counted: memfds (the drainer cannot read" in unseen and "its open memfds" not in unseen, unseen
 
 
 @pytest.mark.parametrize("tier", TIERS)
