@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from typing import Any
 
 from rich.console import Console
@@ -166,6 +167,27 @@ def test_the_live_view_shows_counts_and_each_running_jobs_kind() -> None:
     assert "render-invoice" in text and "thumbnail" not in text.split("\n", 1)[1]
     assert "job 8 (thumbnail) attempt 1: dead in 0.5 s on bwrap: exit code 1: \\x1b[2Jboom" in out.getvalue()
     assert "\x1b[2J" not in out.getvalue()
+
+
+def test_a_log_record_during_the_live_view_stays_above_it_and_logging_is_restored_after() -> None:
+    """A Ctrl-C's "stopping; running jobs get 30 s" was written straight to stderr, where the
+    view's next redraw erased it: the first Ctrl-C looked ignored for up to the shutdown grace."""
+    import logging
+
+    from fleetless.terminal import configure_logging
+
+    out, after = io.StringIO(), io.StringIO()
+    configure_logging(verbose=False, log_format="text", stream=sys.stderr)
+    console = Console(file=out, force_terminal=True, width=100, color_system=None)
+    live = LiveReporter(console, tier="process")
+    logging.getLogger("fleetless.drainer").warning("SIGINT: stopping; running jobs get 30 s")
+    live.close()
+    assert "fleetless: SIGINT: stopping; running jobs get 30 s" in out.getvalue()
+    handler = logging.getLogger().handlers[0]
+    assert isinstance(handler, logging.StreamHandler) and handler.stream is sys.stderr
+    handler.setStream(after)
+    logging.getLogger("fleetless.drainer").warning("after")
+    assert after.getvalue() == "fleetless: after\n"
 
 
 def test_a_drain_on_a_terminal_shows_live_progress(dsn: str, queue: Queue, handlers: Any) -> None:

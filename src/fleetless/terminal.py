@@ -87,6 +87,21 @@ class LogReporter(NullReporter):
         log.info("%s", job_line(event), extra={"fields": {"event": "job_finished", **event.as_dict()}})
 
 
+class _AboveLive:
+    """A log handler's stream while a live view is drawn: each record is printed above the view."""
+
+    def __init__(self, live: LiveReporter) -> None:
+        self.live = live
+
+    def write(self, text: str) -> int:
+        if text.strip():
+            self.live.print_above(text.rstrip("\n"))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
 class LiveReporter:
     """A live view of a drain on a terminal: counts, the rate, and each running job with its kind
     and elapsed time. Failed and dead jobs are also printed above it as they finish."""
@@ -103,7 +118,16 @@ class LiveReporter:
         self._counts = {"claimed": 0, "done": 0, "retried": 0, "dead": 0, "released": 0, "fenced_out": 0,
                         "cancelled": 0, "snoozed": 0}
         self._live = Live(self, console=self.console, refresh_per_second=4, transient=True)
+        stderr = sys.stderr  # before the view starts: it redirects sys.stderr through itself
         self._live.start()
+        # Log records (a Ctrl-C's "stopping; running jobs get 30 s", a refused kind) go above the
+        # view: written straight to stderr, the view's next redraw would erase them.
+        self._restore: list[tuple[logging.StreamHandler[Any], IO[str]]] = []
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (stderr, sys.__stderr__):
+                old = handler.setStream(_AboveLive(self))
+                if old is not None:
+                    self._restore.append((handler, old))
 
     def claimed(self, job: Job) -> None:
         with self._lock:
@@ -124,6 +148,15 @@ class LiveReporter:
 
     def close(self) -> None:
         self._live.stop()
+        for handler, stream in self._restore:
+            handler.setStream(stream)
+        self._restore = []
+
+    def print_above(self, line: str) -> None:
+        """One line printed above the live view, which stays below it."""
+        from rich.text import Text
+
+        self._live.console.print(Text(line), highlight=False)
 
     def __rich__(self) -> RenderableType:
         from rich.console import Group
