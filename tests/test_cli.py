@@ -204,6 +204,27 @@ def test_auto_falls_back_to_process_and_says_why_bwrap_cannot_run(monkeypatch: p
     assert choose_tier("microvm") == ("microvm", "")
 
 
+def test_doctor_and_auto_say_which_network_process_tier_jobs_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their own network namespace with only loopback where the kernel gives their supervisors
+    namespaces (issue 25: not the host's 127.0.0.1, where its database listens); the host's network,
+    said with why, where it refuses them or FLEETLESS_PROCESS_CONTAIN=0."""
+    from fleetless.sandbox import bwrap, choose_tier, process
+
+    own = ("each job has a network namespace of its own with only loopback (its 127.0.0.1 is not the host's), "
+           "the host's network only for kinds with network = true")
+    assert process.ProcessSandbox.describe().endswith(f"; {own}")
+    monkeypatch.setattr(bwrap, "_probe_result", (None, "bwrap cannot create namespaces here: EPERM"))
+    if process.isolation_gap() is None:  # (auto runs the process tier only where it keeps jobs apart)
+        assert f"; {own}: see docs/isolation.md" in choose_tier("auto")[1]
+    monkeypatch.setattr(process, "_namespaces_ok", False)
+    monkeypatch.setattr(process, "_own_userns_ok", False)
+    shared = "jobs share the host's network, its 127.0.0.1 (the database) too"
+    assert process.ProcessSandbox.describe().endswith(
+        f"; {shared}: the kernel refuses its supervisors new namespaces here")
+    monkeypatch.setenv(process.CONTAIN_ENV, "0")
+    assert process.ProcessSandbox.describe().endswith(f"; {shared}: {process.CONTAIN_ENV}=0")
+
+
 def test_show_prints_a_handle_result_as_json(dsn: str, queue: Queue, fleetless) -> None:
     from fleetless.completer import Completer
     from fleetless.job import Outcome

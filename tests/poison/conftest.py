@@ -345,8 +345,9 @@ def read_rows(dsn: str, schema: str, chosen: list[Pill]) -> tuple[dict[str, Row]
 
 
 def drain(dsn: str, tier: str, ctx: Context, chosen: list[Pill], monkeypatch: pytest.MonkeyPatch, *,
-          ttl: float, via_cli: bool, ignore_groups: set[str] | None = None) -> Outcome:
-    """Run ``chosen`` pills and ten good jobs through one real drain on ``tier``."""
+          ttl: float, via_cli: bool, ignore_groups: set[str] | None = None,
+          limits: Limits = LIMITS) -> Outcome:
+    """Run ``chosen`` pills and ten good jobs through one real drain on ``tier`` (with ``limits``)."""
     schema = _schema()
     queue = Queue(dsn, schema=schema)
     queue.init()
@@ -372,7 +373,7 @@ def drain(dsn: str, tier: str, ctx: Context, chosen: list[Pill], monkeypatch: py
         spy = Spy()
         spy.install(tier, monkeypatch)
         config = DrainConfig(handlers_dir=ctx.handlers, sandbox=tier, concurrency=2, timeout=DRAIN_TIMEOUT, ttl=ttl,
-                             limits=LIMITS, pass_env=(RUN_VAR,))
+                             limits=limits, pass_env=(RUN_VAR,))
         queue = Queue(dsn, schema=schema)
         try:
             with RssSampler() as sampler:
@@ -409,10 +410,12 @@ def microvm_batch(dsn: str, tmp_path_factory: pytest.TempPathFactory) -> Outcome
 def poison(tier: str, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
            request: pytest.FixtureRequest) -> Callable[[str], Outcome]:
     """``poison(name)``: the outcome of that pill beside ten good jobs on this test's tier
-    (``workdir``: where the drain's FLEETLESS_WORKDIR is, default a directory in ``tmp_path``)."""
+    (``workdir``: where the drain's FLEETLESS_WORKDIR is, default a directory in ``tmp_path``;
+    ``limits``: the drain's, default :data:`LIMITS`; not for the microvm batch or a CLI pill)."""
 
-    def run(name: str, workdir: Path | None = None) -> Outcome:
+    def run(name: str, workdir: Path | None = None, limits: Limits = LIMITS) -> Outcome:
         if tier == "microvm":
+            assert limits is LIMITS, "the microvm batch drains with LIMITS only"
             outcome: Outcome = request.getfixturevalue("microvm_batch")
             assert name in {job.kind for p in outcome.context["pills"] for job in p.jobs} | {
                 p.name for p in outcome.context["pills"]}
@@ -422,7 +425,8 @@ def poison(tier: str, dsn: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
             pytest.skip(f"{tier} does not cap processes here (Sandbox.caps); a fork bomb is not run on this host")
         pill = ctx.pills(sibling_wait=4)[name]
         try:
-            outcome = drain(dsn, tier, ctx, [pill], monkeypatch, ttl=pill.ttl or 60, via_cli=pill.via_cli)
+            outcome = drain(dsn, tier, ctx, [pill], monkeypatch, ttl=pill.ttl or 60, via_cli=pill.via_cli,
+                            limits=limits)
         finally:
             if os.path.exists(ctx.usr_file):
                 os.unlink(ctx.usr_file)

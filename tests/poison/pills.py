@@ -6,8 +6,9 @@ Every pill does the harmful thing plainly, the way a buggy or hostile handler wo
 matters, 0 if the harm succeeded: so a contained attempt ends ``dead`` with the denial in
 ``last_error``, and an uncontained one ends ``done`` with what it got in ``result``.
 
-No pill sends a packet anywhere but to 127.0.0.1 (which, in the bwrap and microvm tiers, is the
-sandbox's own loopback): the network pill only reads /proc/net and /sys/class/net.
+No pill sends a packet anywhere but to 127.0.0.1 (which, in every tier, is the sandbox's own
+loopback: the process tier's where the kernel gives its jobs namespaces; or the host's, for the
+process-tier kind with ``network = true``): the network pill only reads /proc/net and /sys/class/net.
 """
 
 from __future__ import annotations

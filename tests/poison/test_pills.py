@@ -5,13 +5,15 @@ well-behaved jobs that must all end ``done`` (see conftest.py for how drains run
 Every test states what the tier does with the pill: *contained* (killed or denied, and said so in
 the job's row) or, where the tier cannot contain it, *not contained*: the test then asserts that
 the pill succeeded, and docs/isolation.md ("Poison pills") says so too. The process tier runs jobs
-as the drainer's user with the host's filesystem and network: it contains resources, the process
-tree and the environment, not files or the network. The forkserver tier (a minimal root and fresh
+with the host's filesystem (as a uid of their own, or the drainer's user) and, where the kernel
+gives them namespaces, a network namespace with only loopback: it contains resources, the process
+tree, the environment and the network, not files the job's uid may reach. The forkserver tier (a minimal root and fresh
 namespaces per job, like bwrap) answers every pill as bwrap does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -372,21 +374,45 @@ def test_read_a_sibling_jobs_workspace(tier: str, poison: Poison) -> None:
 
 
 # -- network -----------------------------------------------------------------------------------
+def _own_network(tier: str) -> bool:
+    """Whether ``tier``'s jobs get a network namespace (or VM) of their own here: every tier but a
+    process tier whose jobs get no namespaces (the kernel refuses them, or FLEETLESS_PROCESS_CONTAIN=0)."""
+    if tier != "process":
+        return True
+    from fleetless.sandbox.process import jobs_own_network
+
+    return jobs_own_network()
+
+
 def test_connect_to_the_hosts_postgresql(tier: str, poison: Poison) -> None:
     """Connect to 127.0.0.1:5432 and log in as postgres (the test server trusts local connections).
 
-    bwrap: the job has its own network namespace; its 127.0.0.1 is its own (``Connection
-    refused``). microvm: no network device at all; the guest's loopback is its own.
+    bwrap, forkserver, process: the job has its own network namespace with only loopback; its
+    127.0.0.1 is its own (``Connection refused``). microvm: no network device at all; the guest's
+    loopback is its own.
 
-    process: **not contained** — the job shares the host's network: it reaches the database the
-    drainer uses (here it even logs in). See docs/isolation.md."""
+    process: **not contained only where the kernel refuses the job its namespaces** (its fallback,
+    said by ``Sandbox.caps`` and ``fleetless doctor``): the job then shares the host's network and
+    reaches the database the drainer uses (here it even logs in). See docs/isolation.md."""
     o = poison("connect_postgres")
     o.assert_contained()
     row = o["connect_postgres"]
-    if tier == "process":
+    if not _own_network(tier):
         assert row.status == "done" and (row.result or "").startswith("127.0.0.1:5432: connected"), row
         return
     assert (row.status, row.last_error) == ("dead", _failed_with(["127.0.0.1:5432: denied (Connection refused)"])), row
+
+
+def test_a_kind_with_network_reaches_the_hosts_postgresql(tier: str, poison: Poison) -> None:
+    """With ``limits.network = True`` the process tier's job keeps the host's network, as the kind
+    asks: the same pill connects to 127.0.0.1:5432 (and logs in). (The other tiers' network jobs
+    have their own tests: bwrap's ``--share-net``, the fork server's, the microVM's user-mode NIC.)"""
+    if tier != "process":
+        pytest.skip("limits.network on the process tier only here")
+    o = poison("connect_postgres", limits=dataclasses.replace(LIMITS, network=True))
+    o.assert_contained()
+    row = o["connect_postgres"]
+    assert row.status == "done" and (row.result or "").startswith("127.0.0.1:5432: connected"), row
 
 
 def _host_network_view(handlers: Path) -> dict[str, object]:
@@ -402,15 +428,16 @@ def test_look_for_a_way_off_the_machine(tier: str, poison: Poison) -> None:
     interface but lo or any route (no packet is sent).
 
     bwrap: only ``lo``, no route (own network namespace; no /sys). microvm: only ``lo`` (no
-    network device unless ``limits.network``).
+    network device unless ``limits.network``). process: only ``lo``, no route (own network
+    namespace, and a read-only /sys of it).
 
-    process: **not contained** — the job sees exactly the host's interfaces and routes. See
-    docs/isolation.md."""
+    process: **not contained only where the kernel refuses the job its namespaces** — the job
+    then sees exactly the host's interfaces and routes. See docs/isolation.md."""
     o = poison("network_probe")
     o.assert_contained()
     row = o["network_probe"]
     view = json.loads((row.result or "{}").splitlines()[0])
-    if tier == "process":
+    if not _own_network(tier):
         assert row.status == "done", row
         assert view == _host_network_view(_ctx(o).handlers)
         return

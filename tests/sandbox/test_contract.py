@@ -52,7 +52,8 @@ ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "ONLY": "this"}
 class Promises:
     """Where a tier promises less than (or other than) the whole contract."""
 
-    #: No interface but loopback. The process tier shares the drainer's network (docs/isolation.md).
+    #: No interface but loopback (the process tier: where the kernel gives its jobs namespaces,
+    #: ``jobs_own_network``; else they share the drainer's network, docs/isolation.md).
     no_network: bool = True
     #: A job over ``memory_bytes`` is killed and told so ("killed: memory limit N MiB exceeded").
     #: False: the cap is an address-space rlimit, so the job's allocation fails instead.
@@ -74,7 +75,7 @@ class Promises:
 
 
 PROMISES: dict[str, Promises] = {
-    "process": Promises(no_network=False, memory_kill=False,
+    "process": Promises(memory_kill=False,
                         extra_env=frozenset({"TMPDIR"})),  # in its workspace: the host's /tmp is shared
     "bwrap": Promises(extra_env=frozenset({"PWD"})),  # bubblewrap's --chdir sets PWD
     "forkserver": Promises(one_exec=True),
@@ -345,6 +346,11 @@ def test_a_fork_bomb_is_held_to_the_pids_cap_and_its_tree_dies(tier: Tier) -> No
 def test_no_network_but_loopback(tier: Tier) -> None:
     if not tier.promises.no_network:
         pytest.skip(f"{tier.name} shares the drainer's network (docs/isolation.md)")
+    if tier.name == "process":
+        from fleetless.sandbox.process import jobs_own_network, network_words
+
+        if not jobs_own_network():
+            pytest.skip(f"process: {network_words()}")
     tier.handler("net.py", NET_PROBE)
     r = tier.run(tier.create(), "net.py", timeout=120)
     assert r.ok, r

@@ -273,7 +273,7 @@ def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
             get_backend("bwrap").warm(template)  # beside its probe below
         get_backend("bwrap").check()
     except SandboxUnavailable as exc:
-        from .process import isolation_gap
+        from .process import isolation_gap, network_words
 
         gap = isolation_gap()
         if gap is not None:  # issue 25, item 4: never a silent fall back to a tier that cannot hold
@@ -282,7 +282,7 @@ def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
                 f"jobs apart ({gap}); pass --sandbox process to run them so anyway (see "
                 "docs/isolation.md)") from None
         return "process", (f"sandbox: process (auto: bwrap cannot run here: {exc}); jobs share the "
-                           "drainer's filesystem and network: see docs/isolation.md")
+                           f"drainer's filesystem; {network_words()}: see docs/isolation.md")
     try:
         get_backend("forkserver").check()
     except SandboxUnavailable:

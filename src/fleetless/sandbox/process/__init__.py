@@ -14,9 +14,12 @@ its TMPDIR is in its workspace; the drainer and supervisor are non-dumpable. Und
 the job runs as a leased unprivileged uid (:mod:`.._hostuid`; a non-root drainer with a
 subordinate range: one of it, :mod:`.._subuid`), so it cannot reach its supervisor, the drainer or
 other jobs, and when it ends every process and key of that uid is swept before the lease is
-released. What it does not: the rest of the filesystem and the network are the job uid's (the
-drainer's own uid under a non-root drainer without a range: :func:`isolation_gap`, and ``auto``
-does not fall back to this tier then). Use ``bwrap`` or ``microvm`` for untrusted code.
+released. Where it gives the job those namespaces it also gives it a network namespace with only
+loopback (unless ``limits.network``): its 127.0.0.1 is its own, not the host's database; where the
+kernel refuses them, the job has the host's network (:func:`network_words`, said by ``doctor`` and
+``auto``). What it does not: the rest of the filesystem is the job uid's (the drainer's own uid
+under a non-root drainer without a range: :func:`isolation_gap`, and ``auto`` does not fall back to
+this tier then). Use ``bwrap`` or ``microvm`` for untrusted code.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from .._hardening import harden_drainer, untraversable
 from .._limits import rlimit_kill_reason, rlimits_for
 from .._wording import describe_signal, memory_size
 
-__all__ = ["CONTAIN_ENV", "ProcessSandbox", "isolation_gap"]
+__all__ = ["CONTAIN_ENV", "ProcessSandbox", "isolation_gap", "jobs_own_network", "network_words"]
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
@@ -202,7 +205,11 @@ class ProcessSandbox(Sandbox):
 
     @classmethod
     def describe(cls) -> str:
-        """Which uid jobs run as (for ``fleetless doctor``)."""
+        """Which uid jobs run as, and which network they have (for ``fleetless doctor``)."""
+        return f"{cls._describe_uid()}; {network_words()}"
+
+    @classmethod
+    def _describe_uid(cls) -> str:
         if _hostuid.needed():
             try:
                 return f"jobs run as host uids {_hostuid.configured_range()}, one each"
@@ -420,6 +427,8 @@ class ProcessSandbox(Sandbox):
                     if not any(c in p + top for c in "\n\t")]
             lines += [f"T {top}" for top in sorted({top for _, top in view})]
             lines += [f"V {p}\t{top}" for p, top in view]
+        if self._template.limits.network:  # the host's network, as the kind asks; else loopback only
+            lines.append("N")
         return "\n".join(lines)
 
     def _kill_leftovers(self) -> None:
@@ -465,6 +474,25 @@ class ProcessSandbox(Sandbox):
             self._lease.release(clean=not self._unswept and self._proc is not None)
 
 
+def jobs_own_network() -> bool:
+    """Whether this drainer's process-tier jobs get a network namespace of their own (only loopback,
+    unless ``limits.network``): wherever they get their pid, mount and IPC namespaces, the ones the
+    kernel may refuse (then a job has the host's network, as it has the host's everything else)."""
+    if os.environ.get(CONTAIN_ENV) == "0":
+        return False
+    return _namespaces_work() if _hostuid.needed() else _own_userns_works()
+
+
+def network_words() -> str:
+    """What network this drainer's process-tier jobs have, in words (``doctor``, ``auto``)."""
+    if jobs_own_network():
+        return ("each job has a network namespace of its own with only loopback (its 127.0.0.1 is not the "
+                "host's), the host's network only for kinds with network = true")
+    why = (f"{CONTAIN_ENV}=0" if os.environ.get(CONTAIN_ENV) == "0"
+           else "the kernel refuses its supervisors new namespaces here")
+    return f"jobs share the host's network, its 127.0.0.1 (the database) too: {why}"
+
+
 def isolation_gap() -> str | None:
     """Why this drainer's process-tier jobs would not be kept apart (issue 25, item 4: a uid of
     their own, swept of processes and keys when its lease ends; private temporary directories and
@@ -473,7 +501,7 @@ def isolation_gap() -> str | None:
         return f"{CONTAIN_ENV}=0 gives its jobs no namespaces of their own"
     if _hostuid.needed():
         if not _namespaces_work():
-            return "the kernel refuses this root drainer new pid, mount and IPC namespaces"
+            return "the kernel refuses this root drainer new pid, mount, IPC and network namespaces"
         return None
     if _subuid.delegation() is None:
         return (f"its jobs would run as the drainer's own uid {os.getuid()}, which cannot be swept when "
@@ -515,7 +543,7 @@ def _namespaces_work() -> bool:
     global _namespaces_ok
     if _namespaces_ok is None:
         try:
-            _namespaces_ok = subprocess.run(["unshare", "--pid", "--mount", "--ipc", "--fork", "true"],
+            _namespaces_ok = subprocess.run(["unshare", "--pid", "--mount", "--ipc", "--net", "--fork", "true"],
                                             capture_output=True, timeout=30,
                                             stdin=subprocess.DEVNULL).returncode == 0
         except (OSError, subprocess.SubprocessError):

@@ -16,13 +16,15 @@ supervisor (parent-death SIGKILL) and then the kernel kills every process of the
 job's daemon cannot outlive its supervisor even where no cgroup can be made; the job cannot name
 its supervisor or the drainer (they are outside its pid namespace), and init ignores every signal
 from inside. The init also gives the job a mount namespace with a fresh /proc (of its pid
-namespace: no host process is visible), a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock
-and an IPC namespace. Every job gets TMPDIR in its workspace, no_new_privs and a fresh session
-keyring. A job run as another uid (CREDS) has a *sweeper*, forked before the job: at the job's end
-(or the supervisor's) it becomes that uid and kills every process of it and clears its keyrings;
-the supervisor exits 3 when that did not complete (0 otherwise). The supervisor and the init
-make themselves non-dumpable, so that what they hold (the status pipe) is not reachable through
-/proc even by the same uid.
+namespace: no host process is visible), a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock,
+an IPC namespace and (unless ``limits.network``) a network namespace with only loopback, up: the
+job's 127.0.0.1 is its own, so it cannot reach the host's database or any other host service.
+Every job gets TMPDIR in its workspace, no_new_privs and a fresh session keyring. A job run as
+another uid (CREDS) has a *sweeper*, forked before the job: at the job's end (or the supervisor's)
+it becomes that uid and kills every process of it and clears its keyrings; the supervisor exits 3
+when that did not complete (0 otherwise). The supervisor and the init make themselves non-
+dumpable, so that what they hold (the status pipe) is not reachable through /proc even by the same
+uid.
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
     python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV...
@@ -34,7 +36,8 @@ must first read one byte on its stdin (the drainer puts it into the job's cgroup
 lines: TMP_BYTES (each private directory's size), then "K PATH" for each host path under those the
 job needs (the work directory, the handlers, the interpreter),
 "T DIR" for each directory the job's uid cannot search that holds its interpreter (a root
-drainer's /root) and "V PATH<tab>DIR" for each path under such a DIR to bind back for it. The job gets this
+drainer's /root), "V PATH<tab>DIR" for each path under such a DIR to bind back for it, and "N" when
+the job keeps the host's network (``limits.network``; else a network namespace with only loopback). The job gets this
 process's environment and working directory, and /dev/null as its stdin.
 """
 
@@ -50,8 +53,10 @@ PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
+CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH = 2
+MS_RDONLY = 1
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.syscall.restype = ctypes.c_long
@@ -267,14 +272,30 @@ def _private_dir(target: str, size: int, keep: list[str]) -> None:
             os.close(fd)
 
 
-def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]]) -> None:
-    """In a new mount and IPC namespace (the init's, inherited by the job): a fresh /proc of the
-    job's pid namespace and a private tmpfs on each of PRIVATE_DIRS (the host paths of ``keep``
-    under them bound back), and the ``view`` of :func:`_bind_back`. A job therefore leaves nothing
-    in the host's shared temporary directories (a setuid copy of an interpreter for the next job
-    of its uid), and no System V IPC object. The mounts and the IPC namespace are required; only a
-    /proc the kernel will not mount here (a container that masks parts of its own) stays the host's."""
-    _unshare(CLONE_NEWNS | CLONE_NEWIPC)
+def _loopback_up() -> None:
+    """Bring up ``lo`` of this (new) network namespace: the fork server's way (SIOCSIFFLAGS)."""
+    import fcntl
+    import socket
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
+        fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags))  # SIOCSIFFLAGS
+
+
+def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]], net: bool) -> None:
+    """In a new mount and IPC namespace (the init's, inherited by the job) and, unless ``net`` (the
+    kind's ``limits.network``), a new network namespace with only loopback, up: a fresh /proc of the
+    job's pid namespace (and /sys of its network namespace, read-only) and a private tmpfs on each
+    of PRIVATE_DIRS (the host paths of ``keep`` under them bound back), and the ``view`` of
+    :func:`_bind_back`. A job therefore leaves nothing in the host's shared temporary directories (a
+    setuid copy of an interpreter for the next job of its uid), and no System V IPC object, and
+    reaches nothing on the host's network (its 127.0.0.1 is its own: not the host's database). The
+    mounts and the namespaces are required; only a /proc or /sys the kernel will not mount here (a
+    container that masks parts of its own) stays the host's."""
+    _unshare(CLONE_NEWNS | CLONE_NEWIPC | (0 if net else CLONE_NEWNET))
+    if not net:
+        _loopback_up()
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
     if view:
         _bind_back(tops, view)
@@ -284,6 +305,11 @@ def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tupl
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     except OSError:
         pass
+    if not net:  # the host's /sys/class/net would still name the host's interfaces
+        try:
+            _mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+        except OSError:
+            pass
 
 
 def _descendants() -> list[int]:
@@ -411,7 +437,7 @@ def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int
         tops = [line[2:] for line in contain[1:] if line.startswith("T ")]
         view = [(path, top) for path, _, top in (line[2:].partition("\t") for line in contain[1:]
                                                   if line.startswith("V "))]
-        _private_mounts(int(contain[0]), keep, tops, view)
+        _private_mounts(int(contain[0]), keep, tops, view, "N" in contain[1:])
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # as init: the job's are ignored
             signal.signal(signum, signal.SIG_DFL)
         job = os.fork()
