@@ -273,14 +273,18 @@ def _private_dir(target: str, size: int, keep: list[str]) -> None:
 
 
 def _loopback_up() -> None:
-    """Bring up ``lo`` of this (new) network namespace: the fork server's way (SIOCSIFFLAGS)."""
+    """Bring up ``lo`` of this (new) network namespace: the fork server's way (SIOCSIFFLAGS), with
+    ``_socket`` rather than ``socket`` (whose import, enum and all, would be most of the cost)."""
+    import _socket
     import fcntl
-    import socket
-    import struct
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
-        fcntl.ioctl(s, 0x8914, struct.pack("16sH22x", b"lo", flags))  # SIOCSIFFLAGS
+    flags = 0x1 | 0x8 | 0x40  # IFF_UP | IFF_LOOPBACK | IFF_RUNNING
+    ifreq = b"lo".ljust(16, b"\0") + flags.to_bytes(2, sys.byteorder) + bytes(22)  # struct ifreq
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+    try:
+        fcntl.ioctl(s.fileno(), 0x8914, ifreq)  # SIOCSIFFLAGS
+    finally:
+        s.close()
 
 
 def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]], net: bool) -> None:
