@@ -35,6 +35,17 @@ def test_the_database_and_schema_options_work_after_the_command(dsn: str, queue:
     assert wrong.returncode == 1 and "schema nosuch is not initialised" in wrong.stderr
 
 
+def test_v_and_log_format_work_after_every_command(dsn: str, queue: Queue, fleetless: Any) -> None:
+    """As --database-url does: `status -v`, `jobs --log-format json` and `wait ID --log-format json`
+    were "No such option" (newcomer review)."""
+    job_id = queue.enqueue("report", {})
+    for args in (["status", "-v", "--json"], ["jobs", "--log-format", "json"], ["status", "--log-format=json"],
+                 ["queue", "list", "--verbose"], ["show", str(job_id), "-v"],
+                 ["wait", str(job_id), "--timeout", "0.1", "--log-format", "json"]):
+        r = fleetless(*args, dsn=dsn)
+        assert "No such option" not in r.stderr and r.returncode in (0, 124), (args, r.stderr)
+
+
 def test_json_timestamps_are_iso_8601_with_a_t(dsn: str, queue: Queue, fleetless: Any) -> None:
     job_id = queue.enqueue("report", {})
     shown = json.loads(fleetless("show", str(job_id), "--json", dsn=dsn).stdout)

@@ -940,12 +940,15 @@ def build_image(force: bool, apt: tuple[str, ...], pip: tuple[str, ...],
 
 #: The group's options that take a value, accepted after the command too (``fleetless status
 #: --database-url …``) unless that command has an option of the same name.
-_GLOBAL_WITH_VALUE = ("--database-url", "--schema")
+_GLOBAL_WITH_VALUE = ("--database-url", "--schema", "--log-format")
+#: And its flags (``fleetless status -v``).
+_GLOBAL_FLAGS = ("-v", "--verbose")
 
 
 def _global_options_first(args: list[str]) -> list[str]:
-    """``args`` with the group's ``--database-url``/``--schema`` moved in front of the command when
-    given after it, as users of git, psql and kubectl type them. Nothing after ``--`` moves."""
+    """``args`` with the group's ``--database-url``/``--schema``/``--log-format``/``-v`` moved in
+    front of the command when given after it, as users of git, psql and kubectl type them. Nothing
+    after ``--`` moves."""
     i = 0
     while i < len(args) and args[i].startswith("-"):  # the group's own options before the command
         i += 2 if args[i] in _GLOBAL_WITH_VALUE else 1
@@ -960,7 +963,9 @@ def _global_options_first(args: list[str]) -> list[str]:
             rest.extend(args[j:])
             break
         name = a.partition("=")[0]
-        if name in _GLOBAL_WITH_VALUE and name not in own:
+        if a in _GLOBAL_FLAGS and a not in own:
+            front.append(a)
+        elif name in _GLOBAL_WITH_VALUE and name not in own:
             if "=" in a:
                 front.append(a)
             else:
