@@ -197,3 +197,95 @@ def test_a_batch_is_sent_job_by_job_over_the_runners_channel_also_by_a_subordina
     rows = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done'"))
     for i in ids:
         assert [os.path.basename(a) for a in rows[i]] == [CHANNEL_IN, CHANNEL_OUT], (rows.get(i), r.stderr)
+
+
+#: A handle() that scans its own memory (every private, writable mapping that is anonymous, the
+#: heap or the stack, as /proc/self/maps lists them) for the secrets of the batch's jobs. It reads
+#: through /proc/self/mem (a read of an unmapped page is an error there, not a crash), or, where
+#: that cannot be opened, by writing each piece to a pipe from ctypes (EFAULT, not a crash).
+MEMORY_SCAN = r"""
+import ctypes, os, re
+
+PATTERN = re.compile(rb"SECRET-[0-9a-f]{16}")
+CHUNK = 1 << 15  # and 64 bytes more: within a pipe's 64 KiB
+
+
+def _reader():
+    try:
+        mem = os.open("/proc/self/mem", os.O_RDONLY)
+        return lambda addr, n: os.pread(mem, n, addr)
+    except OSError:
+        pass
+    libc = ctypes.CDLL(None, use_errno=True)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+
+    def probe(addr, n):
+        done = libc.write(w, ctypes.c_void_p(addr), ctypes.c_size_t(n))
+        if done <= 0:
+            raise OSError(ctypes.get_errno(), "unreadable")
+        return os.read(r, done)
+    return probe
+
+
+def scan():
+    read = _reader()
+    found, scanned = set(), 0
+    with open("/proc/self/maps") as f:
+        maps = f.read().splitlines()
+    for line in maps:
+        fields = line.split()
+        perms, path = fields[1], (fields[5] if len(fields) > 5 else "")
+        if not perms.startswith("rw") or perms[3] != "p" or path not in ("", "[heap]", "[stack]"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        pos = start
+        while pos < end:
+            n = min(CHUNK, end - pos)
+            try:
+                data = read(pos, n + 64 if pos + n < end else n)  # overlapping: no secret cut in two
+            except OSError:
+                pos += n
+                continue
+            scanned += len(data)
+            found.update(m.decode() for m in PATTERN.findall(data))
+            pos += n
+    return found, scanned
+
+
+def handle(payload):
+    found, scanned = scan()
+    mine = payload["secret"]
+    return {"n": payload["n"], "own": mine in found, "others": sorted(found - {mine}), "scanned": scanned > 0}
+"""
+
+
+@pytest.mark.parametrize("user", [None, USER], ids=["root-drainer", "subuid-drainer"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_no_job_of_a_batch_finds_another_jobs_payload_in_its_own_memory(
+        tier: str, user: str | None, dsn: str, shared: Path, sql) -> None:
+    """Issue 25: each job of a batch starts from a process that never held another job's line or
+    result (a fork of the runner's template, not of the runner, which reads them all). Before, a
+    job's fork of the runner held the earlier jobs' payloads and results in freed heap pages."""
+    need_tier(tier)
+    if tier == "forkserver" and user is not None:
+        pytest.skip("the fork server needs a root drainer")
+    uid = _uid(user)
+    need_user(uid)
+    h = handlers_dir(shared, **{"memscan.py": MEMORY_SCAN})
+    work = work_dir(shared, uid)
+    from fleetless import Queue
+
+    q = Queue(dsn)
+    q.init()
+    secrets = [f"SECRET-{os.urandom(8).hex()}" for _ in range(5)]
+    ids = [q.enqueue("memscan", {"n": n, "secret": s, "pad": "x" * (700 * n + 600)}, max_attempts=1)
+           for n, s in enumerate(secrets)]
+    r = drain(dsn, h, work, "--per-sandbox", "10", "--concurrency", "1", "--memory", "256M",
+              tier=tier, user=uid)
+    assert r.returncode == 0, r.stderr
+    rows = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done'"))
+    for n, i in enumerate(ids):  # its own payload is found (the scan works); no other job's secret
+        result = rows.get(i)
+        assert result is not None and result["own"] and result["scanned"], (n, result, r.stderr)
+        assert set(result["others"]) & set(secrets) == set(), (n, result)

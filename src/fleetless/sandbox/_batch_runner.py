@@ -34,13 +34,23 @@ the drainer: a job after the one running was cancelled) makes the runner start n
 the one running has ended: it exits 0 and the host runs the rest, the cancelled one left out, in a
 fresh sandbox.
 
-Each job runs in a fork of this runner (``handle(payload)`` modules: the module is imported once,
-before the first fork; scripts: the fork execs the handler with ``payload.json``), in its own
-process group, in a directory of its own (its cwd and TMPDIR), its stdout and stderr pipes that
+Each job runs in a fork of the runner's *template* (``handle(payload)`` modules: the module is
+imported once, before the template is forked; scripts: the fork execs the handler with
+``payload.json``). The template is forked right after the import, when the runner has read nothing
+but the header, and never reads a job's line, payload or result: on the runner's request (a
+message on a ``SOCK_SEQPACKET`` socket carrying the job's pipes) it forks the job's process, sends
+back its pid (and a pidfd), waits for it, kills what it left (it is a child subreaper too) and
+sends its wait status. The job's process reads its own line from a pipe the runner writes, and
+nothing else of the batch: no job starts from memory that held another job's payload or result,
+which the runner's own memory does (``tests/test_batch_isolation.py``). A job that kills the
+template ends the batch after itself (the runner, its subreaper, reaps and kills what is left; the
+rest run elsewhere, uncharged). Each job runs in its own process group, in a directory of its own
+(its cwd and TMPDIR), its stdout and stderr pipes that
 only its own processes hold (the runner reads them as the job runs: no file per job to write, read
 and remove). The runner enforces the timeout from outside (SIGKILL of the job's
-group), then kills every process the job left (it is a child subreaper: setsid daemons included)
-and checks none is left before it writes the result. A job that dies (os._exit, a segfault) is
+group); the template then kills every process the job left (it is a child subreaper: setsid
+daemons included) and checks none is left before the runner writes the result. A job that dies
+(os._exit, a segfault) is
 charged alone; the runner goes on. The runner starts no job that could not finish within
 ``budget`` seconds of its own start (the sandbox's TTL): it exits 0 and the host runs the rest
 elsewhere, charging nobody.
@@ -57,6 +67,7 @@ import json
 import os
 import select
 import signal
+import socket
 import stat
 import sys
 import time
@@ -66,7 +77,7 @@ from typing import Any
 ERROR_CHARS = 2000
 #: Largest JSON result of handle(), in bytes (as the queue's MAX_RESULT_CHARS).
 RESULT_BYTES = 64 * 1024
-PR_SET_NAME, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 15, 4, 36
+PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 1, 15, 4, 36
 #: The runner's name (its /proc/<pid>/comm), by which the drainer finds it to signal it: on the fork
 #: server's tier it runs without an exec of its own, under the server's command line.
 NAME = b"fleetless-batch"
@@ -276,6 +287,9 @@ class Runner:
         self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
         self.stop = False  # file mode: SIGUSR1 came, start no other job
         self.jobs_usr1: Any = signal.SIG_DFL  # SIGUSR1 as the jobs get it (what the module set, if it did)
+        self.header = True  # the next line read is the header
+        self.template: socket.socket | None = None  # the runner's end of the template's socket
+        self.template_pid = 0
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stop = True
@@ -284,17 +298,20 @@ class Runner:
     def read_line(self, block: bool = True) -> bytes | None:
         """The next line from IN; b"" at its end; None when not ``block`` and none is there. In
         file mode exactly one line is read (the header byte by byte, then each job by the size
-        the header gives): a later job's payload is never in this process's memory before its turn."""
+        the header gives): a later job's payload is never in this process's memory before its turn.
+        The header is read byte by byte in both modes: nothing of the first job is read before the
+        template is forked (:meth:`start_template`)."""
+        if self.header:
+            self.header = False
+            line = b""
+            while not line.endswith(b"\n"):
+                byte = os.read(self.inp, 1) if self.channel else os.pread(self.inp, 1, self.offset)
+                if not byte:
+                    break
+                line += byte
+                self.offset += 1
+            return line.rstrip(b"\n")
         if not self.channel:
-            if self.sizes is None:  # the header
-                line = b""
-                while not line.endswith(b"\n"):
-                    byte = os.pread(self.inp, 1, self.offset)
-                    if not byte:
-                        break
-                    line += byte
-                    self.offset += 1
-                return line.rstrip(b"\n")
             if not self.sizes:
                 return b""
             size = self.sizes.pop(0)
@@ -344,9 +361,8 @@ class Runner:
             sys.stderr.flush()
 
     def run(self, started: float) -> None:
-        if not self.channel:  # after the import: a module that set its own keeps it for its jobs
-            before = signal.signal(signal.SIGUSR1, self._stop)
-            self.jobs_usr1 = signal.SIG_DFL if before is None else before
+        if not self.channel:  # after the template's fork: the jobs get what the module set
+            signal.signal(signal.SIGUSR1, self._stop)
         desc = self.desc
         budget = float(desc.get("budget", 1e9))
         grace = float(desc.get("grace", 2.0))
@@ -361,6 +377,8 @@ class Runner:
             timeout = float(job["timeout"])
             if not first and (self.stop or time.monotonic() - started + timeout + grace > budget):
                 return
+            if self.import_error is None and self.template is None:  # a job killed it: the rest elsewhere
+                return
             first = False
             tag = str(job["tag"])
             end = job.get("not_after")
@@ -372,41 +390,187 @@ class Runner:
             if self.import_error is not None:
                 self.send(json.dumps({"tag": tag, "ok": False, "error": self.import_error, "duration": 0.0}))
                 continue
-            self.send(self.one(job, tag, timeout))
+            result = self.one(job, line, tag, timeout)
+            if result is None:  # the template is gone before the job started: it runs elsewhere
+                return
+            self.send(result)
 
-    def one(self, job: dict[str, Any], tag: str, timeout: float) -> str:
+    def home(self, job: dict[str, Any]) -> str:
+        """The job's own directory (its cwd, HOME and TMPDIR)."""
+        return os.path.join(self.cwd, f"job-{job['id']}-{str(job['tag'])[:12]}")
+
+    # -- the template ------------------------------------------------------------------------
+    def start_template(self) -> None:
+        """Fork the template: a process that never reads a job's line, a payload or a result, and
+        forks each job on the runner's request. It is forked right after the import (the header is
+        all this process has read), so every job starts from memory that held no other job's
+        payload or result; only the job's own process reads its line (from a pipe the runner
+        writes). The template is the job's parent and a child subreaper: it waits for the job,
+        kills what the job left, then says the job's wait status. It dies with the runner."""
+        before = signal.getsignal(signal.SIGUSR1)  # what the module set, if it did: the jobs' own
+        self.jobs_usr1 = signal.SIG_DFL if before is None else before
+        if self.import_error is not None:  # no job runs: each gets the import's error
+            return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pid = os.fork()
+        if pid == 0:  # the template: it never returns
+            try:
+                ours.close()
+                self.serve_template(theirs)
+            except BaseException:
+                pass
+            os._exit(0)
+        theirs.close()
+        self.template, self.template_pid = ours, pid
+
+    def serve_template(self, sock: socket.socket) -> None:
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+        if os.getppid() != self.me:  # the runner is gone already
+            return
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # the jobs get theirs back (child)
+        for fd in (self.inp, self.out):  # never the channel: neither the template nor its jobs
+            os.close(fd)
+        subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        me = os.getpid()
+        while True:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 4)
+            if not msg or len(fds) != 4:  # the runner closed its end
+                return
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                for fd in fds:
+                    os.close(fd)
+                sock.send(b"e" + str(exc).encode("utf-8", "replace"))
+                continue
+            if pid == 0:  # the job's own process: it never returns
+                sock.close()
+                self.job_process(*fds)
+            for fd in fds:
+                os.close(fd)
+            try:
+                os.setpgid(pid, pid)  # also here: the group exists before the runner hears of it
+            except OSError:
+                pass
+            ended: list[int] = []
+            try:  # the runner watches the job's end through it (no pid reuse: this holds it)
+                ended.append(os.pidfd_open(pid))
+            except (AttributeError, OSError):
+                pass
+            socket.send_fds(sock, [b"p%d" % pid], ended)
+            for fd in ended:
+                os.close(fd)
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                status = 0
+            clean = end_leftovers(me, pid, subreaper)
+            sock.send(b"s%d,%d" % (status, clean))
+
+    def job_process(self, job_r: int, w: int, out_w: int, err_w: int) -> None:
+        """The job's process, a fork of the template: it reads its own line, then runs it."""
+        try:
+            signal.signal(signal.SIGUSR1, self.jobs_usr1)  # the runner's own, not the job's
+            os.setpgid(0, 0)
+            chunks = []
+            while True:
+                chunk = os.read(job_r, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            os.close(job_r)
+            job = json.loads(b"".join(chunks))
+            home = self.home(job)
+            argv = [] if self.desc["module"] else [*self.desc["argv"], os.path.join(home, "payload.json")]
+        except BaseException:
+            os._exit(1)
+        self.child(job, home, argv, w, out_w, err_w)
+
+    def _template_gone(self, pid: int) -> tuple[int, bool]:
+        """The template died (a job killed it): the job's wait status and whether its leftovers
+        are dead, found by the runner itself (the job and what it left are its children now)."""
+        if self.template is not None:
+            self.template.close()
+            self.template = None
+        try:
+            os.waitpid(self.template_pid, 0)  # once it is reaped, its children are this runner's
+        except ChildProcessError:
+            pass
+        status = 0
+        if pid:
+            try:
+                _, status = os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        return status, end_leftovers(self.me, pid, self.subreaper) if pid else True
+
+    def close_template(self) -> None:
+        if self.template is None:
+            return
+        self.template.close()
+        self.template = None
+        try:
+            os.kill(self.template_pid, signal.SIGKILL)
+            os.waitpid(self.template_pid, 0)
+        except OSError:
+            pass
+
+    def one(self, job: dict[str, Any], line: bytes, tag: str, timeout: float) -> str | None:
         desc = self.desc
         module = bool(desc["module"])
-        home = os.path.join(self.cwd, f"job-{job['id']}-{tag[:12]}")
+        home = self.home(job)
         os.mkdir(home, 0o700)
         payload_path = os.path.join(home, "payload.json")
-        argv: list[str] = []
         if not module:
             with open(payload_path, "w") as f:
                 json.dump(job["payload"], f)
-            argv = [*desc["argv"], payload_path]
+        job_r, job_w = os.pipe()  # its line: read by its own process alone
         r, w = os.pipe()
         out_r, out_w = os.pipe()  # its stdout and stderr: pipes only this job's processes hold
         err_r, err_w = os.pipe()
+        theirs = (job_r, w, out_w, err_w)
         t0 = time.monotonic()
-        pid = os.fork()
-        if pid == 0:  # the job's own process: it never returns
-            self.child(job, home, argv, (r, out_r, err_r), w, out_w, err_w)
-        for fd in (w, out_w, err_w):
-            os.close(fd)
+        assert self.template is not None
         try:
-            os.setpgid(pid, pid)  # also here: no race with the first kill
+            socket.send_fds(self.template, [b"f"], list(theirs))
+            msg, fds, _, _ = socket.recv_fds(self.template, 4096, 1)
         except OSError:
+            msg, fds = b"", []
+        for fd in theirs:
+            os.close(fd)
+        if not msg.startswith(b"p"):  # no job process: the template is gone, or its fork failed
+            for fd in (*fds, job_w, r, out_r, err_r):
+                os.close(fd)
+            if not module:
+                try:
+                    os.unlink(payload_path)
+                except OSError:
+                    pass
+            _remove(home)
+            if not msg:
+                self._template_gone(0)
+                return None
+            return json.dumps({"tag": tag, "ok": False, "duration": 0.0,
+                               "error": "cannot start the job: " + msg[1:].decode("utf-8", "replace")})
+        pid = int(msg[1:])
+        try:
+            _write_all(job_w, line)
+        except OSError:  # it died before it read it
             pass
+        os.close(job_w)
         outs = (_Output(out_r, head=int(desc.get("stdout_bytes", RESULT_BYTES))),
                 _Output(err_r, tail=int(desc.get("stderr_bytes", ERROR_CHARS))))
-        killed, data = self.wait(pid, r, t0 + timeout, tag, timeout, outs)
+        killed, data = self.wait(pid, fds[0] if fds else None, r, t0 + timeout, tag, timeout, outs)
         os.close(r)
         try:
-            _, status = os.waitpid(pid, 0)
-        except ChildProcessError:
-            status = 0
-        clean = end_leftovers(self.me, pid, self.subreaper)
+            reply = self.template.recv(64)
+        except OSError:
+            reply = b""
+        if reply.startswith(b"s"):
+            status_text, _, clean_text = reply[1:].partition(b",")
+            status, clean = int(status_text), clean_text == b"1"
+        else:
+            status, clean = self._template_gone(pid)
         duration = time.monotonic() - t0
         for each in outs:  # every writer is dead (when clean): the rest of what it wrote, to its end
             each.pull()
@@ -452,17 +616,14 @@ class Runner:
         return json.dumps({"tag": tag, "ok": False, "error": error, "stdout": stdout, "stderr": stderr,
                            "duration": duration}, ensure_ascii=False)
 
-    def wait(self, pid: int, r: int, deadline: float, tag: str, timeout: float,
+    def wait(self, pid: int, ended: int | None, r: int, deadline: float, tag: str, timeout: float,
              outs: tuple[_Output, ...]) -> tuple[str | None, bytes]:
         """The job's report, read until its process has exited (not until its pipe closes: a
         process the job left may hold it), or why it was killed: its timeout, or a cancel. Its
-        stdout and stderr are read meanwhile (``outs``)."""
+        stdout and stderr are read meanwhile (``outs``). ``ended``: the job's pidfd, from the
+        template (None on an old kernel: the pipe's end stands for the job's)."""
         data = b""
         os.set_blocking(r, False)
-        try:
-            ended: int | None = os.pidfd_open(pid)
-        except (AttributeError, OSError):  # an old kernel: the pipe's end stands for the job's
-            ended = None
         watch = [r] if ended is None else [r, ended]
         if self.channel:
             watch.append(self.inp)
@@ -504,14 +665,11 @@ class Runner:
             if ended is not None:
                 os.close(ended)
 
-    def child(self, job: dict[str, Any], home: str, argv: list[str], theirs: tuple[int, ...], w: int,
-              out_w: int, err_w: int) -> None:
+    def child(self, job: dict[str, Any], home: str, argv: list[str], w: int, out_w: int, err_w: int) -> None:
         try:
-            signal.signal(signal.SIGUSR1, self.jobs_usr1)  # the runner's own, not the job's
-            os.setpgid(0, 0)
             os.dup2(out_w, 1)
             os.dup2(err_w, 2)
-            for fd in (*theirs, self.inp, self.out, out_w, err_w):  # the runner's ends, and the channel
+            for fd in (out_w, err_w):  # the template closed the channel
                 os.close(fd)
             os.chdir(home)
             sys.stdout = sys.__stdout__  # fd 1 again: this job's own stdout
@@ -583,7 +741,11 @@ def main() -> None:
         return
     runner.load(json.loads(line))
     gc.freeze()  # what the runner holds now: no job's collection walks (and so copies) its pages
-    runner.run(started)
+    runner.start_template()
+    try:
+        runner.run(started)
+    finally:
+        runner.close_template()
 
 
 if __name__ == "__main__":
