@@ -316,8 +316,10 @@ def test_a_watchers_job_runs_in_a_sandbox_started_before_it_came_and_none_outliv
     require_tier(tier)
     h = handlers(**{"born.py": """
         import os
-        def handle(payload):  # when the batch runner (this job's parent) started, in seconds since boot
-            with open(f"/proc/{os.getppid()}/stat") as f:
+        def handle(payload):  # when the batch runner started, in seconds since boot: the parent of
+            with open(f"/proc/{os.getppid()}/stat") as f:  # this job's parent (the runner's template)
+                runner = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{runner}/stat") as f:
                 ticks = int(f.read().rsplit(")", 1)[1].split()[19])
             return ticks / os.sysconf("SC_CLK_TCK")
     """})
@@ -381,8 +383,10 @@ def test_a_one_shot_batch_runner_starts_the_next_batchs_sandbox_while_a_full_one
     require_tier(tier)
     h = handlers(**{"born.py": """
         import os
-        def handle(payload):  # when the batch runner (this job's parent) started, in seconds since boot
-            with open(f"/proc/{os.getppid()}/stat") as f:
+        def handle(payload):  # when the batch runner started, in seconds since boot: the parent of
+            with open(f"/proc/{os.getppid()}/stat") as f:  # this job's parent (the runner's template)
+                runner = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{runner}/stat") as f:
                 ticks = int(f.read().rsplit(")", 1)[1].split()[19])
             return ticks / os.sysconf("SC_CLK_TCK")
     """})
