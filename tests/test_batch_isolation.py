@@ -289,3 +289,33 @@ def test_no_job_of_a_batch_finds_another_jobs_payload_in_its_own_memory(
         result = rows.get(i)
         assert result is not None and result["own"] and result["scanned"], (n, result, r.stderr)
         assert set(result["others"]) & set(secrets) == set(), (n, result)
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_job_that_kills_its_template_ends_its_batch_and_the_rest_run_in_a_fresh_one(
+        tier: str, dsn: str, shared: Path, sql) -> None:
+    """The job's parent is the runner's template: a job may kill it (same uid). The job still gets
+    its own outcome (the runner, its subreaper, reaps it and kills what it left) and the jobs after
+    it run in a fresh sandbox, with a template of their own, uncharged."""
+    need_tier(tier)
+    need_user(None)
+    h = handlers_dir(shared, **{"killer.py": """
+        import os, signal, subprocess, sys, time
+        def handle(payload):
+            if payload.get("kill"):
+                subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+                os.kill(os.getppid(), signal.SIGKILL)
+                time.sleep(0.2)
+            return {"n": payload["n"], "parent": os.getppid() != 1}
+    """})
+    work = work_dir(shared, None)
+    from fleetless import Queue
+
+    q = Queue(dsn)
+    q.init()
+    ids = [q.enqueue("killer", {"n": n, "kill": n == 1}, max_attempts=1) for n in range(4)]
+    r = drain(dsn, h, work, "--per-sandbox", "10", "--concurrency", "1", tier=tier)
+    assert r.returncode == 0, r.stderr
+    rows = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done' AND id = ANY(%s)", ids))
+    assert [rows.get(i) for i in ids] == [{"n": n, "parent": True} for n in range(4)], r.stderr
+    assert sql("SELECT max(attempts) FROM fleetless.jobs WHERE id = ANY(%s)", ids) == [(1,)]
