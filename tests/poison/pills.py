@@ -208,6 +208,31 @@ HANDLERS: dict[str, str] = {
             report("127.0.0.1:5432: connected, logged in as postgres without a password", 0)
         report(f"127.0.0.1:5432: connected, server answered {head[:1]!r}", 0)
     """,
+    "connect_postgres_socket.py": """
+        import glob, socket, struct, sys
+        def report(line, code):
+            print(line)
+            print(line, file=sys.stderr)
+            sys.exit(code)
+        found = sorted({p for d in ("/run/postgresql", "/var/run/postgresql", "/tmp")
+                        for p in glob.glob(d + "/.s.PGSQL.*") if not p.endswith(".lock")})
+        if not found:
+            report("no PostgreSQL socket visible", 1)
+        for path in found:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(3)
+            try:
+                s.connect(path)
+            except OSError as exc:
+                report(f"{path}: denied ({exc.strerror or type(exc).__name__})", 1)
+            params = b"user\\0postgres\\0database\\0postgres\\0\\0"
+            s.sendall(struct.pack("!ii", 8 + len(params), 196608) + params)
+            head = s.recv(9)
+            s.close()
+            if head[:1] == b"R" and len(head) == 9 and struct.unpack("!i", head[5:9])[0] == 0:
+                report(f"{path}: connected, logged in as postgres without a password", 0)
+            report(f"{path}: connected, server answered {head[:1]!r}", 0)
+    """,
     "network_probe.py": """
         import json, os, sys
         def read(path):
@@ -300,6 +325,7 @@ def pills(*, workdir: str, usr_file: str, secret: str, marker: str, sibling_wait
             Job("sibling_reader", {"workdir": workdir, "wait": sibling_wait}, priority=100),
         )),
         Pill("connect_postgres", (Job("connect_postgres"),)),
+        Pill("connect_postgres_socket", (Job("connect_postgres_socket"),)),
         Pill("network_probe", (Job("network_probe"),)),
         Pill("setsid_daemon", (Job("setsid_daemon", {"marker": marker}),)),
     ]

@@ -294,7 +294,8 @@ def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tupl
     of PRIVATE_DIRS (the host paths of ``keep`` under them bound back), and the ``view`` of
     :func:`_bind_back`. A job therefore leaves nothing in the host's shared temporary directories (a
     setuid copy of an interpreter for the next job of its uid), and no System V IPC object, and
-    reaches nothing on the host's network (its 127.0.0.1 is its own: not the host's database). The
+    reaches nothing on the host's network (its 127.0.0.1 is its own: not the host's database) nor
+    the host's Unix sockets under /run (its /run is a tmpfs of its own then: PostgreSQL's socket). The
     mounts and the namespaces are required; only a /proc or /sys the kernel will not mount here (a
     container that masks parts of its own) stays the host's."""
     _unshare(CLONE_NEWNS | CLONE_NEWIPC | (0 if net else CLONE_NEWNET))
@@ -303,6 +304,12 @@ def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tupl
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
     if view:
         _bind_back(tops, view)
+    if not net:
+        # The host's Unix sockets that any user may connect to live under /run (PostgreSQL's
+        # /run/postgresql, 0777, trust or peer auth for local connections): a network namespace
+        # does not hide a socket file, so a job without the network gets a /run of its own.
+        _private_dir("/run", size, keep)
+        os.makedirs("/run/lock", mode=0o1777, exist_ok=True)
     for target in PRIVATE_DIRS:
         _private_dir(target, size, keep)
     try:
