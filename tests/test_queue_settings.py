@@ -227,3 +227,29 @@ def test_status_names_what_a_pause_or_a_limit_holds_back(fleetless, queue: Queue
     queue.resume_queue("mail")
     queue.set_queue_concurrency("capped", None)
     assert "held back" not in fleetless("status", dsn=dsn).stdout
+
+
+def test_a_drain_that_claims_nothing_says_what_holds_the_due_jobs_back(fleetless, queue: Queue, dsn: str,
+                                                                         handlers, sql) -> None:
+    """"drained: claimed 0" beside due jobs of a paused queue looked like a broken queue (newcomer
+    review): with -v (or on a terminal) the drain says what holds them back; a cron tick's drain,
+    neither, pays no extra query."""
+    h = settings_file(handlers(**{"slow.py": "", "free.py": ""}), "[kinds.slow]\nconcurrency = 1\n")
+    queue.pause_queue("media")
+    queue.enqueue("free", {}, queue="media")
+    r = fleetless("drain", "-v", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    assert r.returncode == 0 and "drained: claimed 0" in r.stdout, r.stderr
+    assert "fleetless: nothing claimed; held back: queue media paused" in r.stderr.splitlines(), r.stderr
+    quiet = fleetless("drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    assert quiet.returncode == 0 and "held back" not in quiet.stderr, quiet.stderr
+    other = fleetless("drain", "-v", "--handlers", str(h), "--sandbox", "process", "--queue", "default", dsn=dsn)
+    assert other.returncode == 0 and "held back" not in other.stderr, other.stderr  # not its queue
+    queue.resume_queue("media")
+    queue.enqueue("slow", {})
+    queue.enqueue("slow", {})
+    queue.claim(1, kinds=load(h), queues=("default",))  # another drain runs one: the kind's limit is reached
+    r = fleetless("drain", "-v", "--handlers", str(h), "--sandbox", "process", "--queue", "default", dsn=dsn)
+    assert "drained: claimed 0" in r.stdout, r.stdout
+    assert "fleetless: nothing claimed; held back: kind slow (concurrency 1 reached)" in r.stderr.splitlines(), r.stderr
+    assert sql("SELECT status, count(*) FROM fleetless.jobs WHERE kind = 'slow' GROUP BY 1 ORDER BY 1") == [
+        ("pending", 1), ("running", 1)]

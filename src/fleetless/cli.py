@@ -9,7 +9,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn, TypeVar
 
@@ -402,8 +402,24 @@ def drain(ctx: click.Context, /, as_json: bool, **kw: Any) -> None:
         _echo_json(dataclasses.asdict(summary))
     else:
         click.echo(summary.line())
+        if (summary.claimed == 0 and not summary.watching_elsewhere and not drainer.signalled
+                and (ctx.obj["verbose"] or sys.stderr.isatty())):
+            # "claimed 0" with due jobs held back looks like a broken queue: say what holds them
+            # (one more query, for a person watching: not on a cron tick's empty drain)
+            from . import kinds
+
+            held = [h for h in drainer.queue.held_back(kinds.load(config.handlers_dir))
+                    if h["what"] == "kind" or config.queues is None or h["name"] in config.queues]
+            if held:
+                logging.getLogger("fleetless.cli").warning("nothing claimed; held back: %s", _held_text(held))
     if drainer.signalled == signal.SIGINT:
         sys.exit(130)  # the shell's convention for Ctrl-C, after the jobs were wound down
+
+
+def _held_text(held: Sequence[dict[str, Any]]) -> str:
+    """What :meth:`Queue.held_back` found, in words: ``queue media paused, kind thumb (concurrency 1 reached)``."""
+    return ", ".join(f"{h['what']} {h['name']} paused" if h["why"] == "paused" else
+                     f"{h['what']} {h['name']} ({h['why']} {h['limit']} reached)" for h in held)
 
 
 @cli.command()
@@ -441,9 +457,7 @@ def status(ctx: click.Context, handlers_dir: Path | None, as_json: bool) -> None
     click.echo(f"oldest due job waiting: {age(s['oldest_due_age_seconds'])}   "
                f"next due in: {age(s['next_due_in_seconds'])}")
     if s["held_back"]:
-        click.echo("held back: " + ", ".join(
-            f"{h['what']} {h['name']} paused" if h["why"] == "paused" else
-            f"{h['what']} {h['name']} ({h['why']} {h['limit']} reached)" for h in s["held_back"]))
+        click.echo("held back: " + _held_text(s["held_back"]))
     if s["by_kind"]:
         statuses = list(s["by_status"])
         width = max(len(k) for k in s["by_kind"]) + 2
