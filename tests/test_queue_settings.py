@@ -119,6 +119,28 @@ def test_queue_commands_pause_resume_set_and_list(fleetless, queue: Queue, dsn: 
     assert bad.returncode == 1 and "invalid queue name 'bad name'" in bad.stderr
 
 
+def test_a_misspelt_queue_is_set_with_a_warning_and_queue_remove_forgets_it(fleetless, queue: Queue, dsn: str,
+                                                                            sql) -> None:
+    """`queue pause medai` (a typo of media) paused a queue nothing uses, silently, and it stayed in
+    `queue list` and status for good (newcomer review): it warns, and `queue remove` forgets it."""
+    queue.enqueue("k", {}, queue="media")
+    out = fleetless("queue", "pause", "medai", dsn=dsn)
+    assert out.returncode == 0 and out.stdout.strip() == "queue medai paused", out
+    assert out.stderr.strip() == ("fleetless: warning: queue medai has no jobs yet (did you mean media?); set anyway: "
+                                  "'fleetless queue remove medai' forgets it"), out.stderr
+    assert fleetless("queue", "pause", "media", dsn=dsn).stderr == ""  # a queue with jobs: no warning
+    assert sorted(r["queue"] for r in queue.queues()) == ["medai", "media"]
+    out = fleetless("queue", "remove", "medai", dsn=dsn)
+    assert out.returncode == 0 and out.stdout.strip() == "queue medai: settings removed", out
+    assert [r["queue"] for r in queue.queues()] == ["media"]
+    again = fleetless("queue", "remove", "medai", dsn=dsn)
+    assert again.returncode == 1 and again.stderr.strip() == "fleetless: error: queue medai has no settings to remove"
+    removed = fleetless("queue", "remove", "media", "--json", dsn=dsn)
+    assert json.loads(removed.stdout) == {"queue": "media", "removed": True}
+    assert sql("SELECT count(*) FROM fleetless.queue_settings") == [(0,)]
+    assert sql("SELECT queue, status FROM fleetless.jobs") == [("media", "pending")]  # its job untouched
+
+
 def test_a_queues_concurrency_holds_across_racing_drainers(dsn: str, queue: Queue, sql, handlers) -> None:
     h = handlers(**{"slow.py": "import time; time.sleep(0.4)", "lim.py": "import time; time.sleep(0.2)"})
     h = settings_file(h, "[kinds.lim]\nconcurrency = 5\n")  # a limited kind inside a limited queue too

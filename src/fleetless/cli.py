@@ -794,6 +794,42 @@ def _echo_setting(setting: Any, as_json: bool, said: str) -> None:
         click.echo(f"queue {setting.queue} {said}")
 
 
+def _warn_unknown_queue(ctx: click.Context, name: str) -> None:
+    """A queue no job has used and no setting names yet is often a typo: set anyway (a queue may be
+    paused before its first job), but say so on stderr, with the names it may have meant."""
+    import difflib
+
+    from .job import validate_queue_name
+
+    try:
+        validate_queue_name(name)
+    except ValueError:
+        return  # the command itself says what is wrong with it
+    known = [r["queue"] for r in _insights(ctx).queues()]
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = (f" (did you mean {' or '.join(close)}?)" if close
+            else f" (known: {', '.join(known[:10])})" if known else "")
+    _say(logging.WARNING, f"queue {name} has no jobs yet{hint}; set anyway: "
+                          f"'fleetless queue remove {name}' forgets it", queue=name)
+
+
+@queue_group.command("remove")
+@click.argument("name")
+@json_option
+@click.pass_context
+def queue_remove(ctx: click.Context, name: str, as_json: bool) -> None:
+    """Forget queue NAME's pause and concurrency (a misspelt one's): its jobs run as any queue's."""
+    removed = _queue(ctx).remove_queue_settings(name)
+    if as_json:
+        _echo_json({"queue": name, "removed": removed})
+    elif removed:
+        click.echo(f"queue {name}: settings removed")
+    else:
+        _fail(f"queue {name} has no settings to remove")
+
+
 @queue_group.command("list")
 @json_option
 @click.pass_context
@@ -815,6 +851,7 @@ def queue_list(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def queue_pause(ctx: click.Context, name: str, as_json: bool) -> None:
     """Pause queue NAME: no drain claims its jobs until it is resumed (running ones finish)."""
+    _warn_unknown_queue(ctx, name)
     _echo_setting(_queue(ctx).pause_queue(name), as_json, "paused")
 
 
@@ -836,6 +873,7 @@ def queue_resume(ctx: click.Context, name: str, as_json: bool) -> None:
 @click.pass_context
 def queue_set(ctx: click.Context, name: str, concurrency: int | None, as_json: bool) -> None:
     """Change queue NAME's settings."""
+    _warn_unknown_queue(ctx, name)
     setting = _queue(ctx).set_queue_concurrency(name, concurrency)
     _echo_setting(setting, as_json, f"concurrency {'none' if concurrency is None else concurrency}")
 

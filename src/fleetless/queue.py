@@ -1104,6 +1104,12 @@ class Queue:
         r = rows[0]
         return QueueSettings(queue=r["queue"], paused=r["paused"], concurrency=r["concurrency"])
 
+    def remove_queue_settings(self, name: str) -> bool:
+        """Forget queue ``name``'s pause and concurrency (a misspelt name's, say): True if it had any."""
+        rows = self._run("queue_settings_remove", {"queue": validate_queue_name(name), "channel": self.channel})
+        self._limits_read_at = -float("inf")
+        return bool(rows)
+
     def queues(self) -> list[dict[str, Any]]:
         """Every queue with jobs or settings, by name: ``queue``, ``paused``, ``concurrency`` and
         its job counts (``pending``, ``running``, ``done``, ``dead``, ``cancelled``, ``waiting``: a

@@ -1178,6 +1178,12 @@ SET paused = COALESCE(%(paused)s, s.paused),
     updated_at = now()
 RETURNING queue, paused, concurrency, pg_notify(%(channel)s, queue);
 
+-- name: queue_settings_remove
+-- `fleetless queue remove`: forget one queue's row (a typo's pause or limit), as if never set: its
+-- jobs, if any, run as any queue's. The NOTIFY wakes watchers for a queue that was paused.
+DELETE FROM {schema}.queue_settings WHERE queue = %(queue)s
+RETURNING queue, pg_notify(%(channel)s, queue);
+
 -- name: queue_limits
 -- The queues with a concurrency (not paused): a drainer claims these apart (claim_queue_limited).
 -- Read again at most once a second (Queue.QUEUE_LIMITS_TTL); the plain claim leaves them out by
