@@ -177,8 +177,18 @@ def test_cli_enqueue_warns_about_a_kind_without_handler_and_leaves_max_attempts_
     assert r.returncode == 0 and r.stderr == ""
     r = fleetless("enqueue", "nobody", "{}", "--handlers", str(h), dsn=dsn)
     assert r.returncode == 0
-    assert r.stderr.strip() == (f"fleetless: warning: no handler for kind 'nobody' in {h} (neither nobody.py nor"
-                                " an executable nobody); a drain will mark the job dead")
+    assert r.stderr.strip() == (f"fleetless: warning: no handler for kind 'nobody': neither nobody.py nor"
+                                f" an executable nobody in {h}; a drain gives the job back until a drainer has one")
+    # a file meant for it, misnamed (newcomer review: jobs/script-out.sh was kind 'script-out.sh')
+    (h / "script-out.sh").write_text("#!/bin/sh\necho hi\n")
+    (h / "script-out.sh").chmod(0o755)
+    (h / "plain").write_text("echo hi\n")
+    r = fleetless("enqueue", "script-out", "{}", "--handlers", str(h), dsn=dsn)
+    assert "(script-out.sh is there, but a handler's file name is the kind itself: rename it script-out.py," \
+           " or script-out with its #! line and chmod +x, or enqueue kind 'script-out.sh')" in r.stderr, r.stderr
+    r = fleetless("enqueue", "plain", "{}", "--handlers", str(h), dsn=dsn)
+    assert "(plain is there but not executable: chmod +x it)" in r.stderr, r.stderr
+    sql("DELETE FROM fleetless.jobs WHERE kind IN ('script-out', 'plain')")
     # 3 until a drain claims it; then the kind's (tests/test_kind_limits.py)
     assert sql("SELECT kind, max_attempts, max_attempts_default FROM fleetless.jobs ORDER BY id") == [
         ("a", 3, True), ("a", 2, False), ("nobody", 3, True)]

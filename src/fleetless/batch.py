@@ -354,8 +354,7 @@ class Runner:
         assert all(j.kind == kind for j in jobs), "a batch is of one kind"
         handler = handlers.resolve(self.template.handlers_dir, kind)
         if handler is None:
-            error = (f"no handler for kind {kind!r}: neither {kind}.py nor an executable {kind} in "
-                     f"{self.template.handlers_dir}")
+            error = f"no handler for kind {kind!r}: {handlers.missing(self.template.handlers_dir, kind)}"
             vanished = kind in self.had_handler
             never = Run(tier=self.backend.name)
             if self.no_handler_delay is not None:

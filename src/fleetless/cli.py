@@ -248,8 +248,8 @@ def _check_kind(handlers_dir: Path, kind: str) -> None:
     kinds.load(folder)
     validate_kind(kind)
     if handlers.resolve(folder, kind) is None:
-        _say(logging.WARNING, f"no handler for kind {kind!r} in {handlers_dir} "
-             f"(neither {kind}.py nor an executable {kind}); a drain will mark the job dead")
+        _say(logging.WARNING, f"no handler for kind {kind!r}: {handlers.missing(folder, kind)}; a drain "
+             "gives the job back until a drainer has one")
 
 
 def drain_options(f: F) -> F:

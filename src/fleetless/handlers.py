@@ -77,6 +77,24 @@ def resolve(handlers_dir: Path, kind: str) -> Handler | None:
     return None
 
 
+def missing(handlers_dir: Path, kind: str) -> str:
+    """Why ``kind`` has no handler in ``handlers_dir``, in words, naming a file that looks meant for
+    it (``render.sh``, ``render.js``, a ``render`` that is not executable): the handler of a kind is
+    ``<kind>.py`` or an executable named exactly ``<kind>``."""
+    said = f"neither {kind}.py nor an executable {kind} in {handlers_dir}"
+    try:
+        near = sorted(e.name for e in handlers_dir.iterdir()
+                      if e.name != f"{kind}.py" and (e.name == kind or e.name.startswith(kind + ".")))
+    except OSError:
+        return said
+    if not near:
+        return said
+    if near == [kind]:
+        return f"{said} ({kind} is there but not executable: chmod +x it)"
+    return (f"{said} ({near[0]} is there, but a handler's file name is the kind itself: rename it "
+            f"{kind}.py, or {kind} with its #! line and chmod +x, or enqueue kind {near[0]!r})")
+
+
 def _all(handlers_dir: Path) -> list[Handler]:
     """Every handler in the directory (files named ``<kind>.py`` or ``<kind>``, kind valid)."""
     found: dict[str, Handler] = {}
