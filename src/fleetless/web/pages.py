@@ -194,6 +194,11 @@ def _when(value: dt.datetime | None) -> str:
 _ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending", "running", "waiting"), "run-now": ("pending",)}
 
 
+#: An action's button on a read-only dashboard (no FLEETLESS_DASHBOARD_TOKEN): shown, greyed, its
+#: title saying why; clicking one led to a refusal page (newcomer review). Signed out: it leads to sign-in.
+_DISABLED = {True: "", False: " disabled"}
+
+
 def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: str, csrf: str | None,
              writable: bool, flash: str | None, flash_bad: bool, graph: Mapping[str, Any] | None = None) -> str:
     buttons = []
@@ -207,7 +212,7 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
         else:
             hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
             buttons.append(f'<form class="inline" method="post" action="{root}/jobs/{job["id"]}/{action}">'
-                           f'<button id="{action}" title="{e(hint)}">{action}</button></form>')
+                           f'<button id="{action}" title="{e(hint)}"{_DISABLED[writable]}>{action}</button></form>')
     fields = ["status", "kind", "queue", "priority", "attempts", "max_attempts", "snoozes", "run_after", "created_at",
               "started_at", "finished_at", "lease_expires_at", "timeout_seconds", "claimed_by", "tier"]
     if job.get("on_parent_failure") is not None:  # a workflow's child
@@ -275,8 +280,8 @@ def queues_page(rows: Sequence[Mapping[str, Any]], *, root: str, csrf: str | Non
                       f' value="{e(csrf)}"><button id="{action}-{e(r["queue"])}">{action}</button></form>')
         else:
             hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
-            button = (f'<form class="inline" method="post" action="{target}">'
-                      f'<button id="{action}-{e(r["queue"])}" title="{e(hint)}">{action}</button></form>')
+            button = (f'<form class="inline" method="post" action="{target}"><button id="{action}-{e(r["queue"])}"'
+                      f' title="{e(hint)}"{_DISABLED[writable]}>{action}</button></form>')
         state = '<span class="err">paused</span>' if r["paused"] else "running"
         table_rows.append([
             f'<a href="{root}/jobs?{urlencode({"queue": r["queue"]})}">{e(r["queue"])}</a>', state,
