@@ -474,7 +474,7 @@ class Runner:
             os.setpgid(0, 0)
             chunks = []
             while True:
-                chunk = os.read(job_r, 1 << 20)
+                chunk = os.read(job_r, 1 << 16)
                 if not chunk:
                     break
                 chunks.append(chunk)
