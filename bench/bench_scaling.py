@@ -32,15 +32,16 @@ from pathlib import Path
 
 import psycopg
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _common import ADMIN_DSN, median, scratch_db, spread
-
-import pooler
 
 from fleetless import Queue
 from fleetless.job import Outcome
+
+import pooler
+
+HERE = Path(__file__).resolve().parent
 
 DONE = Outcome("done")
 APP = "fleetless-bench-drainer"
