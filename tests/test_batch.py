@@ -236,3 +236,25 @@ def test_a_teardown_whose_thread_cannot_start_destroys_inline_and_keeps_its_coun
     teardown.close()
     assert (teardown.finished, teardown.failure) == (1, None)
     assert second.host_workspace is None or not second.host_workspace.exists()
+
+
+def test_a_runner_whose_channel_was_closed_before_it_started_exits_at_once(tmp_path: Path) -> None:
+    """Every job of a batch cancelled before its runner opened its channel: the drainer closes its
+    end of IN having sent nothing. The runner's blocking open of IN then waited for a writer for
+    ever (the drain hung until the sandbox's bound, and a drainer's death left the runner behind:
+    re-audit of issue 26). It reads the end of its input at once and exits, having run nothing."""
+    import subprocess
+    import sys
+
+    from fleetless.batch import CHANNEL_IN, CHANNEL_OUT, RUNNER, _Channel
+
+    chan = _Channel(tmp_path)
+    chan.finish()
+    try:
+        done = subprocess.run([sys.executable, str(RUNNER), str(tmp_path / CHANNEL_IN), str(tmp_path / CHANNEL_OUT)],
+                              cwd=tmp_path, capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert chan.recv(time.monotonic()) is None  # nothing was said
+    finally:
+        chan.close()
+    assert not (tmp_path / CHANNEL_IN).exists() and not (tmp_path / CHANNEL_OUT).exists()

@@ -716,8 +716,17 @@ class Runner:
 def _open_channel(args: list[str]) -> tuple[int, int, bool]:
     """(IN, OUT, channel mode): the pipes, opened and then unlinked, or the file and stdout."""
     if len(args) > 1 and stat.S_ISFIFO(os.stat(args[0]).st_mode):
-        inp = os.open(args[0], os.O_RDONLY)  # the drainer holds both open: neither open blocks
-        out = os.open(args[1], os.O_WRONLY)
+        # The drainer holds both open, but it may have closed its end of IN already (every job of
+        # the batch cancelled before the runner got here): a blocking open would then wait for a
+        # writer for ever, and the runner outlive its drain. Opened without waiting, IN reads its
+        # end at once then (no job), and OUT fails (ENXIO) if nobody reads it any more.
+        inp = os.open(args[0], os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            out = os.open(args[1], os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            sys.exit(0)
+        os.set_blocking(inp, True)
+        os.set_blocking(out, True)
         for path in args[:2]:
             os.unlink(path)
         return inp, out, True

@@ -70,6 +70,12 @@ def main() -> None:
                 except ValueError:  # never let a bad line end the watchdog: it also cleans up
                     continue
         _enforce(due)
+    # The drainer is gone: every sandbox it left dies now, not at its deadline (without cgroups,
+    # an unprivileged drainer's, a bwrap is known only by its pid: sweep() cannot find it).
+    for _, dirs in due:
+        for target in dirs:
+            if target.startswith("pid:"):
+                _kill_pid(target)
     deadline = time.monotonic() + 10
     while _workspace.pid_alive(owner) and time.monotonic() < deadline:
         time.sleep(0.01)
