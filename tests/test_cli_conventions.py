@@ -92,3 +92,15 @@ def test_retry_jitter_scales_with_a_short_backoff(base: float, most: float) -> N
     policy = RetryPolicy(base_seconds=base, max_jitter_seconds=30)
     delays = [policy.delay(1) for _ in range(500)]
     assert all(2 * base <= d <= most for d in delays), (min(delays), max(delays))
+
+
+def test_an_older_schema_is_not_called_uninitialised_alone(dsn: str, queue: Queue, fleetless: Any, sql: Any) -> None:
+    """A schema missing a later migration's table said only "not initialised" (re-audit of issue
+    26): the line also names what is missing, so an operator sees an upgrade is due."""
+    sql("DROP TABLE fleetless.queue_settings CASCADE")
+    sql("DELETE FROM fleetless.migrations WHERE version >= 23")  # as a schema from before 023
+    r = fleetless("queue", "list", dsn=dsn)
+    assert r.returncode != 0
+    assert "run 'fleetless init'" in r.stderr and ("queue_settings" in r.stderr or "migration" in r.stderr), r.stderr
+    assert fleetless("init", dsn=dsn).returncode == 0
+    assert fleetless("queue", "list", dsn=dsn).returncode == 0

@@ -109,7 +109,13 @@ def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
         raise CannotWrite(f"database: {_first_line(exc)}") from exc
     except psycopg.OperationalError as exc:  # includes terminated backends and admin shutdown
         raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
-    except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+    except psycopg.errors.UndefinedTable as exc:
+        if f'"{schema}.jobs"' in str(exc):
+            raise SchemaNotInitialised(f"schema {schema} is not initialised: run 'fleetless init'") from exc
+        # a later migration's table (queue_settings, ...): an older schema, or none at all
+        raise SchemaNotInitialised(f"schema {schema} is not initialised: run 'fleetless init' (or it is older"
+                                   f" than this fleetless: {_first_line(exc)})") from exc
+    except psycopg.errors.InvalidSchemaName as exc:
         raise SchemaNotInitialised(f"schema {schema} is not initialised: run 'fleetless init'") from exc
     except psycopg.errors.UndefinedColumn as exc:  # a query of this version on an older schema
         raise SchemaOutdated(f"schema {schema} is older than this fleetless ({_first_line(exc)}):"
