@@ -454,6 +454,37 @@ sbx.exec([sbx.python, sbx.handlers_path + "/daemon.py", sbx.workspace_path + "/p
 
 
 @contract(microvm=True)
+def test_a_kill_whose_exec_lets_the_init_go_meanwhile_still_returns_cleanly(
+        tier: Tier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server: kill() waits on the job's init after its SIGKILL, while the exec, seeing it
+    killed, lets the init go (closes its pidfd). kill() waited on that very descriptor: "Bad file
+    descriptor" ended a drain whose cancel killed a batch's sandbox (CI, test_batch_cancel)."""
+    if tier.name != "forkserver":
+        pytest.skip("the fork server's kill() and exec() share the job's init")
+    import fleetless.sandbox.forkserver as fs
+
+    marker = f"fleetless-kill-{uuid.uuid4().hex}"
+    tier.handler("daemon.py", DAEMON)
+    sbx = tier.create()
+    results: list[ExecResult | BaseException] = []
+    job = threading.Thread(target=lambda: results.append(
+        tier.run(sbx, "daemon.py", payload={"marker": marker, "then_sleep": 600}, timeout=600)))
+    send = signal.pidfd_send_signal
+
+    def send_then_let_the_exec_end(fd: int, sig: int, *args: Any) -> None:
+        send(fd, sig, *args)
+        if threading.current_thread() is threading.main_thread():
+            job.join(60)  # the exec has returned and released the init before kill() waits on it
+
+    monkeypatch.setattr(fs.signal, "pidfd_send_signal", send_then_let_the_exec_end)
+    job.start()
+    wait_for(lambda: tier.processes(marker), 120, what="the job's daemon to run")
+    sbx.kill()
+    assert not job.is_alive() and tier.processes(marker) == []
+    (r,) = results
+    assert isinstance(r, ExecResult) and r.killed == "killed: sandbox destroyed", r
+
+
 def test_a_job_dies_with_its_sigkilled_drainer_and_sweep_leaves_nothing(tier: Tier) -> None:
     marker = f"fleetless-orphan-{uuid.uuid4().hex}"
     tier.handler("daemon.py", DAEMON)

@@ -362,10 +362,16 @@ class ForkServerSandbox(Sandbox):
             with self._lock:
                 init, self._init = self._init, None
                 running = self._running
+                # a running exec() releases the init (closes its pidfd) as soon as it sees it
+                # killed, maybe while this waits for it to die: wait on a pidfd of this call's own
+                watch = os.dup(init.pidfd) if init is not None else -1
             if init is not None:
-                with contextlib.suppress(ProcessLookupError, OSError):
-                    signal.pidfd_send_signal(init.pidfd, signal.SIGKILL)
-                dead = bool(select.select([init.pidfd], [], [], 5)[0])
+                try:
+                    with contextlib.suppress(ProcessLookupError, OSError):
+                        signal.pidfd_send_signal(watch, signal.SIGKILL)
+                    dead = bool(select.select([watch], [], [], 5)[0])
+                finally:
+                    os.close(watch)
                 if not running:  # else exec() still reads its pidfd: it lets the init go itself
                     _release(init)
             if self._workspace is not None:  # the last reference to the workspace's tmpfs
