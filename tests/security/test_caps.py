@@ -83,20 +83,29 @@ def jobs(sql: Any) -> list[tuple[Any, ...]]:
     return sql("SELECT status, last_error FROM fleetless.jobs ORDER BY id")
 
 
+def _one_dead_job(dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, uid: int | None, kind: str,
+                  code: str, *args: str) -> tuple[str, Path]:
+    """Drain one job of ``kind`` (``code``) as ``uid`` with ``args``, which must end it dead: its
+    last_error, and the drain's work directory."""
+    h = handlers_dir(shared, **{f"{kind}.py": code})
+    work = work_dir(shared, uid)
+    queue.enqueue(kind, {}, max_attempts=1)
+    r = drain(dsn, h, work, *args, tier=tier, user=uid)
+    assert not isinstance(r, subprocess.Popen)
+    assert r.returncode == 0, r.stderr
+    (status, error), = jobs(sql)
+    assert status == "dead", (status, error, r.stderr)
+    return str(error), work
+
+
 @pytest.mark.parametrize("user", USERS)
 @pytest.mark.parametrize("tier", TIERS)
 def test_an_unprivileged_drainers_job_forks_no_more_than_its_pids_cap(
         dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str) -> None:
     need_tier(tier)
     uid = uid_of(user)
-    h = handlers_dir(shared, **{"forker.py": FORKER})
-    work = work_dir(shared, uid)
-    queue.enqueue("forker", {}, max_attempts=1)
-    r = drain(dsn, h, work, "--pids", "64", "--timeout", "5", tier=tier, user=uid)
-    assert not isinstance(r, subprocess.Popen)
-    assert r.returncode == 0, r.stderr
-    (status, error), = jobs(sql)
-    assert status == "dead" and "timeout" in error, (status, error, r.stderr)
+    error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, "forker", FORKER, "--pids", "64", "--timeout", "5")
+    assert "timeout" in error, error
     counts = [json.loads(line.split("counts ", 1)[1]) for line in error.splitlines() if "counts {" in line]
     assert len(counts) == 1, error
     assert counts[0]["forked"] < 64 and counts[0]["refused"] > 0, counts
@@ -109,14 +118,8 @@ def test_an_unprivileged_drainer_kills_a_job_tree_over_its_memory_cap(
         dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str) -> None:
     need_tier(tier)
     uid = uid_of(user)
-    h = handlers_dir(shared, **{"hog.py": HOG})
-    work = work_dir(shared, uid)
-    queue.enqueue("hog", {}, max_attempts=1)
-    r = drain(dsn, h, work, "--memory", "256M", "--timeout", "60", tier=tier, user=uid)
-    assert not isinstance(r, subprocess.Popen)
-    assert r.returncode == 0, r.stderr
-    (status, error), = jobs(sql)
-    assert status == "dead" and "memory limit 256 MiB exceeded" in error, (status, error, r.stderr)
+    error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, "hog", HOG, "--memory", "256M", "--timeout", "60")
+    assert "memory limit 256 MiB exceeded" in error, error
     assert leftovers(work) == []
 
 
@@ -145,14 +148,9 @@ def test_memory_a_job_writes_into_memfds_counts_against_its_memory_cap(
     need_tier(tier)
     uid = None if user == "root" else uid_of(user)
     need_user(uid)
-    h = handlers_dir(shared, **{"memfd.py": MEMFD_HOARD})
-    work = work_dir(shared, uid)
-    queue.enqueue("memfd", {}, max_attempts=1)
-    r = drain(dsn, h, work, "--memory", "64M", "--timeout", "30", tier=tier, user=uid)
-    assert not isinstance(r, subprocess.Popen)
-    assert r.returncode == 0, r.stderr
-    (status, error), = jobs(sql)
-    assert status == "dead" and "memory limit 64 MiB exceeded" in error, (status, error, r.stderr)
+    error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, "memfd", MEMFD_HOARD,
+                                "--memory", "64M", "--timeout", "30")
+    assert "memory limit 64 MiB exceeded" in error, error
     if user == "root":  # a cgroup stops it at the cap (the watch, up to 0.1 s late, may not)
         assert "hoarded" not in error, error
     assert leftovers(work) == []
