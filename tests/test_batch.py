@@ -258,3 +258,33 @@ def test_a_runner_whose_channel_was_closed_before_it_started_exits_at_once(tmp_p
     finally:
         chan.close()
     assert not (tmp_path / CHANNEL_IN).exists() and not (tmp_path / CHANNEL_OUT).exists()
+
+
+FORGER = """
+    import os
+    def handle(payload):
+        if payload.get("forge"):  # its report pipe is among its fds: say it never started
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                if fd > 2:
+                    try:
+                        os.write(fd, b'R1,"late":true')
+                    except OSError:
+                        pass
+            os._exit(0)
+        return "fine"
+"""
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_job_cannot_forge_its_result_line_to_pass_as_never_started(
+        tier: str, handlers: Callable[..., Path], require_tier: Callable[[str], None]) -> None:
+    """A handle() wrote 'R1,"late":true' to its report pipe: spliced into its result line, the
+    drain took it for "too late to start", gave it back uncharged and ran it again, for ever (red
+    team, issue 25). Its report must be one JSON value: else it is the job's own failure."""
+    require_tier(tier)
+    h = handlers(**{"forger.py": FORGER})
+    outcomes, fatal = runner(tier, h).run(jobs("forger", [{"forge": True}, {}]), Slot())
+    assert fatal is None
+    assert summary(outcomes) == [(1, "fail", "the job's report of its result is not one JSON value"),
+                                 (2, "done", "fine")]

@@ -1004,9 +1004,16 @@ def _stop_runner(sbx: Sandbox) -> bool:
 
 
 def _said_late(stdout: str) -> bool:
-    """Whether the runner's last record says it did not start a job, too late for its lease."""
+    """Whether the runner's last record says it did not start a job, too late for its lease: a
+    record of exactly a tag and ``late`` (a job's result could end like one: not taken as one)."""
     last = stdout.rstrip("\n").rpartition("\n")[2]
-    return last.endswith('"late":true}') and last.startswith('{"tag":')
+    if not (last.endswith('"late":true}') and last.startswith('{"tag":')):
+        return False
+    try:
+        rec = json.loads(last)
+    except ValueError:
+        return False
+    return isinstance(rec, dict) and set(rec) == {"tag", "late"} and rec["late"] is True
 
 
 def _channel(host: Path, sbx: Sandbox) -> _Channel | None:

@@ -591,7 +591,11 @@ class Runner:
                 stderr = data[4:].decode("utf-8", "replace")
             return json.dumps({"tag": tag, "exit": code, "stdout": stdout, "stdout_cut": cut, "stderr": stderr,
                                "killed": killed, "duration": duration}, ensure_ascii=False)
-        if killed is None and data.startswith(b"R") and b"\n" not in data:  # returned: the result last, as it is
+        if killed is None and data.startswith(b"R") and not _one_json_value(data[1:]):
+            # the report pipe is the job's: what it wrote there is spliced into this line only when
+            # it is one JSON value (a job wrote 'R1,"late":true' to pass as never started)
+            killed, data = None, b"X" + b"the job's report of its result is not one JSON value"
+        if killed is None and data.startswith(b"R"):  # returned: the result last, as it is
             extra = ""
             if stdout or stderr:
                 extra = f',"stdout":{json.dumps(stdout)},"stderr":{json.dumps(stderr)}'
@@ -711,6 +715,17 @@ class Runner:
                 pass
         _write_all(w, report)
         os._exit(0)
+
+
+def _one_json_value(text: bytes) -> bool:
+    """Whether ``text`` is exactly one JSON value on one line (what module_job writes: json.dumps)."""
+    if b"\n" in text or b"\r" in text:
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _open_channel(args: list[str]) -> tuple[int, int, bool]:
