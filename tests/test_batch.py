@@ -288,3 +288,33 @@ def test_a_job_cannot_forge_its_result_line_to_pass_as_never_started(
     assert fatal is None
     assert summary(outcomes) == [(1, "fail", "the job's report of its result is not one JSON value"),
                                  (2, "done", "fine")]
+
+
+SQUATTER = """
+    import os
+    def handle(payload):
+        top = os.path.dirname(os.getcwd())  # the batch's workspace: every job's directory is in it
+        if payload.get("squat"):
+            with open(os.path.join(top, "loot"), "w") as f:
+                f.write("left for the next job")
+            os.makedirs(os.path.join(top, "deep", "er"))
+            os.chmod(os.path.join(top, "deep"), 0)
+            os.chmod(top, 0o555)  # the next job's directory cannot be made
+            return "squatted"
+        return sorted(n for n in os.listdir(top) if not n.startswith("job-") and not n.startswith("_fleetless"))
+"""
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_job_of_a_batch_leaves_nothing_in_the_workspace_for_the_next(
+        tier: str, handlers: Callable[..., Path], require_tier: Callable[[str], None]) -> None:
+    """A job made the batch's workspace read-only and left files in it: the next job's directory
+    could not be made (it was charged: PermissionError), and later jobs read what it left (red
+    team, issue 25). Each job finds the workspace as the runner found it."""
+    require_tier(tier)
+    h = handlers(**{"squat.py": SQUATTER})
+    outcomes, fatal = runner(tier, h).run(jobs("squat", [{"squat": True}, {}, {}]), Slot())
+    assert fatal is None
+    (_, _, first), (_, second_status, second), (_, third_status, third) = summary(outcomes)
+    assert (first, second_status, third_status) == ("squatted", "done", "done"), summary(outcomes)
+    assert "loot" not in second and "deep" not in second and second == third  # (the tier's own, e.g. .tmp)

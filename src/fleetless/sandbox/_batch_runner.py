@@ -264,6 +264,53 @@ class _Output:
         return self.data.decode("utf-8", "replace")
 
 
+def _entries(folder: str) -> dict[str, tuple[int, int]]:
+    """``folder``'s entries by name: (inode, device), what tells a kept entry from a replaced one."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        with os.scandir(folder) as found:
+            for entry in found:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                out[entry.name] = (st.st_ino, st.st_dev)
+    except OSError:
+        pass
+    return out
+
+
+def _purge(path: str) -> None:
+    """Remove ``path`` and all below it, whatever modes a job gave them (no recursion: a job may
+    nest thousands of directories); what cannot be removed stays."""
+    stack = [(path, False)]
+    while stack:
+        p, emptied = stack.pop()
+        try:
+            st = os.lstat(p)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+            continue
+        if emptied:
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
+            continue
+        try:
+            os.chmod(p, 0o700)
+            names = os.listdir(p)
+        except OSError:
+            names = []
+        stack.append((p, True))
+        stack.extend((os.path.join(p, n), False) for n in names)
+
+
 def _remove(path: str) -> None:
     try:
         os.rmdir(path)
@@ -281,6 +328,8 @@ class Runner:
         self.sizes: list[int] | None = None  # file mode: each job's line's size, from the header
         self.me = os.getpid()
         self.cwd = os.getcwd()
+        #: what the workspace held when the runner started (its own file): each job finds only that
+        self.kept = _entries(self.cwd)
         self.handle: Any = None
         self.import_error: str | None = None
         self.desc: dict[str, Any] = {}
@@ -515,10 +564,23 @@ class Runner:
         except OSError:
             pass
 
+    def scrub(self) -> None:
+        """The workspace as the runner found it, before each job: a job of a batch made its parent
+        read-only (the next job's directory could not be made: that job was charged), filled its
+        inodes, or left files for later jobs to read (red team, issue 25)."""
+        try:
+            os.chmod(self.cwd, 0o700)
+        except OSError:
+            pass
+        for name, key in _entries(self.cwd).items():
+            if self.kept.get(name) != key:
+                _purge(os.path.join(self.cwd, name))
+
     def one(self, job: dict[str, Any], line: bytes, tag: str, timeout: float) -> str | None:
         desc = self.desc
         module = bool(desc["module"])
         home = self.home(job)
+        self.scrub()
         os.mkdir(home, 0o700)
         payload_path = os.path.join(home, "payload.json")
         if not module:
