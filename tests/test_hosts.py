@@ -107,7 +107,9 @@ class Cluster:
         with open(out, "wb") as o, open(err, "wb") as e:
             proc = subprocess.Popen(
                 [*self.site.hosts[host].prefix(), sys.executable, "-m", "fleetless.cli", "drain",
-                 "--handlers", str(self.handlers_dir), "--sandbox", "process", *args],
+                 "--handlers", str(self.handlers_dir), "--sandbox", "process",
+                 # the host's network: the job tells which host ran it by its network namespace
+                 "--network", "on", *args],
                 env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL, start_new_session=True)
         d = Drain(host, proc, out, err)
         self.drains.append(d)

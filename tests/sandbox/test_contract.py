@@ -453,7 +453,7 @@ sbx.exec([sbx.python, sbx.handlers_path + "/daemon.py", sbx.workspace_path + "/p
 """
 
 
-@contract(microvm=True)
+@contract()
 def test_a_kill_whose_exec_lets_the_init_go_meanwhile_still_returns_cleanly(
         tier: Tier, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fork server: kill() waits on the job's init after its SIGKILL, while the exec, seeing it
@@ -485,6 +485,7 @@ def test_a_kill_whose_exec_lets_the_init_go_meanwhile_still_returns_cleanly(
     assert isinstance(r, ExecResult) and r.killed == "killed: sandbox destroyed", r
 
 
+@contract(microvm=True)
 def test_a_job_dies_with_its_sigkilled_drainer_and_sweep_leaves_nothing(tier: Tier) -> None:
     marker = f"fleetless-orphan-{uuid.uuid4().hex}"
     tier.handler("daemon.py", DAEMON)
