@@ -318,3 +318,34 @@ def test_a_job_of_a_batch_leaves_nothing_in_the_workspace_for_the_next(
     (_, _, first), (_, second_status, second), (_, third_status, third) = summary(outcomes)
     assert (first, second_status, third_status) == ("squatted", "done", "done"), summary(outcomes)
     assert "loot" not in second and "deep" not in second and second == third  # (the tier's own, e.g. .tmp)
+
+
+SHM_FILLER = """
+    import errno
+    def handle(payload):
+        chunk = b"x" * (1 << 20)
+        written = 0
+        try:
+            with open("/dev/shm/fill", "wb") as f:
+                for _ in range(200):
+                    f.write(chunk)
+                    f.flush()
+                    written += 1
+        except OSError as exc:
+            return {"mib": written, "errno": errno.errorcode.get(exc.errno, exc.errno)}
+        return {"mib": written, "errno": None}
+"""
+
+
+def test_bwraps_dev_shm_is_capped_as_its_tmp_is(handlers: Callable[..., Path],
+                                                 require_tier: Callable[[str], None]) -> None:
+    """/dev/shm was a directory of bwrap's own /dev tmpfs, uncapped: 600 MiB went in under a
+    256 MiB --memory where no cgroup holds (red team, issue 25). It is a tmpfs of Limits.tmp_bytes."""
+    require_tier("bwrap")
+    h = handlers(**{"shm.py": SHM_FILLER})
+    template = Template(handlers_dir=h.resolve(), limits=Limits(memory_bytes=512 * 1024 * 1024, tmp_bytes=64 << 20),
+                        env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    outcomes, fatal = Runner(get_backend("bwrap"), template).run(jobs("shm", [{}]), Slot())
+    assert fatal is None
+    ((_, status, result),) = summary(outcomes)
+    assert status == "done" and result["errno"] == "ENOSPC" and result["mib"] <= 64, result

@@ -400,6 +400,8 @@ class BwrapSandbox(Sandbox):
         options += ["--ro-bind", str(etc), "/etc"]
         # /tmp first: an interpreter bound from under /tmp (a venv there) must land on top of it
         options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
+        # and /dev/shm: --dev's is a directory of /dev's own tmpfs, uncapped (red team, issue 25)
+        options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm"]
         for path in interp:  # a root drainer's by real path: the launcher's view binds that back
             options += ["--ro-bind", path if not _hostuid.needed() else os.path.realpath(path), path]
         options += ["--ro-bind", str(handlers), HANDLERS]
