@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from security.drains import pythonpath_for_others
 
 from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template, cgroups
 from fleetless.sandbox import bwrap as bw
@@ -33,6 +34,7 @@ from fleetless.sandbox.bwrap._filesystem import interpreter_paths
 from proctools import pids_with, wait_for
 
 MiB = 1024 * 1024
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
 
@@ -135,7 +137,7 @@ def test_cannot_read_host_secrets_or_drainer_environment(
             for path in ["/root", "/etc/shadow", "/home", "/proc/1/environ", "/etc/passwd", "/work"]:
                 try:
                     if os.path.isdir(path):
-                        out[path] = "listed: " + ",".join(os.listdir(path))
+                        out[path] = "listed: " + ",".join(sorted(os.listdir(path)))
                     else:
                         data = open(path, "rb").read()
                         out[path] = "SECRET FOUND" if secret.encode() in data else "read, no secret"
@@ -596,8 +598,8 @@ def test_non_root_drainer_uid_mapping_and_rlimit_fallback() -> None:
         (folder / "own.py").write_text(
             "import os\nopen('/workspace/made-by-job', 'w').write('x')\nprint(os.getuid(), os.getgid())\n"
         )
-        site = [p for p in sys.path if p.endswith("site-packages")]
-        env = {"PYTHONPATH": ":".join([SRC, *site]), "FLEETLESS_WORKDIR": str(workdir), "PATH": "/usr/bin:/bin"}
+        env = {"PYTHONPATH": ":".join(pythonpath_for_others()), "FLEETLESS_WORKDIR": str(workdir),
+               "PATH": "/usr/bin:/bin"}
         code = NONROOT.format(folder=str(folder))
         p = subprocess.run(
             ["/usr/bin/python3", "-c", code],

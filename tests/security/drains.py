@@ -22,6 +22,42 @@ import fleetless
 from fleetless.sandbox import SandboxUnavailable, get_backend
 
 SRC = str(Path(fleetless.__file__).resolve().parent.parent)
+_FOR_OTHERS: list[str] = []
+
+
+def _others_reach(path: str) -> bool:
+    """Whether a user who is neither the owner nor in the group may enter ``path`` and all above it."""
+    p = Path(path)
+    for folder in (p, *p.parents):
+        try:
+            if not folder.stat().st_mode & 0o001:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def pythonpath_for_others() -> list[str]:
+    """The source tree and this venv's site-packages as another user (a drainer as 65534 or
+    fleetless-ci) can import them: where they are, if every user may reach them; else a copy,
+    made once per test session in a temporary directory every user may read (a checkout under
+    /root, mode 0700: the suite must pass from there too) and removed at its end."""
+    site = [p for p in sys.path if p.endswith("site-packages")]
+    if all(_others_reach(p) for p in (SRC, *site)):
+        return [SRC, *site]
+    if not _FOR_OTHERS:
+        import atexit
+        import shutil
+
+        copy = Path(tempfile.mkdtemp(prefix="fleetless-src-", dir="/tmp"))
+        atexit.register(shutil.rmtree, copy, True)
+        subprocess.run(["cp", "-a", SRC, str(copy / "src")], check=True)
+        for i, path in enumerate(site):
+            subprocess.run(["cp", "-a", path, str(copy / f"site-{i}")], check=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(copy)], check=True)
+        copy.chmod(0o755)
+        _FOR_OTHERS.extend([str(copy / "src"), *(str(copy / f"site-{i}") for i in range(len(site)))])
+    return list(_FOR_OTHERS)
 
 NOBODY = 65534
 AS_ROOT_AND_NOT = [pytest.param(None, id="root-drainer"), pytest.param(NOBODY, id="nonroot-drainer")]
@@ -96,7 +132,7 @@ def drain(dsn: str, handlers: Path, work: Path, *args: str, tier: str = "process
     path = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     if user is not None:  # this interpreter may live where that user cannot go (a pyenv under /root)
         python = "/usr/bin/python3"
-        path += [SRC, *(p for p in sys.path if p.endswith("site-packages"))]
+        path += pythonpath_for_others()
     if path:
         env["PYTHONPATH"] = ":".join(path)
     argv = [python, "-m", "fleetless.cli", "drain", "--handlers", str(handlers), "--sandbox", tier, *args]

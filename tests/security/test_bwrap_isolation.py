@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
@@ -25,6 +24,8 @@ import pytest
 from fleetless import Queue
 from fleetless.sandbox import Limits, SandboxUnavailable, Template, _hostuid
 from fleetless.sandbox.bwrap import BwrapSandbox
+
+from .drains import pythonpath_for_others
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -245,8 +246,8 @@ def test_a_non_root_drainers_job_is_confined_the_same_way() -> None:
         (folder / "probe.py").write_text(PROBE)
         os.chown(workdir, 65534, 65534)
         workdir.chmod(0o711)  # as the default work directory: others may pass, not list
-        site = [p for p in sys.path if p.endswith("site-packages")]
-        env = {"PYTHONPATH": ":".join([SRC, *site]), "FLEETLESS_WORKDIR": str(workdir), "PATH": "/usr/bin:/bin"}
+        env = {"PYTHONPATH": ":".join(pythonpath_for_others()), "FLEETLESS_WORKDIR": str(workdir),
+               "PATH": "/usr/bin:/bin"}
         code = NONROOT.format(folder=str(folder), calls=DENIED_CALLS)
         drainer = subprocess.Popen(["/usr/bin/python3", "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, env=env, user=65534, group=65534,

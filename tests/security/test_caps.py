@@ -14,7 +14,6 @@ import json
 import os
 import pwd
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from fleetless import Queue
 from fleetless.sandbox import Limits, cgroups, get_backend
 from fleetless.sandbox._caps import CAPS, JOB_NICE, NOT, tier_caps
 
-from .drains import SRC, drain, handlers_dir, need_tier, need_user, shared, work_dir
+from .drains import drain, handlers_dir, need_tier, need_user, pythonpath_for_others, shared, work_dir
 from proctools import leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
@@ -161,8 +160,7 @@ def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
         dsn: str, queue: Queue, shared: Path, user: str) -> None:
     need_tier("process")
     uid = uid_of(user)
-    site = [p for p in sys.path if p.endswith("site-packages")]
-    env = {"PYTHONPATH": ":".join([SRC, *site]), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+    env = {"PYTHONPATH": ":".join(pythonpath_for_others()), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
     creds: dict[str, Any] = {"user": uid, "group": pwd.getpwuid(uid).pw_gid, "extra_groups": []}
     r = subprocess.run(["/usr/bin/python3", "-m", "fleetless.cli", "doctor"], capture_output=True, text=True,
                        timeout=300, cwd="/", env=env, **creds)

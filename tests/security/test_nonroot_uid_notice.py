@@ -4,13 +4,12 @@ drain says so once, in one line, and ``fleetless doctor`` (the tier's descriptio
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from fleetless import Queue
 
-from .drains import NOBODY, SRC, drain, handlers_dir, need_tier, need_user, shared, work_dir
+from .drains import NOBODY, drain, handlers_dir, need_tier, need_user, pythonpath_for_others, shared, work_dir
 from proctools import leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
@@ -47,10 +46,9 @@ def test_a_root_drain_does_not_say_it(dsn: str, queue: Queue, sql: Any, shared: 
 
 def test_doctor_describes_a_nonroot_drainers_jobs_as_its_own_uid() -> None:
     need_user(NOBODY)
-    site = [p for p in sys.path if p.endswith("site-packages")]
     code = "from fleetless.sandbox.bwrap import BwrapSandbox; print(BwrapSandbox.describe())"
     r = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=120, cwd="/",
-                       env={"PYTHONPATH": ":".join([SRC, *site]), "PATH": "/usr/bin:/bin"},
+                       env={"PYTHONPATH": ":".join(pythonpath_for_others()), "PATH": "/usr/bin:/bin"},
                        user=NOBODY, group=NOBODY, extra_groups=[])
     assert r.returncode == 0, r.stderr
     assert NOTICE in r.stdout, r.stdout

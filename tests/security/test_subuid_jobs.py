@@ -16,7 +16,6 @@ import pwd
 import shutil
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 from fleetless import Queue
 from fleetless.sandbox._workspace import start_time
 
-from .drains import SRC, drain, handlers_dir, need_tier, open_to_jobs, shared, work_dir
+from .drains import drain, handlers_dir, need_tier, open_to_jobs, pythonpath_for_others, shared, work_dir
 from proctools import descendants, leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
@@ -374,10 +373,9 @@ def test_after_a_sigkilled_drainer_no_process_of_its_job_uid_survives_and_the_ne
 def test_doctor_says_a_subordinate_range_drainers_jobs_run_as_uids_of_that_range(tier: str) -> None:
     need_tier(tier)
     uid, subuids = subuid_user()
-    site = [p for p in sys.path if p.endswith("site-packages")]
     code = f"from fleetless.sandbox import get_backend; print(get_backend({tier!r}).describe())"
     r = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=120, cwd="/",
-                       env={"PYTHONPATH": ":".join([SRC, *site]), "PATH": "/usr/bin:/bin"},
+                       env={"PYTHONPATH": ":".join(pythonpath_for_others()), "PATH": "/usr/bin:/bin"},
                        user=uid, group=pwd.getpwuid(uid).pw_gid, extra_groups=[])
     assert r.returncode == 0, r.stderr
     first, last = subuids[0], subuids[-1]

@@ -23,7 +23,7 @@ import pytest
 
 from fleetless import Queue
 
-from .drains import NOBODY, SRC, drain, handlers_dir, need_tier, need_user, primary_gid, shared
+from .drains import NOBODY, drain, handlers_dir, need_tier, need_user, primary_gid, pythonpath_for_others, shared
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 
@@ -49,7 +49,7 @@ def default_drain(dsn: str, handlers: Path, tmp: Path, *args: str, tier: str = "
     path = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
     if user is not None:
         python = "/usr/bin/python3"
-        path += [SRC, *(p for p in sys.path if p.endswith("site-packages"))]
+        path += pythonpath_for_others()
     if path:
         env["PYTHONPATH"] = ":".join(path)
     creds: dict[str, object] = {} if user is None else {"user": user, "group": primary_gid(user), "extra_groups": []}
