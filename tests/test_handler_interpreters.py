@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from security.drains import pythonpath_for_others
 
 import fleetless
 from fleetless import Queue
@@ -292,6 +293,7 @@ def test_an_interpreter_the_jobs_uid_cannot_execute_is_not_claimed_and_spends_no
             os.chown(work, user, user)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn,
                "FLEETLESS_WORKDIR": str(work), "PYTHONPATH": ":".join(
+                   pythonpath_for_others() if user is not None else
                    [str(Path(fleetless.__file__).resolve().parent.parent),
                     *(p for p in sys.path if p.endswith("site-packages"))])}
         creds: dict[str, object] = {} if user is None else {"user": user, "group": user, "extra_groups": []}
