@@ -312,12 +312,11 @@ def _purge(path: str) -> None:
 
 
 def _remove(path: str) -> None:
+    """A job's directory: one rmdir when the job left it empty, else :func:`_purge`."""
     try:
         os.rmdir(path)
     except OSError:
-        import shutil
-
-        shutil.rmtree(path, ignore_errors=True)
+        _purge(path)
 
 
 class Runner:
