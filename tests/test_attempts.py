@@ -39,7 +39,7 @@ def test_every_attempt_of_a_drained_job_is_recorded_with_how_it_ended(queue: Que
         drain(queue, h)
     rows = queue.attempts(job_id)
     assert [(a["attempt"], a["outcome"], a["exit_code"], a["signal"]) for a in rows] == [
-        (1, "retry", 1, None), (2, "retry", None, "SIGSEGV"), (3, "done", 0, None)]
+        (1, "failed", 1, None), (2, "failed", None, "SIGSEGV"), (3, "done", 0, None)]
     assert {(a["host"], a["pid"], a["tier"]) for a in rows} == {(socket.gethostname(), os.getpid(), "process")}
     assert rows[0]["error_head"].startswith("exit code 1")
     assert rows[2]["error_head"] is None
@@ -85,7 +85,7 @@ def test_a_released_attempt_is_recorded_under_the_number_the_next_claim_uses_aga
     (again,) = queue.claim(1)
     queue.fail(again, "boom", delay=0, run=Run(tier="process", exit_code=3))
     assert [(a["attempt"], a["outcome"], a["kill_reason"], a["exit_code"]) for a in queue.attempts(job.id)] == [
-        (1, "released", "drainer stopped", None), (1, "retry", None, 3)]
+        (1, "released", "drainer stopped", None), (1, "failed", None, 3)]
 
 
 def test_history_is_pruned_with_its_job(queue: Queue, sql) -> None:
@@ -114,9 +114,9 @@ def test_show_lists_the_attempts(dsn: str, queue: Queue, fleetless) -> None:
     lines = out.stdout.splitlines()
     at = lines.index("attempts (1):")
     assert lines[at + 1].split()[:4] == ["attempt", "outcome", "drainer", "tier"]
-    assert lines[at + 2].split()[:4] == ["1", "retry", f"{socket.gethostname()}:{os.getpid()}", "bwrap"]
+    assert lines[at + 2].split()[:4] == ["1", "failed", f"{socket.gethostname()}:{os.getpid()}", "bwrap"]
     data = json.loads(fleetless("show", str(job.id), "--json", dsn=dsn).stdout)
-    assert [(a["attempt"], a["outcome"], a["exit_code"]) for a in data["attempts"]] == [(1, "retry", 2)]
+    assert [(a["attempt"], a["outcome"], a["exit_code"]) for a in data["attempts"]] == [(1, "failed", 2)]
 
 
 def test_a_batched_finish_writes_each_rows_history_in_the_same_statement(queue: Queue) -> None:
@@ -132,7 +132,7 @@ def test_a_batched_finish_writes_each_rows_history_in_the_same_statement(queue: 
     assert len(sql_written) == 3
     assert [(x["attempt"], x["outcome"], x["exit_code"], x["kill_reason"], x["started_at"] is not None)
             for j in (a, b, c) for x in queue.attempts(j.id)] == [
-        (1, "done", 0, None, True), (1, "retry", 4, None, True), (1, "released", None, "drainer stopped", True)]
+        (1, "done", 0, None, True), (1, "failed", 4, None, True), (1, "released", None, "drainer stopped", True)]
     # The same claim's finish again (a retry after a lost reply): its own earlier write, no second row.
     assert queue.finish_many([(a, Outcome("done"))]) == {a.id: "done"}
     assert len(queue.attempts(a.id)) == 1

@@ -333,7 +333,7 @@ def test_a_queue_on_its_own_session_finishes_and_claims_with_statements_prepared
         (ids[0], "done", 1, "r0", None), (ids[1], "pending", 1, None, "boom"), (ids[2], "done", 1, "r2", None),
         (ids[3], "running", 1, None, None), (ids[4], "pending", 0, None, None)]
     assert sql("SELECT job_id, outcome FROM fleetless.job_attempts ORDER BY id") == [
-        (ids[0], "done"), (ids[1], "retry"), (ids[2], "done")]
+        (ids[0], "done"), (ids[1], "failed"), (ids[2], "done")]
 
 
 def test_a_prepared_claim_keeps_a_fractional_timeout_in_the_lease(queue: Queue) -> None:

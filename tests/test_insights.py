@@ -120,7 +120,7 @@ def test_the_per_minute_chart_counts_attempts_so_each_retry_is_a_failure(queue: 
     queue.complete(queue.claim(1)[0])
     released = queue.enqueue("released", {})
     queue.release(queue.claim(1)[0], "drainer stopping")  # given back: neither done nor failed
-    assert [a["outcome"] for a in queue.attempts(flaky)] == ["retry", "retry", "dead"]
+    assert [a["outcome"] for a in queue.attempts(flaky)] == ["failed", "failed", "dead"]
     assert sql("SELECT count(*) FROM fleetless.job_attempts WHERE job_id = %s", released) == [(1,)]
     minutes = Insights(queue).per_minute(hours=1)
     assert (sum(m["done"] for m in minutes), sum(m["failed"] for m in minutes)) == (1, 3)
@@ -168,8 +168,8 @@ def test_metrics_count_every_ended_attempt_by_kind_even_after_pruning(queue: Que
     assert n == 4 and 199 <= total_seconds <= 202  # 20 + 40 + 60 + 80
     by_bound = dict(zip(DURATION_BUCKETS, cumulative, strict=True))
     assert (by_bound[10], by_bound[30], by_bound[60], by_bound[120]) == (0, 1, 3, 4)  # le: 60 s is in 60
-    assert m.durations[("b", "retry")][2] == 1
-    assert m.finished == [("a", "done", 4), ("b", "retry", 1)]
+    assert m.durations[("b", "failed")][2] == 1
+    assert m.finished == [("a", "done", 4), ("b", "failed", 1)]
     assert sql("SELECT count(*) FROM fleetless.attempt_totals") == [(0,)]  # too recent to fold yet
     assert m.jobs == [("default", "b", "pending", 1)] and m.kept == [("a", "done", 4)]
     assert m.oldest_due_age.keys() == {"default"}
@@ -183,7 +183,7 @@ def test_metrics_count_every_ended_attempt_by_kind_even_after_pruning(queue: Que
         sql("SELECT count(*) FROM fleetless.job_attempts")
     queue.complete(queue.claim(1)[0])  # b, attempt 2: not folded, read live
     after = Insights(queue).metrics()
-    assert after.finished == [("a", "done", 4), ("b", "done", 1), ("b", "retry", 1)]
+    assert after.finished == [("a", "done", 4), ("b", "done", 1), ("b", "failed", 1)]
     assert after.durations[("a", "done")] == m.durations[("a", "done")]
     # A fold from a stale mark (another scrape folded first) changes nothing.
     before = sql("SELECT kind, outcome, bound, n FROM fleetless.attempt_totals ORDER BY 1, 2, 3")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,11 +108,11 @@ def _check(case: str, got: dict[str, Any], script: bool) -> None:
         assert 900 < got["due_in"] <= 1000, got
         assert got["error"].startswith("snoozed for 1000 s") and "upstream not ready" in got["error"], got
     elif case == "retry":  # a failed attempt, due after the handler's own delay (not the backoff's)
-        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 1, 0, "retry"), got
+        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 1, 0, "retried"), got
         assert 900 < got["due_in"] <= 1000, got
         assert got["error"].startswith("retry requested in 1000 s") and "429 from upstream" in got["error"], got
     elif case in ("bad", "negative"):  # a failure as any other: charged, the policy's backoff, one line
-        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 1, 0, "retry"), got
+        assert (got["status"], got["attempts"], got["snoozes"], outcome) == ("pending", 1, 0, "failed"), got
         assert got["due_in"] < 900, got  # the default policy's first backoff: 2 min (+ jitter)
         first = got["error"].splitlines()[0]
         if script:
@@ -168,13 +169,13 @@ def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
         got = _row(sql, job_id)
         assert (got["status"], got["attempts"], got["history"][0][1]) == ("dead", 1, "dead"), got
     got = _row(sql, policy)
-    assert (got["status"], got["history"][0][1]) == ("pending", "retry"), got
+    assert (got["status"], got["history"][0][1]) == ("pending", "retried"), got  # the policy's delay, its decision
     assert got["due_in"] < 900 and got["error"].startswith("retry requested: flaky"), got
     got = _row(sql, huge)  # 1e300 s: out of range, a failure as any other
-    assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "retry"), got
+    assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "failed"), got
     assert "1e+300 s is out of range" in got["error"].splitlines()[0], got
     got = _row(sql, huge_int)  # an int no float holds, set on the exception after it was made
-    assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "retry"), got
+    assert (got["status"], got["attempts"], got["history"][0][1]) == ("pending", 1, "failed"), got
     assert got["error"].splitlines()[0] == ("handle() raised Retry with a bad delay: not a number of seconds:"
                                             " 'an integer too large'"), got
 
@@ -191,7 +192,7 @@ def test_snoozes_are_bounded(queue: Queue, dsn: str, sql: SQL, handlers: Callabl
     for job_id, status in zip(ids, ["pending", "dead", "pending", "dead"], strict=True):
         got = _row(sql, job_id)
         assert (got["status"], got["attempts"], got["snoozes"]) == (status, 1, MAX_SNOOZES), got
-        assert got["history"][0][1] == ("retry" if status == "pending" else "dead"), got
+        assert got["history"][0][1] == ("failed" if status == "pending" else "dead"), got
         assert got["error"].startswith(f"snoozed {MAX_SNOOZES} times already, the most a job may; charged"), got
         if status == "pending":
             assert 900 < got["due_in"] <= 1000, got
@@ -287,6 +288,87 @@ def test_a_bad_snooze_from_handle_is_a_failure_in_one_line(seconds: object, prob
 def test_a_malformed_decision_is_a_failure(rec: Any) -> None:
     o = from_handle(rec, RUN, None, "")
     assert o.action == "fail" and not o.permanent and o.decided is None
+
+
+HISTORY = """
+    from fleetless.outcomes import Retry, Snooze
+
+    def handle(payload):
+        do = payload["do"]
+        if do == "snooze":
+            raise Snooze(1000, reason="upstream not ready")
+        if do == "retry":
+            raise Retry(after=1000, reason="429 from upstream")
+        if do == "fail":
+            raise ValueError("plain failure")
+        return {"done": do}
+"""
+
+
+def test_the_history_tells_a_failure_from_a_retry_and_numbers_snoozes(
+        queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path], fleetless: Callable[..., Any]) -> None:
+    """Issue 28 ("record each in the attempt history"): a plain failure is 'failed', a handler's
+    Retry 'retried', in the table, show, show --json and the job page; a snooze gives its attempt
+    back, so its row is labelled with the job's snooze count ("1 (snooze 2)"), not as attempt 1
+    again and again. A row an older fleetless wrote ('retry') reads as 'failed'."""
+    h = handlers(**{"hist.py": HISTORY})
+    job = queue.enqueue("hist", {"do": "fail"}, max_attempts=5)
+    for do in ("fail", "retry", "snooze", "snooze", "done"):  # one run per drain, each due at once
+        sql("UPDATE fleetless.jobs SET payload = %s, run_after = now() WHERE id = %s", json.dumps({"do": do}), job)
+        _drain(dsn, h, "process", 1)
+    assert sql("SELECT attempt, outcome, snooze FROM fleetless.job_attempts WHERE job_id = %s ORDER BY id", job) == [
+        (1, "failed", None), (2, "retried", None), (3, "snoozed", 1), (3, "snoozed", 2), (3, "done", None)]
+    sql("INSERT INTO fleetless.job_attempts (job_id, attempt, outcome) VALUES (%s, 4, 'retry')", job)  # older drainer
+    out = fleetless("show", str(job), dsn=dsn)
+    assert out.returncode == 0, out
+    table = out.stdout.split("attempts (6):\n", 1)[1].splitlines()
+    assert [tuple(re.split(r"\s{2,}", line)[:2]) for line in table[1:]] == [
+        ("1", "failed"), ("2", "retried"), ("3 (snooze 1)", "snoozed"), ("3 (snooze 2)", "snoozed"), ("3", "done"),
+        ("4", "failed")], table
+    data = json.loads(fleetless("show", str(job), "--json", dsn=dsn).stdout)
+    assert [(a["attempt"], a["outcome"], a["snooze"]) for a in data["attempts"]] == [
+        (1, "failed", None), (2, "retried", None), (3, "snoozed", 1), (3, "snoozed", 2), (3, "done", None),
+        (4, "failed", None)], data["attempts"]
+    from starlette.testclient import TestClient
+
+    from fleetless.web import create_app
+
+    page = TestClient(create_app(queue)).get(f"/jobs/{job}").text
+    for cells in ("<td>1</td><td>failed</td>", "<td>2</td><td>retried</td>", "<td>3 (snooze 1)</td><td>snoozed</td>",
+                  "<td>3 (snooze 2)</td><td>snoozed</td>", "<td>4</td><td>failed</td>"):
+        assert cells in page.replace('<td class="n">', "<td>"), (cells, page)
+    from fleetless.insights import Insights
+
+    minutes = Insights(queue).per_minute(hours=1)  # failed, retried and the old 'retry' are failures
+    assert sum(m["failed"] for m in minutes) == 3 and sum(m["done"] for m in minutes) == 1, minutes
+    metrics = Insights(queue).metrics()
+    assert sorted(metrics.finished) == [("hist", "done", 1), ("hist", "failed", 2), ("hist", "retried", 1),
+                                        ("hist", "snoozed", 2)], metrics.finished
+
+
+BIG = """
+    def handle(payload):
+        print("made it")
+        return "x" * payload["n"]
+"""
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
+def test_a_result_past_the_cap_is_dead_at_once(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
+                                               per_sandbox: int) -> None:
+    """A handle() whose result is past 64 KiB of JSON would return as much on every try: dead on its
+    first attempt, whatever attempts are left, with a one-line error naming the size and the cap;
+    a result just under the cap is kept (its batch-mates unharmed)."""
+    h = handlers(**{"big.py": BIG})
+    big = queue.enqueue("big", {"n": 70000}, max_attempts=3)
+    fits = queue.enqueue("big", {"n": 65536 - 2}, max_attempts=3)  # 65536 bytes with its quotes
+    _drain(dsn, h, "process", per_sandbox)
+    got = _row(sql, big)
+    assert (got["status"], got["attempts"], [r[1] for r in got["history"]]) == ("dead", 1, ["dead"]), got
+    assert "\n" not in got["error"] and "70002 bytes" in got["error"] and "65536" in got["error"], got["error"]
+    assert "without retries" in got["error"], got["error"]
+    assert sql("SELECT status, length(result_json #>> '{}') FROM fleetless.jobs WHERE id = %s", fits) == [
+        ("done", 65534)]
 
 
 @pytest.mark.parametrize(("code", "stderr", "action", "delay", "decided"), [

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from . import decisions, handlers
-from .failure import summarize_failure
+from .failure import result_too_large, summarize_failure
 from .job import Job, Outcome, Run, done_with_json
 from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS
@@ -1065,6 +1065,9 @@ def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
                 return Outcome("done", result=stdout, run=_done_run(tier))
             text = _RESULT_JSON.encode(rec["result"])
             return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)), run=_done_run(tier))
+        if "too_large" in rec:  # its result is past the cap: as deterministic as its payload, never retried
+            return Outcome("fail", error=result_too_large(int(rec["too_large"])), permanent=True, result=stdout,
+                           run=Run(tier=tier, exit_code=0))
         if "decided" in rec:  # it raised fleetless.outcomes' Discard, Snooze or Retry
             return decisions.from_handle(rec["decided"], Run(tier=tier), stdout, _text(rec.get("stderr") or ""))
         error = _text(rec["error"])

@@ -19,7 +19,7 @@ from . import db, maintenance
 from ._units import format_size, parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .events import NullReporter, Reporter
-from .insights import Insights, age, printable
+from .insights import Insights, age, attempt_label, printable
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json, validate_kind
 from .queue import MAX_ATTEMPTS_CEILING, JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
@@ -557,6 +557,7 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
             a["ended"] = a["exit_code"] if a["signal"] is None else a["signal"]
             a["seconds"] = None if a["duration_seconds"] is None else f"{a['duration_seconds']:.1f}"
             a["drainer"] = None if a["host"] is None else f"{a['host']}:{a['pid']}"
+            a["attempt"] = attempt_label(a)
         _table(attempts, ["attempt", "outcome", "drainer", "tier", "started_at", "seconds", "ended",
                           "kill_reason", "error_head"])
     for what in ("parents", "children"):

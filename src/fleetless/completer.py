@@ -104,7 +104,7 @@ class Completer:
     def add(self, job: Job, outcome: Outcome) -> None:
         """Buffer one job's outcome. A failure gets its retry delay from the policy here (unless
         its handler chose one: fleetless.outcomes' Retry(after=...))."""
-        if outcome.action == "fail" and not outcome.permanent and outcome.decided != "retry":
+        if outcome.action == "fail" and not outcome.permanent and not outcome.own_delay:
             policy = self.retry if self.retry_of is None else self.retry_of(job)
             outcome = replace(outcome, delay=policy.delay(job.attempts))
         with self._cond:

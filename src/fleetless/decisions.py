@@ -63,10 +63,10 @@ def _outcome(decided: str, seconds: float | None, reason: str, how: str, run: Ru
         return Outcome("snooze", error=_with_tail(f"snoozed for {seconds:g} s{how}{said}", stderr), delay=seconds,
                        decided="snooze", result=result, result_cut=result_cut, run=run)
     if seconds is None:  # Retry(after=None): the retry policy's backoff, as any failure
-        return Outcome("fail", error=_with_tail(f"retry requested{how}{said}", stderr), result=result,
-                       result_cut=result_cut, run=run)
+        return Outcome("fail", error=_with_tail(f"retry requested{how}{said}", stderr), decided="retry",
+                       result=result, result_cut=result_cut, run=run)
     return Outcome("fail", error=_with_tail(f"retry requested in {seconds:g} s{how}{said}", stderr), delay=seconds,
-                   decided="retry", result=result, result_cut=result_cut, run=run)
+                   decided="retry", own_delay=True, result=result, result_cut=result_cut, run=run)
 
 
 def _bad(head: str, stderr: str, run: Run, result: str | None, result_cut: bool) -> Outcome:

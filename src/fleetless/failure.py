@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["HEAD_CHARS", "error_head", "exception_line", "summarize_failure"]
+__all__ = ["HEAD_CHARS", "RESULT_JSON_BYTES", "error_head", "exception_line", "result_too_large", "summarize_failure"]
 
 #: Longest error head shown in a list (the full error is on the job's own page / `show`).
 HEAD_CHARS = 200
+
+#: The largest JSON result a handle() may return (the batch runner's RESULT_BYTES; a script's stdout
+#: is cut at the same size instead, and kept).
+RESULT_JSON_BYTES = 64 * 1024
 
 _TRACEBACK = "Traceback (most recent call last):"
 
@@ -53,3 +57,10 @@ def error_head(last_error: str | None) -> str | None:
     if _BARE_EXIT.fullmatch(first.strip()) and rest.strip():
         first = summarize_failure(first.strip(), rest)
     return first.strip()[:HEAD_CHARS]
+
+
+def result_too_large(size: int) -> str:
+    """The one-line error of a handle() whose result is past RESULT_JSON_BYTES: the job is dead at
+    once, as the same payload would return as much again."""
+    return (f"handle() returned {size} bytes of JSON, past the {RESULT_JSON_BYTES}-byte (64 KiB) cap on a result;"
+            " dead without retries (store a large result elsewhere and return where it is)")

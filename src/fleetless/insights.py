@@ -31,6 +31,7 @@ __all__ = [
     "Overview",
     "Page",
     "age",
+    "attempt_label",
     "error_head",
     "exception_line",
     "html_text",
@@ -84,6 +85,16 @@ def age(seconds: float | None) -> str:
         if seconds >= span:
             return f"{seconds / span:.1f}{unit}"
     return f"{seconds:.1f}s"
+
+
+def attempt_label(row: Mapping[str, Any]) -> str:
+    """An attempt history row's number as a front end shows it: ``2``, or ``1 (snooze 3)`` for the
+    job's third snooze, which gave attempt 1 back (a snooze is not an attempt: the run after it
+    has the same number). A snooze row from before migration 024 has no count: ``1 (snooze)``."""
+    if row.get("outcome") != "snoozed":
+        return str(row["attempt"])
+    nth = row.get("snooze")
+    return f'{row["attempt"]} (snooze{"" if nth is None else f" {nth}"})'
 
 
 def size(n: int | None) -> str:

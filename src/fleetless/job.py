@@ -98,8 +98,9 @@ class Outcome:
     pending again with the attempt given back, at most MAX_SNOOZES times per job.
 
     ``decided``: the handler's own decision (:mod:`fleetless.decisions`): ``discard`` (a permanent
-    fail, recorded as ``discarded``), ``snooze``, or ``retry`` (a fail whose ``delay`` the handler
-    chose, not the retry policy); None otherwise."""
+    fail, recorded as ``discarded``), ``snooze`` (recorded as ``snoozed``), or ``retry`` (a fail,
+    recorded as ``retried``; its ``delay`` is the handler's when ``own_delay``, else the retry
+    policy's); None otherwise (a plain failure is recorded as ``failed``)."""
 
     action: Literal["done", "fail", "release", "snooze"]
     error: str | None = None
@@ -110,6 +111,7 @@ class Outcome:
     delay: float = 0.0
     run: Run | None = None  # for the attempt history; None: nothing known of how it ran
     decided: Literal["discard", "snooze", "retry"] | None = None
+    own_delay: bool = False  # a fail's ``delay`` is the handler's own (Retry(after=...)), not the policy's
 
 
 _new = object.__new__

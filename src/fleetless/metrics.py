@@ -54,8 +54,9 @@ class TableCollector(Collector):
             run.add_metric([kind], n)
         yield run
         finished = CounterMetricFamily(
-            "fleetless_attempts_finished", "Attempts that ended, by kind and outcome (done, retry, dead, "
-            "released, expired, cancelled, discarded, snoozed), from the attempt history; pruning does not lower it.",
+            "fleetless_attempts_finished", "Attempts that ended, by kind and outcome (done, failed, retried, "
+            "dead, released, expired, cancelled, discarded, snoozed), from the attempt history; "
+            "pruning does not lower it.",
             labels=["kind", "outcome"])
         for kind, outcome, n in snap.finished:
             finished.add_metric([kind, outcome], n)

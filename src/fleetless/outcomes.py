@@ -18,7 +18,8 @@
   charged against ``max_attempts``); its history row says ``snoozed``. Bounded: a job may snooze
   ``MAX_SNOOZES`` times; a snooze beyond that is charged as a failed attempt (said in its error).
 - ``Retry(after=seconds, reason=...)``: a failed attempt (``max_attempts`` still applies), retried
-  after the handler's own delay instead of the retry policy's backoff (``after=None``: the policy's).
+  after the handler's own delay instead of the retry policy's backoff (``after=None``: the policy's);
+  its history row says ``retried`` (a plain failure's says ``failed``).
 
 ``seconds``/``after`` are an ``int``, a ``float`` or a ``datetime.timedelta`` from 0 to
 ``MAX_SECONDS`` (365 days); anything else raises ``ValueError`` where the exception is made, so the

@@ -1240,9 +1240,11 @@ class Queue:
                 "children_by_status": counts["children_by_status"]}
 
     def attempts(self, job_id: int) -> list[dict[str, Any]]:
-        """The job's attempt history, oldest first: attempt, outcome (done, retry, dead, released,
-        expired, cancelled), host, pid, tier, started_at, finished_at, exit_code, signal,
-        kill_reason, duration_seconds, error_head. JobNotFound if there is no such job."""
+        """The job's attempt history, oldest first: attempt, outcome (done; failed: failed with
+        attempts left; retried: its handler raised Retry; dead; discarded; snoozed; released;
+        expired; cancelled), snooze (a snoozed row's count: the job's Nth snooze), host, pid, tier,
+        started_at, finished_at, exit_code, signal, kill_reason, duration_seconds, error_head.
+        JobNotFound if there is no such job."""
         rows = self._run("attempts", {"id": _job_id(job_id)})
         if not rows:
             self._status_of(job_id)

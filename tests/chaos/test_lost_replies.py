@@ -152,7 +152,7 @@ def test_a_lost_finish_whose_job_the_same_statement_claimed_again_is_counted_as_
     assert (completer.counts.retried, completer.counts.fenced_out) == (1, 0)
     assert seen == [Status.PENDING] and completer.buffered == 0
     assert sql("SELECT status, attempts, claim_token FROM fleetless.jobs") == [("running", 2, token)]
-    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts") == [(1, "retry")]
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts") == [(1, "failed")]
 
 
 def test_a_drain_counts_its_lost_finish_as_written_when_its_claim_took_the_job_again(
@@ -177,5 +177,5 @@ def test_a_drain_counts_its_lost_finish_as_written_when_its_claim_took_the_job_a
         through.close()
     assert proxy.dropped == [EXECUTED_FINISH]
     assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "ok\n")]
-    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "retry"), (2, "done")]
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "failed"), (2, "done")]
     assert (summary.retried, summary.done, summary.fenced_out) == (1, 1, 0), summary

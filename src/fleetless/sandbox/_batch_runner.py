@@ -21,6 +21,8 @@ The drainer writes this file into a sandbox's workspace and runs ``python _fleet
     {"tag": "...", "ok": false, "error": "ValueError: ...", "stdout": "...", "stderr": "..."}
     {"tag": "...", "ok": false, "decided": {"decided": "snooze", "seconds": 30, "reason": "..."}, ...}
                                    (module: it raised fleetless.outcomes' Discard, Snooze or Retry)
+    {"tag": "...", "ok": false, "too_large": 70001, "stdout": "...", "stderr": "..."}
+                                   (module: its result was 70001 bytes of JSON, past RESULT_BYTES)
     {"tag": "...", "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
 
 **Channel mode** (IN and OUT are named pipes, process and bwrap tiers): the drainer holds both
@@ -667,6 +669,9 @@ class Runner:
                 decided = json.loads(data[1:])
             except ValueError:
                 decided = None
+        if killed is None and data.startswith(b"B") and data[1:].isdigit() and len(data) < 24:
+            return json.dumps({"tag": tag, "ok": False, "too_large": int(data[1:]), "stdout": stdout,
+                               "stderr": stderr, "duration": duration}, ensure_ascii=False)
         if decided is not None:
             return json.dumps({"tag": tag, "ok": False, "decided": decided, "error": "", "stdout": stdout,
                                "stderr": stderr, "duration": duration}, ensure_ascii=False)
@@ -759,10 +764,9 @@ class Runner:
         try:
             value = self.handle(job["payload"])
             text = "null" if value is None else json.dumps(value, allow_nan=False, separators=(",", ":"))
-            if len(text) > RESULT_BYTES:  # ASCII: json.dumps escapes the rest
-                raise ValueError(f"handle() returned {len(text)} characters of JSON; results are capped "
-                                 f"at {RESULT_BYTES} bytes")
-            report = b"R" + text.encode()
+            # ASCII: json.dumps escapes the rest. Too large is decided once (the host fails the job
+            # for good: the same payload would return as much again), not an error retried
+            report = b"B%d" % len(text) if len(text) > RESULT_BYTES else b"R" + text.encode()
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
             decided = decision(exc)
             if decided is not None:

@@ -368,7 +368,7 @@ WITH finished AS (
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
                                      exit_code, signal, kill_reason, duration_seconds, error_head)
-  SELECT id, attempts, CASE status WHEN 'pending' THEN 'retry' ELSE status END, %(host)s, %(pid)s,
+  SELECT id, attempts, CASE status WHEN 'pending' THEN 'failed' ELSE status END, %(host)s, %(pid)s,
          COALESCE(%(tier)s, tier), started_at, %(exit_code)s, %(signal)s, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
@@ -410,7 +410,7 @@ WITH finished AS (
                                      kill_reason, duration_seconds, error_head)
   SELECT id, attempts,
          CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN NOT charged THEN 'released'
-              WHEN status = 'dead' THEN 'dead' ELSE 'retry' END,
+              WHEN status = 'dead' THEN 'dead' ELSE 'failed' END,
          %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(kill_reason)s,
          extract(epoch FROM now() - started_at), left(%(error)s, 500)
   FROM finished
@@ -563,7 +563,7 @@ WITH gone AS (
   WHERE id = %(id)s AND status IN ('done', 'dead', 'cancelled')
   RETURNING id, kind
 ), folded AS (
-  SELECT g.kind, a.outcome,
+  SELECT g.kind, CASE a.outcome WHEN 'retry' THEN 'failed' ELSE a.outcome END AS outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
               ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
@@ -609,9 +609,10 @@ ON CONFLICT (name) DO UPDATE SET last_at = now()
 RETURNING true AS mine;
 
 -- name: attempts
--- One job's attempt history, oldest first.
-SELECT attempt, outcome, host, pid, tier, started_at, finished_at, exit_code, signal, kill_reason,
-       duration_seconds, error_head
+-- One job's attempt history, oldest first. 'retry' (written before migration 024, or by an older
+-- drainer) reads as 'failed', what a plain failure with attempts left is called now.
+SELECT attempt, CASE outcome WHEN 'retry' THEN 'failed' ELSE outcome END AS outcome, snooze, host, pid, tier,
+       started_at, finished_at, exit_code, signal, kill_reason, duration_seconds, error_head
 FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id;
 
 -- name: status_of
@@ -817,7 +818,7 @@ WHERE id IN (
 )
 RETURNING id, kind
 ), folded AS (
-  SELECT g.kind, a.outcome,
+  SELECT g.kind, CASE a.outcome WHEN 'retry' THEN 'failed' ELSE a.outcome END AS outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
               ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
@@ -857,8 +858,9 @@ SELECT id FROM gone;
 -- bounded as in release: the max_releases-th in a row is charged as a failure instead;
 -- 'snooze' (the handler asked to come back after delay: fleetless.outcomes.Snooze, exit code 91):
 -- pending after delay, the attempt given back, bounded by the job's own count: a snooze past
--- max_snoozes is charged as a failure instead. decided 'discard' (a permanent fail) is recorded
--- in the history as 'discarded', a snooze as 'snoozed'.
+-- max_snoozes is charged as a failure instead. The history names each: 'failed' (a failure with
+-- attempts left), 'retried' (the same, asked by the handler: decided 'retry'), 'discarded' (decided
+-- 'discard', dead at once), 'snoozed' (with the job's snooze count in "snooze"), 'dead', 'released'.
 -- Each written row's attempt gets its history row in the same statement (a data-modifying CTE);
 -- "was" is the row before this update, for the number and start of an attempt given back, and
 -- the tier its claim recorded when the outcome does not say (batch mode).
@@ -913,6 +915,7 @@ FROM (SELECT u.*, was.attempts AS was_attempts, was.started_at AS was_started_at
            JOIN {schema}.jobs AS was ON was.id = u.id) AS o
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
 RETURNING j.id, j.status, o.act AS action, o.decided, o.was_attempts AS attempts, o.was_started_at AS started_at,
+          j.snoozes,
           COALESCE(o.tier, o.was_tier) AS tier,
           o.exit_code, o.signal,
           o.kill_reason, o.err AS error, j.kind, (o.action = 'release' AND o.delay > 0) AS gave_back
@@ -930,14 +933,16 @@ RETURNING j.id, j.status, o.act AS action, o.decided, o.was_attempts AS attempts
     WHERE x.nth <= x.n))
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
-                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+                                     exit_code, signal, kill_reason, duration_seconds, error_head, snooze)
   SELECT id, attempts,
          CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN action = 'release' THEN 'released'
               WHEN action = 'snooze' THEN 'snoozed'
               WHEN status = 'dead' AND decided = 'discard' THEN 'discarded'
-              WHEN status = 'pending' THEN 'retry' ELSE status END,
+              WHEN status = 'pending' AND decided = 'retry' THEN 'retried'
+              WHEN status = 'pending' THEN 'failed' ELSE status END,
          %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
-         extract(epoch FROM now() - started_at), left(error, 500)
+         extract(epoch FROM now() - started_at), left(error, 500),
+         CASE WHEN action = 'snooze' AND status = 'pending' THEN snoozes END
   FROM finished
 )
 SELECT id, status FROM finished;
@@ -1400,21 +1405,22 @@ LIMIT %(limit)s OFFSET %(offset)s;
 
 -- name: insight_attempts
 -- The job page: a page of one job's attempt history, oldest first, through job_attempts_job_idx.
-SELECT attempt, outcome, host, pid, tier, started_at, finished_at, exit_code, signal, kill_reason,
-       duration_seconds, error_head
+-- 'retry' reads as 'failed', as in attempts.
+SELECT attempt, CASE outcome WHEN 'retry' THEN 'failed' ELSE outcome END AS outcome, snooze, host, pid, tier,
+       started_at, finished_at, exit_code, signal, kill_reason, duration_seconds, error_head
 FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id
 LIMIT %(limit)s OFFSET %(offset)s;
 
 -- name: insight_per_minute
 -- Attempts that ended per minute over the last %(minutes)s minutes, every minute present (zeros
--- too): done, and failed (retried, dead, or expired with the lease), counted from the attempt
--- history so a job that failed three times shows three failures, not one dead row (a discard is a
--- failure too). Released, snoozed and cancelled attempts are neither. Reads only the window through
+-- too): done, and failed (failed, retried by its handler, dead, or expired with the lease; 'retry'
+-- from before migration 024), counted from the attempt history so a job that failed three times
+-- shows three failures, not one dead row (a discard is a failure too). Released, snoozed and cancelled attempts are neither. Reads only the window through
 -- job_attempts_finished_idx, whatever the history's size.
 WITH f AS (
   SELECT date_trunc('minute', finished_at) AS minute,
          count(*) FILTER (WHERE outcome = 'done') AS done,
-         count(*) FILTER (WHERE outcome IN ('retry', 'dead', 'expired', 'discarded')) AS failed
+         count(*) FILTER (WHERE outcome IN ('failed', 'retried', 'retry', 'dead', 'expired', 'discarded')) AS failed
   FROM {schema}.job_attempts
   WHERE finished_at >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s - 1)
   GROUP BY 1
@@ -1456,7 +1462,8 @@ WITH mark AS (
   WHERE last_id = %(after)s
   FOR UPDATE SKIP LOCKED
 ), folded AS (
-  SELECT COALESCE((SELECT j.kind FROM {schema}.jobs j WHERE j.id = a.job_id), '(pruned)') AS kind, a.outcome,
+  SELECT COALESCE((SELECT j.kind FROM {schema}.jobs j WHERE j.id = a.job_id), '(pruned)') AS kind,
+         CASE a.outcome WHEN 'retry' THEN 'failed' ELSE a.outcome END AS outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
               ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END AS bound,
@@ -1485,9 +1492,12 @@ RETURNING last_id;
 SELECT kind, outcome, bound, sum(n)::bigint AS n, sum(seconds)::float8 AS seconds,
        (SELECT last_id FROM {schema}.attempt_totals_mark) AS mark
 FROM (
-  SELECT kind, outcome, bound, n, seconds FROM {schema}.attempt_totals
+  -- 'retry' (totals folded before migration 024) counts as 'failed', as every read of the history
+  SELECT kind, CASE outcome WHEN 'retry' THEN 'failed' ELSE outcome END AS outcome, bound, n, seconds
+  FROM {schema}.attempt_totals
   UNION ALL
-  SELECT COALESCE((SELECT j.kind FROM {schema}.jobs j WHERE j.id = a.job_id), '(pruned)'), a.outcome,
+  SELECT COALESCE((SELECT j.kind FROM {schema}.jobs j WHERE j.id = a.job_id), '(pruned)'),
+         CASE a.outcome WHEN 'retry' THEN 'failed' ELSE a.outcome END,
          CASE WHEN a.duration_seconds IS NULL THEN -1
               ELSE COALESCE((%(bounds)s::float8[])[cardinality(%(bounds)s::float8[]) + 1
                             - width_bucket(-a.duration_seconds, %(negated)s::float8[])], 'Infinity') END,

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlencode
 
-from ..insights import Overview, Page, age, html_text
+from ..insights import Overview, Page, age, attempt_label, html_text
 
 __all__ = ["job_page", "jobs_page", "layout", "login_page", "message_page", "overview_page", "queues_page",
            "schedules_page"]
@@ -232,7 +232,7 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
     if job.get("result") is not None:
         body += f"<h2>Result</h2><pre id=result>{e(job['result'])}</pre>"
     rows = [
-        [str(a["attempt"]), e(a["outcome"]), e(f'{a["host"]}:{a["pid"]}' if a.get("host") else "-"),
+        [e(attempt_label(a)), e(a["outcome"]), e(f'{a["host"]}:{a["pid"]}' if a.get("host") else "-"),
          e(a["tier"] or "-"),
          _when(a["started_at"]), "-" if a["duration_seconds"] is None else f'{a["duration_seconds"]:.1f} s',
          e(a["signal"] or (a["exit_code"] if a["exit_code"] is not None else "-")), e(a["kill_reason"] or ""),
