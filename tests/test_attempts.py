@@ -173,13 +173,15 @@ def test_a_flush_of_done_outcomes_alone_writes_the_rows_and_history_a_mixed_flus
     assert row(lean.id)[1][:3] == (1, "done", "bwrap")
     assert row(lean_cancelled.id)[1][:3] == (1, "done", "microvm")  # the claim's tier when the outcome has none
     # The same claim's done again (a retry after a lost reply): its own write, no second history row;
-    # a claim taken over since is fenced out.
+    # once a new claim holds the job, the old claim's write changes nothing and is answered with
+    # what that claim's own outcome set (its history row carries its token).
     assert queue.finish_many([(lean, Outcome("done"))]) == {lean.id: "done"}
     assert len(queue.attempts(lean.id)) == 1
     (again,) = queue.claim(1)  # the released job, under a new claim
     assert again.id == held.id
-    assert queue.finish_many([(held, Outcome("done"))]) == {}
+    assert queue.finish_many([(held, Outcome("done"))]) == {held.id: "pending"}
     assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", held.id) == [("running",)]
+    assert len(queue.attempts(held.id)) == 1
 
 
 def test_an_expired_attempt_names_the_drainer_that_held_it(queue: Queue, sql) -> None:

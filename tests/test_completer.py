@@ -24,13 +24,13 @@ def claim_all(queue: Queue, n: int) -> list[Job]:
 def statement_sizes(queue: Queue, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many outcomes each of ``queue``'s finish statements writes, in order (filled as they run)."""
     sizes: list[int] = []
-    real = queue.finish_many
+    real = queue.finish_claims
 
     def counting(items: Any) -> Any:
         sizes.append(len(items))
         return real(items)
 
-    monkeypatch.setattr(queue, "finish_many", counting)
+    monkeypatch.setattr(queue, "finish_claims", counting)
     return sizes
 
 
@@ -116,7 +116,7 @@ def test_a_failed_flush_keeps_its_outcomes_and_retries(queue: Queue, sql: Callab
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     queue.enqueue_many([("k", {}) for _ in range(3)])
     jobs = claim_all(queue, 3)
-    real = queue.finish_many
+    real = queue.finish_claims
     failures = [2]
     lock = threading.Lock()
 
@@ -127,7 +127,7 @@ def test_a_failed_flush_keeps_its_outcomes_and_retries(queue: Queue, sql: Callab
                 raise DatabaseUnavailable("database unavailable: server closed the connection unexpectedly")
         return real(items)
 
-    monkeypatch.setattr(queue, "finish_many", flaky)
+    monkeypatch.setattr(queue, "finish_claims", flaky)
     c = Completer(queue, flush_size=1, flush_interval=0.01)
     with pytest.raises(DatabaseUnavailable):
         c.add(jobs[0], Outcome("done"))
@@ -273,7 +273,7 @@ def test_close_writes_half_of_what_is_left_on_a_second_connection_each_outcome_o
     def lost(items: Any) -> Any:
         raise DatabaseUnavailable("database unavailable: server closed the connection unexpectedly")
 
-    monkeypatch.setattr(beside, "finish_many", lost)
+    monkeypatch.setattr(beside, "finish_claims", lost)
     again = Completer(queue, flush_size=5, flush_interval=3600)
     for job in jobs[20:]:
         again.add(job, Outcome("fail", error="x"))
@@ -326,8 +326,9 @@ def test_a_queue_on_its_own_session_finishes_and_claims_with_statements_prepared
     assert _prepared(queue) == {"fleetless_finish_done", "fleetless_finish_many", "fleetless_claim"}
     assert queue._conn is not None
     queue._conn.close()  # the next call opens a new session: nothing is prepared there yet
+    before = job
     written, (job,) = queue.finish_then_claim([(job, Outcome("done", result="r2"))], 1, ttl=60)
-    assert written == {ids[2]: "done"} and job.id == ids[3]
+    assert written == {(ids[2], before.claim_token): "done"} and job.id == ids[3]  # by claim
     assert _prepared(queue) == {"fleetless_finish_done", "fleetless_claim"}
     assert sql("SELECT id, status, attempts, result, last_error FROM fleetless.jobs ORDER BY id") == [
         (ids[0], "done", 1, "r0", None), (ids[1], "pending", 1, None, "boom"), (ids[2], "done", 1, "r2", None),

@@ -1,9 +1,12 @@
 """The completer: writes the outcomes of claimed jobs, inline or batched, always fenced per row.
 
-Every outcome goes through :meth:`Queue.finish_many`: one ``UPDATE … FROM jsonb_array_elements(…)`` per flush,
-each row matched on ``(id, claim_token, status = 'running')``, so a drainer whose claim was reaped
-and taken over can never overwrite the new owner's outcome (it learns it from the rows missing in
-the answer: ``fenced_out``).
+Every outcome goes through :meth:`Queue.finish_claims` (finish_many): one ``UPDATE … FROM
+jsonb_array_elements(…)`` per flush, each row matched on ``(id, claim_token, status = 'running')``,
+so a drainer whose claim was reaped and taken over can never overwrite the new owner's outcome (it
+learns it from the rows missing in the answer: ``fenced_out``). Outcomes are told apart by claim
+(job id and claim token), never by job id alone: a flush retried after its reply was lost finds
+its own earlier write by the claim's token in the attempt history, also when the drain has
+claimed the same job again meanwhile (a snooze or a retry due at once), and counts it as written.
 
 Two ways to use it:
 
@@ -30,12 +33,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from . import db
-from .job import Job, Outcome, Run, Status
+from .job import Claim, Job, Outcome, Run, Status, claim_of
 from .queue import Queue
 from .retry import RetryPolicy
 
@@ -139,11 +142,11 @@ class Completer:
         other error the outcomes not written stay buffered (nothing is lost) and it propagates."""
         self._write(self._finish_many, with_claim=False)
 
-    def _finish_many(self, items: list[tuple[Job, Outcome]]) -> tuple[dict[int, Status], None]:
-        return self.queue.finish_many(items), None
+    def _finish_many(self, items: list[tuple[Job, Outcome]]) -> tuple[dict[Claim, Status], None]:
+        return self.queue.finish_claims(items), None
 
     def flush_then_claim(
-        self, claim: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], list[Job]]]
+        self, claim: Callable[[list[tuple[Job, Outcome]]], tuple[dict[Claim, Status], list[Job]]]
     ) -> list[Job] | None:
         """As :meth:`flush`, with the caller's next claim in the same transaction: ``claim`` takes
         the outcomes, writes them and claims (:meth:`Queue.finish_then_claim`) and returns what was
@@ -152,7 +155,7 @@ class Completer:
         one by one, as by :meth:`flush`), and the caller claims on its own."""
         return self._write(claim, with_claim=True)
 
-    def _write(self, write: Callable[[list[tuple[Job, Outcome]]], tuple[dict[int, Status], T]], *,
+    def _write(self, write: Callable[[list[tuple[Job, Outcome]]], tuple[dict[Claim, Status], T]], *,
                with_claim: bool, limit: int | None = None) -> T | None:
         """Take what is buffered and write it with ``write`` (which returns the statuses written and
         whatever else its statement gave: the claim's jobs). A lost connection, or any error but a
@@ -203,7 +206,7 @@ class Completer:
                                 job.id, _first_line(exc))
                 back = Outcome("release", error=reason, run=outcome.run)
                 try:
-                    self._count([(job, back)], self.queue.finish_many([(job, back)]))
+                    self._count([(job, back)], self.queue.finish_claims([(job, back)]))
                     released += 1
                 except ConnectionError:
                     self._put_back(items[i:])
@@ -212,24 +215,6 @@ class Completer:
                     log.warning("job %d: could not give its claim back (%s); it runs again after its lease",
                                 job.id, _first_line(exc))
         return written, released
-
-    def claimed_again(self, held: Sequence[Job]) -> None:
-        """A claim whose reply was lost took back ``held``. A buffered outcome of one of those jobs
-        under another (older) claim was written by that lost statement: the claim could take the
-        job only once the outcome had made it pending again. Its old token matches nothing now, so
-        writing it again would call it fenced out; it is counted as written (pending) instead and
-        leaves the buffer. Outcomes are told apart by (job id, claim token), never by id alone."""
-        taken = {job.id: job.claim_token for job in held}
-        with self._flushing, self._cond:
-            ours = [(j, o) for j, o in self._buffer if taken.get(j.id, j.claim_token) != j.claim_token]
-            if not ours:
-                return
-            self._buffer = [(j, o) for j, o in self._buffer if taken.get(j.id, j.claim_token) == j.claim_token]
-            if not self._buffer:
-                self._first_at = None
-        for job, _ in ours:
-            log.info("job %d: its outcome was written by the statement whose reply was lost", job.id)
-        self._count(ours, {job.id: Status.PENDING for job, _ in ours})
 
     def _take(self, limit: int | None = None) -> list[tuple[Job, Outcome]]:
         """The buffered outcomes, or the ``limit`` oldest of them (the rest keep their wait: the
@@ -257,12 +242,12 @@ class Completer:
                 raise
             self._count([(job, outcome)], written)
 
-    def _write_one(self, job: Job, outcome: Outcome, refused: db.DatabaseError | None = None) -> dict[int, Status]:
+    def _write_one(self, job: Job, outcome: Outcome, refused: db.DatabaseError | None = None) -> dict[Claim, Status]:
         """One outcome; one the database cannot store becomes a permanent failure of its job."""
         try:
             if refused is not None:
                 raise refused
-            return self.queue.finish_many([(job, outcome)])
+            return self.queue.finish_claims([(job, outcome)])
         except db.ValueNotStorable as exc:
             if outcome.action == "release":  # its text is the drainer's own: nothing to drop
                 raise
@@ -270,13 +255,13 @@ class Completer:
             stored = Outcome("fail", error=NOT_STORABLE + _first_line(exc), permanent=True,
                              run=Run(tier=run.tier, exit_code=run.exit_code, signal=run.signal))
             log.warning("job %d: %s%s; failed", job.id, NOT_STORABLE, _first_line(exc))
-            return self.queue.finish_many([(job, stored)])
+            return self.queue.finish_claims([(job, stored)])
 
-    def _count(self, items: list[tuple[Job, Outcome]], written: dict[int, Status]) -> None:
+    def _count(self, items: list[tuple[Job, Outcome]], written: dict[Claim, Status]) -> None:
         c = self.counts
         self.written += len(items)
         for job, outcome in items:
-            status = written.get(job.id)
+            status = written.get(claim_of(job))
             if self.on_written is not None:
                 self.on_written(job, outcome, status)
             if status is None:
@@ -359,7 +344,7 @@ class Completer:
             raise self.failure
         run = flush if flush is not None else _call
         helper = None
-        beside_written: list[tuple[list[tuple[Job, Outcome]], dict[int, Status]]] = []
+        beside_written: list[tuple[list[tuple[Job, Outcome]], dict[Claim, Status]]] = []
         if beside is not None and self.buffered > self.flush_size:
             half = self._take(self.buffered // 2)
             helper = threading.Thread(target=self._write_beside, args=(beside, half, beside_written),
@@ -376,12 +361,12 @@ class Completer:
             run(self.flush)
 
     def _write_beside(self, queue: Queue, items: list[tuple[Job, Outcome]],
-                      written: list[tuple[list[tuple[Job, Outcome]], dict[int, Status]]]) -> None:
+                      written: list[tuple[list[tuple[Job, Outcome]], dict[Claim, Status]]]) -> None:
         """close()'s second writer: one statement on ``queue``'s connection. Whatever stops it (a
         lost connection, a refusal) puts the outcomes back, for the closing flush (one by one
         there, if refused); what it wrote is counted by close() itself."""
         try:
-            written.append((items, queue.finish_many(items)))
+            written.append((items, queue.finish_claims(items)))
         except BaseException as exc:
             log.debug("writing outcomes on the second connection failed (%s)", _first_line(exc))
             self._put_back(items)

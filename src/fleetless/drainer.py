@@ -35,7 +35,7 @@ from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, Teardown, describ
 from .completer import Completer
 from .events import FinishedAs, JobFinished, NullReporter, Reporter
 from .failure import error_head
-from .job import Job, Outcome, Run, Status
+from .job import Claim, Job, Outcome, Run, Status, claim_of
 from .queue import Queue
 from .retry import RetryPolicy
 from .sandbox import Limits, Sandbox, SandboxUnavailable, Template, choose_tier, get_backend
@@ -197,7 +197,7 @@ def base_env(passed: dict[str, str]) -> dict[str, str]:
 
 
 _Unit = tuple[list[Job], Slot]  # one claim's jobs of one kind, and the sandbox slot they run in
-_Claim = tuple[int, uuid.UUID]  # (job id, claim token): one run of a job, as every fenced write names it
+_Claim = Claim  # (job id, claim token): one run of a job, as every fenced write names it
 _Result = tuple[list[tuple[Job, Outcome]], str | None]
 
 
@@ -665,8 +665,7 @@ class Drainer:
                 held = self.queue.claimed_with(token)
                 if held:
                     log.warning("took back %d job(s) from a claim whose reply was lost", len(held))
-                    if with_outcomes:
-                        self._completer.claimed_again(held)
+                    if with_outcomes:  # written by the lost statement: the retry finds them its own
                         self._completer.flush()
                     return held
             if with_outcomes:
@@ -825,8 +824,7 @@ class Drainer:
                 delay = min(delay * 2, 5.0)
 
 
-def _claim_of(job: Job) -> _Claim:
-    return job.id, job.claim_token
+_claim_of = claim_of
 
 
 def _what(exc: BaseException) -> str:

@@ -12,10 +12,12 @@ from typing import Any, Literal
 __all__ = [
     "MAX_PAYLOAD_BYTES",
     "MAX_PAYLOAD_DEPTH",
+    "Claim",
     "Job",
     "Outcome",
     "Run",
     "Status",
+    "claim_of",
     "encode_payload",
     "validate_kind",
     "validate_queue_name",
@@ -72,6 +74,15 @@ class Job:
         job = _new(cls)
         _setattr(job, "__dict__", dict(zip(_JOB_FIELDS, row, strict=True)))
         return job
+
+
+#: One claim of a job, as every fenced write names it: (job id, claim token). A job claimed again
+#: (a snooze or retry due at once) is another claim; outcomes are told apart by it, not by the id.
+Claim = tuple[int, uuid.UUID]
+
+
+def claim_of(job: Job) -> Claim:
+    return job.id, job.claim_token
 
 
 @dataclass(frozen=True)

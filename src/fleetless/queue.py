@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime as dt
 import itertools
@@ -28,10 +29,12 @@ from . import db
 from .attempt_totals import DURATION_BUCKETS, bucket_params
 from .job import (
     MAX_PAYLOAD_BYTES,
+    Claim,
     Job,
     Outcome,
     Run,
     Status,
+    claim_of,
     encode_payload,
     validate_kind,
     validate_queue_name,
@@ -837,8 +840,13 @@ class Queue:
     def _own_outcome(self, job: Job) -> Status | None:
         """After a fenced write matched nothing: the status this claim's own earlier write left,
         when that is what happened (its reply was lost and the call retried); else None."""
-        rows = self._run("outcome_of", {"id": job.id, "token": job.claim_token})
-        return Status(rows[0]["status"]) if rows else None
+        return self._own_outcomes([job]).get(claim_of(job))
+
+    def _own_outcomes(self, jobs: Sequence[Job]) -> dict[Claim, Status]:
+        """Of these claims, those whose outcome a finish of theirs wrote (by the attempt history
+        row it wrote with them), and the status each write set."""
+        rows = self._run("outcomes_of", {"ids": [j.id for j in jobs], "tokens": [j.claim_token for j in jobs]})
+        return {(r["id"], r["token"]): Status(r["status"]) for r in rows}
 
     @staticmethod
     def _run_params(job: Job, run: Run | None) -> dict[str, Any]:
@@ -906,26 +914,42 @@ class Queue:
     def finish_many(self, outcomes: Sequence[tuple[Job, Outcome]]) -> dict[int, Status]:
         """Write many outcomes in one statement, each fenced on its claim. Returns the new status
         of every job written; a job missing from it was fenced out (its claim was taken over). A
-        retry whose first reply was lost recognises its own earlier writes (their status is in it)."""
+        retry whose first reply was lost recognises its own earlier writes (their status is in it).
+        By job id: for outcomes of one claim per job (:meth:`finish_claims` tells claims apart)."""
+        return {job_id: status for (job_id, _), status in self.finish_claims(outcomes).items()}
+
+    def finish_claims(self, outcomes: Sequence[tuple[Job, Outcome]]) -> dict[Claim, Status]:
+        """:meth:`finish_many`, its answer by claim (job id, claim token): outcomes of two claims of
+        one job (the first one's reply lost, the job claimed again meanwhile) are told apart."""
         if not outcomes:
             return {}
         rows = self._tuples(_finish_query(outcomes), _finish_params(outcomes))
         return self._written(outcomes, rows)
 
-    def _written(self, outcomes: Sequence[tuple[Job, Outcome]], rows: list[tuple[Any, ...]]) -> dict[int, Status]:
-        """finish_many's answer: each written job's new status, and the jobs it did not match
-        told apart (fenced out, or written by this call's own earlier try whose reply was lost)."""
-        written = {job_id: _STATUS[status] for job_id, status in rows}
-        missing = [job for job, _ in outcomes if job.id not in written]
-        if missing:
-            written.update((r["id"], Status(r["status"])) for r in self._run(
-                "outcomes_of", {"ids": [j.id for j in missing], "tokens": [j.claim_token for j in missing]}))
+    def _written(self, outcomes: Sequence[tuple[Job, Outcome]], rows: list[tuple[Any, ...]]) -> dict[Claim, Status]:
+        """finish_many's answer, by claim: each written claim's new status, and the claims it did
+        not match told apart (fenced out, or written by this call's own earlier try whose reply
+        was lost). A job with two claims among ``outcomes`` is asked about by claim as well (the
+        statement matched one of them, and its answer names the job only)."""
+        by_id = {job_id: _STATUS[status] for job_id, status in rows}
+        ids = [job.id for job, _ in outcomes]
+        twice = set() if len(set(ids)) == len(ids) else {i for i, n in collections.Counter(ids).items() if n > 1}
+        written: dict[Claim, Status] = {}
+        ask: list[Job] = []
+        for job, _ in outcomes:
+            status = by_id.get(job.id)
+            if status is None or job.id in twice:
+                ask.append(job)
+            else:
+                written[claim_of(job)] = status
+        if ask:
+            written.update(self._own_outcomes(ask))
         return written
 
     def finish_then_claim(
         self, outcomes: Sequence[tuple[Job, Outcome]], n: int, **claim: Any
-    ) -> tuple[dict[int, Status], list[Job]]:
-        """:meth:`finish_many` of ``outcomes``, then :meth:`claim` of up to ``n`` (``claim``: its
+    ) -> tuple[dict[Claim, Status], list[Job]]:
+        """:meth:`finish_claims` of ``outcomes``, then :meth:`claim` of up to ``n`` (``claim``: its
         keyword arguments), both in one transaction sent as one message: a per-job drain's slot
         writes its job's outcome and takes its next job with one round trip and one commit (two
         commits per job were most of its drainer's time), and the outcome is durable no later than
@@ -936,7 +960,7 @@ class Queue:
         kinds: Mapping[str, KindSettings] = claim.get("kinds") or {}
         if (n < 1 or claim.get("one_kind") or any(ks.limited for ks in kinds.values()) or not outcomes
                 or self.limited_queues(claim.get("queues"))):
-            return self.finish_many(outcomes), self.claim(n, **claim)
+            return self.finish_claims(outcomes), self.claim(n, **claim)
         claim.pop("one_kind", None)
         params = {**_finish_params(outcomes), **_claim_params(n, **claim)}
         # Client-side binding is what lets two statements travel in one simple query, which the

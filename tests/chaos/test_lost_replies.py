@@ -5,6 +5,7 @@ find what the lost attempt did instead of doing it again or calling it someone e
 
 from __future__ import annotations
 
+import logging
 import uuid
 
 import pytest
@@ -76,9 +77,12 @@ def test_a_batched_finish_retried_after_a_lost_reply_reports_every_row_as_its_ow
         through.close()
     assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
         (jobs[0].id, "done", 1), (jobs[1].id, "pending", 1), (jobs[2].id, "pending", 0)]
-    # Once another claim holds a job, the old token is fenced out as before.
+    # Once another claim holds a job, the old token changes nothing; asked again, the old claim's
+    # outcome is still the one it wrote (found by its token in the attempt history), not fenced out.
     assert len(queue.claim(2)) == 2
-    assert queue.finish_many(items[1:]) == {}
+    assert queue.finish_many(items[1:]) == {failed.id: Status.PENDING, released.id: Status.PENDING}
+    assert sql("SELECT id, status, attempts FROM fleetless.jobs ORDER BY id") == [
+        (jobs[0].id, "done", 1), (jobs[1].id, "running", 2), (jobs[2].id, "running", 1)]
 
 
 def test_every_fenced_write_retried_after_a_lost_reply_reports_its_own_outcome(dsn: str, queue: Queue,
@@ -100,10 +104,13 @@ def test_every_fenced_write_retried_after_a_lost_reply_reports_its_own_outcome(d
         through.close()
     assert sql("SELECT status, attempts FROM fleetless.jobs ORDER BY id") == [
         ("done", 1), ("pending", 1), ("pending", 0)]
-    # Once another claim holds the job, the old token is fenced out as before.
+    # Once another claim holds the job, the old token changes nothing; the answer is still what
+    # the old claim's own write set (it was written), not someone else's.
     assert len(queue.claim(2)) == 2
-    assert queue.fail(released, "stale", delay=0) is None
-    assert queue.release(failed, "stale") is None
+    assert queue.fail(released, "stale", delay=0) is Status.PENDING
+    assert queue.release(failed, "stale") is Status.PENDING
+    assert sql("SELECT status, attempts FROM fleetless.jobs ORDER BY id") == [
+        ("done", 1), ("running", 2), ("running", 1)]
 
 
 def test_a_per_job_outcome_written_with_a_claim_whose_reply_is_lost_is_recognised_and_nothing_strands(
@@ -130,7 +137,8 @@ def test_a_lost_finish_whose_job_the_same_statement_claimed_again_is_counted_as_
     job's outcome (a retry due at once) with its next claim, that claim takes the same job again,
     and the reply is lost. The retry takes the claim back (the job, under the new token) and
     flushes the outcome again, whose old token matches nothing now. On 61e842d it was counted and
-    logged as fenced out; it is the drainer's own write, counted as a retry."""
+    logged as fenced out; it is the drainer's own write, counted as a retry (the attempt history
+    row it wrote carries the old claim's token)."""
     queue.enqueue("k", {}, max_attempts=3)
     token = uuid.uuid4()
     with pg_proxy(dsn) as proxy:
@@ -145,8 +153,7 @@ def test_a_lost_finish_whose_job_the_same_statement_claimed_again_is_counted_as_
             completer.flush_then_claim(lambda items: through.finish_then_claim(items, 1, token=token))
         held = through.claimed_with(token)  # the retry, as the drainer's
         assert [(j.id, j.attempts) for j in held] == [(job.id, 2)]
-        completer.claimed_again(held)
-        completer.flush()
+        completer.flush()  # the old claim's write, found by its token in the attempt history
         through.close()
     assert proxy.dropped == [EXECUTED_FINISH]
     assert (completer.counts.retried, completer.counts.fenced_out) == (1, 0)
@@ -179,3 +186,76 @@ def test_a_drain_counts_its_lost_finish_as_written_when_its_claim_took_the_job_a
     assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "ok\n")]
     assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "failed"), (2, "done")]
     assert (summary.retried, summary.done, summary.fenced_out) == (1, 1, 0), summary
+
+
+#: A handle() module for the batch drain below: "s" decides Snooze(0) or Retry(after=0) on its first
+#: run (a marker file outside the sandbox tells runs apart), then succeeds; "x" sleeps a second.
+BATCH_DECIDER = """
+    import os, time
+    from fleetless.outcomes import Retry, Snooze
+
+    def handle(payload):
+        if payload["x"]:
+            time.sleep(1)
+            return "slept"
+        if not os.path.exists(payload["marker"]):
+            open(payload["marker"], "w").close()
+            raise Snooze(0) if payload["decide"] == "snooze" else Retry(after=0)
+        return "ok"
+"""
+
+
+@pytest.mark.parametrize(("decide", "history", "counted"), [
+    ("snooze", [(1, "snoozed"), (1, "done")], "snoozed"),
+    ("retry", [(1, "retried"), (2, "done")], "retried"),
+])
+def test_a_batch_drain_counts_its_lost_finish_as_written_when_it_claimed_the_job_again_before_the_retry(
+        dsn: str, queue: Queue, handlers, sql, tmp_path, caplog: pytest.LogCaptureFixture,
+        decide: str, history: list[tuple[int, str]], counted: str) -> None:
+    """Issue 26.9, batch mode: a job that snoozed (or asked for a retry) with no delay has its
+    outcome's reply lost; the statement committed, so the job is pending again and the drain's
+    next claim (ahead, while the slot runs) takes it under a new token before the completer tries
+    the write again. That retry matches nothing: before the fix the drain counted and logged the
+    job as fenced out although the write was its own. Outcomes are told apart by their claim."""
+    h = handlers(**{"k.py": BATCH_DECIDER})
+    marker = tmp_path / "decided-once"
+    s = queue.enqueue("k", {"x": False, "marker": str(marker), "decide": decide}, max_attempts=3)
+    queue.enqueue_many([("k", {"x": True})] * 3)
+    with pg_proxy(dsn) as proxy:
+        proxy.drop_reply_to(FINISH)
+        through = Queue(proxy.dsn)
+        # The completer's first flush waits a second, its retry after a lost reply two more: the
+        # second job of the first batch ends meanwhile, and the claim ahead takes the decided job.
+        config = DrainConfig(handlers_dir=h, concurrency=1, per_sandbox=2, flush_interval=1.0, timeout=60)
+        with caplog.at_level(logging.INFO, logger="fleetless"):
+            summary = Drainer(through, config).run()
+        through.close()
+    assert proxy.dropped == [FINISH]
+    assert sql("SELECT status, result_json FROM fleetless.jobs WHERE id = %s", s) == [("done", "ok")]
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts WHERE job_id = %s ORDER BY id", s) == history
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'done'") == [(4,)]
+    assert summary.claimed == 5 and summary.done == 4 and summary.fenced_out == 0, summary
+    assert getattr(summary, counted) == 1, summary
+    assert "taken over" not in caplog.text and "fenced out" not in summary.line()
+
+
+def test_one_flush_with_two_claims_of_one_job_answers_each_claim_with_its_own_outcome(
+        dsn: str, queue: Queue, sql) -> None:
+    """A snooze due at once, its reply lost, the job claimed again and finished: the completer may
+    write both claims' outcomes in one statement. Each is answered by its claim (job id and
+    token), not both with the status the statement left on the job."""
+    job_id = queue.enqueue("k", {})
+    with pg_proxy(dsn) as proxy:
+        through = Queue(proxy.dsn)
+        (first,) = through.claim(1)
+        snooze = (first, Outcome("snooze", error="later", delay=0))
+        proxy.drop_reply_to(FINISH)
+        with pytest.raises(DatabaseUnavailable):
+            through.finish_claims([snooze])
+        (second,) = through.claim(1)
+        assert second.id == first.id and second.claim_token != first.claim_token
+        assert through.finish_claims([snooze, (second, Outcome("done", result="r"))]) == {
+            (job_id, first.claim_token): Status.PENDING, (job_id, second.claim_token): Status.DONE}
+        through.close()
+    assert sql("SELECT status, attempts, snoozes FROM fleetless.jobs") == [("done", 1, 1)]
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "snoozed"), (1, "done")]

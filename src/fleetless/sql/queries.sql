@@ -313,20 +313,21 @@ SELECT j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts
 FROM {schema}.jobs AS j
 WHERE j.status = 'running' AND j.claim_token = %(token)s;
 
--- name: outcome_of
--- After a finish found nothing to update: did this claim's own earlier write land (its reply was
--- lost and the call retried)? complete, fail and release keep the token; a reap clears it and a
--- new claim replaces it, so a row still carrying this token and no longer running is our write.
-SELECT status FROM {schema}.jobs
-WHERE id = %(id)s AND claim_token = %(token)s AND status <> 'running';
-
 -- name: outcomes_of
--- outcome_of for a batched finish (finish_many): of the rows it did not update, those still
--- carrying their claim's token and no longer running were written by this claim's own earlier
--- try, whose reply was lost; the rest were fenced out (reaped, or claimed again by another).
-SELECT j.id, j.status FROM {schema}.jobs AS j
-JOIN unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token) ON j.id = c.id AND j.claim_token = c.token
-WHERE j.status <> 'running';
+-- After a fenced finish did not match some of its claims (or wrote two claims of one job in one
+-- statement): which of them did this drainer's own earlier try write, its reply lost and the call
+-- retried? Every finish writes its claim's token into the attempt's history row in the same
+-- statement, so a history row of (job, token) is that claim's outcome, written: also once the job
+-- has been claimed again and holds another token (a snooze or retry due at once, taken by the
+-- next claim before the finish was retried), which the job's own row can no longer tell. The
+-- status is the one that write set. No such row: fenced out (a reap writes no token). Outcomes are
+-- told apart by claim, never by job id alone. Through job_attempts_job_idx (a job's few rows).
+SELECT a.job_id AS id, a.claim_token AS token,
+       CASE a.outcome WHEN 'done' THEN 'done' WHEN 'cancelled' THEN 'cancelled'
+                      WHEN 'dead' THEN 'dead' WHEN 'discarded' THEN 'dead' ELSE 'pending' END AS status
+FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c(id, token)
+JOIN {schema}.job_attempts AS a ON a.job_id = c.id AND a.claim_token = c.token
+WHERE a.outcome <> 'expired';
 
 -- name: complete
 -- Fenced: matches only while this claim still holds the job. A drainer whose lease was reaped
@@ -341,9 +342,9 @@ WITH finished AS (
   RETURNING id, attempts, started_at, status, tier
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
-                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+                                     exit_code, signal, kill_reason, duration_seconds, error_head, claim_token)
   SELECT id, attempts, 'done', %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(exit_code)s, %(signal)s,
-         %(kill_reason)s, extract(epoch FROM now() - started_at), NULL
+         %(kill_reason)s, extract(epoch FROM now() - started_at), NULL, %(token)s
   FROM finished
 )
 SELECT status FROM finished;
@@ -367,17 +368,18 @@ WITH finished AS (
   RETURNING id, attempts, started_at, status, tier
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
-                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+                                     exit_code, signal, kill_reason, duration_seconds, error_head, claim_token)
   SELECT id, attempts, CASE status WHEN 'pending' THEN 'failed' ELSE status END, %(host)s, %(pid)s,
          COALESCE(%(tier)s, tier), started_at, %(exit_code)s, %(signal)s, %(kill_reason)s,
-         extract(epoch FROM now() - started_at), left(%(error)s, 500)
+         extract(epoch FROM now() - started_at), left(%(error)s, 500), %(token)s
   FROM finished
 )
 SELECT status FROM finished;
 
 -- name: release
 -- Give a claim back without charging the job an attempt: the drainer is shutting down or its
--- sandbox broke, which is not the job's fault. Fenced like complete; the token stays (outcome_of).
+-- sandbox broke, which is not the job's fault. Fenced like complete; the history row keeps the
+-- token (outcomes_of).
 -- Bounded: the max_releases-th release in a row is charged as a failed attempt instead (pending
 -- after the backoff delay, or dead when none is left), so a job that breaks its sandbox every
 -- time cannot block a queue forever. The history row keeps the attempt's number and start as
@@ -407,12 +409,12 @@ WITH finished AS (
   RETURNING j.id, was.attempts, was.started_at, j.status, j.tier, j.releases = 0 AS charged
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
-                                     kill_reason, duration_seconds, error_head)
+                                     kill_reason, duration_seconds, error_head, claim_token)
   SELECT id, attempts,
          CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN NOT charged THEN 'released'
               WHEN status = 'dead' THEN 'dead' ELSE 'failed' END,
          %(host)s, %(pid)s, COALESCE(%(tier)s, tier), started_at, %(kill_reason)s,
-         extract(epoch FROM now() - started_at), left(%(error)s, 500)
+         extract(epoch FROM now() - started_at), left(%(error)s, 500), %(token)s
   FROM finished
 )
 SELECT status FROM finished;
@@ -851,8 +853,8 @@ SELECT id FROM gone;
 -- text), tier, exit_code, signal, kill_reason, decided].
 -- Each row is still fenced on (id, claim_token, status = 'running'): a drainer whose claim was
 -- reaped and taken over matches nothing and learns it from the rows not returned. Every outcome,
--- a release too, keeps the claim's token, so that a retry after a lost reply recognises its own
--- earlier write (outcomes_of).
+-- a release too, writes the claim's token into its history row, so that a retry after a lost
+-- reply recognises its own earlier write (outcomes_of), also once the job was claimed again.
 -- action: 'done'; 'fail' (back to pending after delay while attempts are left and the failure is
 -- not permanent, else dead); 'release' (pending, the attempt given back: not the job's fault),
 -- bounded as in release: the max_releases-th in a row is charged as a failure instead;
@@ -915,7 +917,7 @@ FROM (SELECT u.*, was.attempts AS was_attempts, was.started_at AS was_started_at
            JOIN {schema}.jobs AS was ON was.id = u.id) AS o
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
 RETURNING j.id, j.status, o.act AS action, o.decided, o.was_attempts AS attempts, o.was_started_at AS started_at,
-          j.snoozes,
+          j.snoozes, o.token,
           COALESCE(o.tier, o.was_tier) AS tier,
           o.exit_code, o.signal,
           o.kill_reason, o.err AS error, j.kind, (o.action = 'release' AND o.delay > 0) AS gave_back
@@ -933,7 +935,8 @@ RETURNING j.id, j.status, o.act AS action, o.decided, o.was_attempts AS attempts
     WHERE x.nth <= x.n))
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
-                                     exit_code, signal, kill_reason, duration_seconds, error_head, snooze)
+                                     exit_code, signal, kill_reason, duration_seconds, error_head, snooze,
+                                     claim_token)
   SELECT id, attempts,
          CASE WHEN status = 'cancelled' THEN 'cancelled' WHEN action = 'release' THEN 'released'
               WHEN action = 'snooze' THEN 'snoozed'
@@ -942,7 +945,7 @@ RETURNING j.id, j.status, o.act AS action, o.decided, o.was_attempts AS attempts
               WHEN status = 'pending' THEN 'failed' ELSE status END,
          %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
          extract(epoch FROM now() - started_at), left(error, 500),
-         CASE WHEN action = 'snooze' AND status = 'pending' THEN snoozes END
+         CASE WHEN action = 'snooze' AND status = 'pending' THEN snoozes END, token
   FROM finished
 )
 SELECT id, status FROM finished;
@@ -963,12 +966,12 @@ FROM (SELECT (e->>0)::bigint AS id, (e->>1)::uuid AS token, e->>5 AS error, e->>
       FROM jsonb_array_elements(%(rows)s::jsonb) AS e) AS o
 WHERE j.id = o.id AND j.claim_token = o.token AND j.status = 'running'
 RETURNING j.id, j.attempts, j.started_at, COALESCE(o.tier, j.tier) AS tier, o.exit_code, o.signal,
-          o.kill_reason, o.error
+          o.kill_reason, o.error, o.token
 ), history AS (
   INSERT INTO {schema}.job_attempts (job_id, attempt, outcome, host, pid, tier, started_at,
-                                     exit_code, signal, kill_reason, duration_seconds, error_head)
+                                     exit_code, signal, kill_reason, duration_seconds, error_head, claim_token)
   SELECT id, attempts, 'done', %(host)s, %(pid)s, tier, started_at, exit_code, signal, kill_reason,
-         extract(epoch FROM now() - started_at), left(error, 500)
+         extract(epoch FROM now() - started_at), left(error, 500), token
   FROM finished
 )
 SELECT id, 'done' FROM finished;
