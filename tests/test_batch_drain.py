@@ -401,3 +401,47 @@ def test_a_job_cancelled_while_its_batch_waits_to_start_ends_cancelled_without_r
     assert [rows[i][0] for i in ids] == ["done", "done", "done", "cancelled"]
     assert rows[ids[3]][1:] == (1, "cancelled: an operator cancelled the job while it ran")
     assert sorted(p.name for p in ran.iterdir()) == ["0", "1", "2"]  # job 3 never started
+
+
+PRINTER = """
+    import sys
+
+    def handle(payload):
+        n, do = payload["n"], payload["do"]
+        print(f"job {n} says hello")
+        print(f"job {n} warns", file=sys.stderr)
+        if do == "raise":
+            raise ValueError(f"job {n} failed")
+        return None if do == "none" else {"n": n}
+"""
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
+def test_each_handle_jobs_prints_are_its_own_and_kept_when_it_returns(queue: Queue, handlers, sql: SQL,
+                                                                      per_sandbox: int) -> None:
+    """Issue 28 papercut: each job's own output belongs to that job. A handle() that returns a value
+    keeps what it printed in ``result`` (its value is ``result_json``); one that returns None has its
+    prints as its result; one that raises has them as its result and its own stderr in its error;
+    no job's output appears in another's row."""
+    h = handlers(**{"printer.py": PRINTER})
+    ids = queue.enqueue_many([("printer", {"n": n, "do": do}) for n, do in
+                              enumerate(["value", "raise", "none", "value"])], max_attempts=1)
+    Drainer(queue, DrainConfig(handlers_dir=h, sandbox="process", per_sandbox=per_sandbox, concurrency=1,
+                               timeout=60)).run()
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, result, result_json, last_error FROM fleetless.jobs")}
+    assert [rows[i][:3] for i in ids] == [("done", "job 0 says hello\n", {"n": 0}),
+                                          ("dead", "job 1 says hello\n", None),
+                                          ("done", "job 2 says hello\n", None),
+                                          ("done", "job 3 says hello\n", {"n": 3})], rows
+    error = rows[ids[1]][3]
+    assert error.startswith("ValueError: job 1 failed") and "job 1 warns" in error, error
+    for n, job in enumerate(ids):
+        others = " ".join(str(v) for v in rows[job])
+        assert all(f"job {m} " not in others for m in range(4) if m != n), (n, rows[job])
+    from starlette.testclient import TestClient
+
+    from fleetless.web import create_app
+
+    page = TestClient(create_app(queue)).get(f"/jobs/{ids[0]}").text  # the job page shows both
+    assert '<h2>Result</h2><pre id=result-json>{\n  &quot;n&quot;: 0\n}</pre>' in page, page
+    assert "<h2>Output</h2><pre id=result>job 0 says hello\n</pre>" in page, page

@@ -1064,7 +1064,9 @@ def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
             if rec["result"] is None and stdout is not None:  # returned nothing, printed: as a script
                 return Outcome("done", result=stdout, run=_done_run(tier))
             text = _RESULT_JSON.encode(rec["result"])
-            return Outcome("done", result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)), run=_done_run(tier))
+            # what it printed stays its own too: result beside result_json (it was dropped)
+            return Outcome("done", result=stdout, result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)),
+                           run=_done_run(tier))
         if "too_large" in rec:  # its result is past the cap: as deterministic as its payload, never retried
             return Outcome("fail", error=result_too_large(int(rec["too_large"])), permanent=True, result=stdout,
                            run=Run(tier=tier, exit_code=0))

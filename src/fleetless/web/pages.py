@@ -229,7 +229,12 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
     if job.get("error_head"):
         body += f'<h2>Error</h2><p class="err" id="error-head">{e(job["error_head"])}</p>'
         body += f"<pre id=last-error>{e(job.get('last_error') or '')}</pre>"
-    if job.get("result") is not None:
+    if job.get("result_json") is not None:  # what a handle() returned; what it printed is "result"
+        body += (f"<h2>Result</h2><pre id=result-json>"
+                 f"{e(json.dumps(job['result_json'], indent=2, ensure_ascii=False))}</pre>")
+        if job.get("result") is not None:
+            body += f"<h2>Output</h2><pre id=result>{e(job['result'])}</pre>"
+    elif job.get("result") is not None:
         body += f"<h2>Result</h2><pre id=result>{e(job['result'])}</pre>"
     rows = [
         [e(attempt_label(a)), e(a["outcome"]), e(f'{a["host"]}:{a["pid"]}' if a.get("host") else "-"),
