@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +51,38 @@ def test_json_timestamps_are_iso_8601_with_a_t(dsn: str, queue: Queue, fleetless
     job_id = queue.enqueue("report", {})
     shown = json.loads(fleetless("show", str(job_id), "--json", dsn=dsn).stdout)
     assert "T" in shown["created_at"] and " " not in shown["created_at"], shown["created_at"]
+
+
+def test_every_json_report_writes_its_timestamps_with_a_t(dsn: str, queue: Queue, fleetless: Any) -> None:
+    """Every --json report (a finished job's attempts, a list's rows, a schedule's next occurrence,
+    a queue's settings, wait's answer), not only show's created_at."""
+    job_id = queue.enqueue("report", {})
+    (job,) = queue.claim(1)
+    queue.fail(job, "boom", delay=0)
+    (job,) = queue.claim(1)
+    queue.complete(job, "ok")
+    assert fleetless("queue", "pause", "default", dsn=dsn).returncode == 0
+    assert fleetless("schedule", "add", "nightly", "report", "{}", "--cron", "0 2 * * *", dsn=dsn).returncode == 0
+    stamps: list[str] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                collect(v)
+        elif isinstance(value, list):
+            for v in value:
+                collect(v)
+        elif isinstance(value, str) and re.match(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d", value):
+            stamps.append(value)
+
+    for args in (["show", str(job_id)], ["jobs"], ["status"], ["queue", "list"], ["schedule", "list"],
+                 ["wait", str(job_id)]):
+        r = fleetless(*args, "--json", dsn=dsn)
+        assert r.returncode == 0, (args, r.stderr)
+        before = len(stamps)
+        collect(json.loads(r.stdout))
+        assert len(stamps) > before or args[0] in ("status", "queue"), (args, r.stdout)
+    assert all("T" in s and " " not in s for s in stamps), [s for s in stamps if " " in s]
 
 
 def test_lease_graces_help_states_its_floor(fleetless: Any) -> None:

@@ -102,6 +102,10 @@ def _fill(queue: Queue, sql: Any) -> int:
     queue.fail(dead, "exit code 1: ValueError: invoice 42 has no lines\nTraceback (most recent call last):\n"
                '  File "send-email.py", line 3, in <module>\nValueError: invoice 42 has no lines', delay=0)
     sql("UPDATE fleetless.jobs SET started_at = now() - interval '42 seconds' WHERE id = %s", running.id)
+    archived = queue.enqueue("rotate-logs", {}, queue="archive", priority=20)  # a queue with nothing pending
+    (rotate,) = queue.claim(1)
+    assert rotate.id == archived
+    queue.complete(rotate, "rotated")
     return dead_id
 
 
@@ -114,16 +118,17 @@ def test_retry_a_dead_job_from_the_browser_with_the_token(queue: Queue, sql: Any
     assert page.inner_text("#count-dead b") == "1"
     assert page.inner_text("#count-pending b") == "4"
     assert page.inner_text("#count-running b") == "1"
-    assert page.inner_text("#count-done b") == "3"
+    assert page.inner_text("#count-done b") == "4"
     assert "drain-host-1:4242" in page.inner_text("#running") and "bwrap" in page.inner_text("#running")
     assert page.locator("#per-minute").count() == 1
-    assert (page.inner_text("#attempts-done"), page.inner_text("#attempts-failed")) == ("3", "1")
+    assert (page.inner_text("#attempts-done"), page.inner_text("#attempts-failed")) == ("4", "1")
     # "By queue" counts every status (finished ones too), also of a queue with nothing pending.
     table = page.evaluate("""() => [...document.querySelectorAll('#by-queue tr')].map(
         r => [...r.cells].map(c => c.innerText))""")
     header, rows = table[0], {r[0]: dict(zip(table[0][1:], map(int, r[1:]), strict=True)) for r in table[1:]}
-    assert header[0] == "queue" and set(rows) == {"default", "media"}
-    assert sum(r["done"] for r in rows.values()) == 3 and sum(r["dead"] for r in rows.values()) == 1
+    assert header[0] == "queue" and set(rows) == {"default", "media", "archive"}
+    assert rows["archive"]["done"] == 1 and rows["archive"]["pending"] == 0, rows["archive"]
+    assert sum(r["done"] for r in rows.values()) == 4 and sum(r["dead"] for r in rows.values()) == 1
     assert sum(r["pending"] for r in rows.values()) == 4 and sum(r["running"] for r in rows.values()) == 1
     # The chart does not squeeze a few minutes' activity into a sliver at its right edge: each bar
     # is at least 1/30 of its width (the quiet minutes before the first activity are left out).

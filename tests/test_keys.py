@@ -226,3 +226,17 @@ def test_retry_all_dead_skips_a_job_whose_key_an_enqueue_committing_meanwhile_to
     assert errors == [] and result == [[plain.id]]
     assert dict(sql("SELECT id, status FROM fleetless.jobs")) == {
         keyed.id: "dead", plain.id: "pending", newer: "pending"}
+
+
+def test_cli_replace_keeps_the_delay_unless_a_new_one_is_given(dsn: str, queue: Queue, fleetless, sql) -> None:
+    """Issue 28: ``enqueue --key K --on-duplicate replace`` without ``--delay`` keeps the job's due time;
+    with one, takes it."""
+    first = fleetless("enqueue", "digest", '{"v": 1}', "--key", "k", "--delay", "1h", dsn=dsn)
+    again = fleetless("enqueue", "digest", '{"v": 2}', "--key", "k", "--on-duplicate", "replace", dsn=dsn)
+    assert first.returncode == again.returncode == 0 and first.stdout == again.stdout, again
+    due = "SELECT extract(epoch FROM run_after - now())::int, payload FROM fleetless.jobs"
+    (row,) = sql(due)
+    assert 3500 < row[0] <= 3600 and row[1] == {"v": 2}, row
+    fleetless("enqueue", "digest", '{"v": 3}', "--key", "k", "--on-duplicate", "replace", "--delay", "60s", dsn=dsn)
+    (row,) = sql(due)
+    assert 0 < row[0] <= 60 and row[1] == {"v": 3}, row

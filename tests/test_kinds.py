@@ -116,6 +116,15 @@ def test_a_kinds_backoff_beats_the_drains(queue: Queue, sql, handlers) -> None:
     assert waits["flaky"] <= 0 and waits["other"] > 7000  # 2^1 x 3600 s for the drain's policy
 
 
+def test_a_kinds_one_second_backoff_is_not_stretched_by_the_default_jitter(handlers) -> None:
+    """Issue 28 papercut: ``backoff_base = "1s"`` in fleetless.toml waited up to 30 s (the default
+    jitter); the jitter scales with the backoff, so a first retry is due in 2 to 2.5 s."""
+    h = settings_file(handlers(**{"flaky.py": "raise SystemExit(1)"}), '[kinds.flaky]\nbackoff_base = "1s"\n')
+    policy = load(h)["flaky"].retry(RetryPolicy())
+    delays = [policy.delay(1) for _ in range(1000)]
+    assert min(delays) >= 2 and max(delays) <= 2.5, (min(delays), max(delays))
+
+
 def test_a_kinds_interpreter_and_longer_timeout_are_used_and_its_lease_covers_it(queue: Queue, sql,
                                                                               handlers) -> None:
     h = settings_file(handlers(**{"which.py": "import sys; print(sys.executable)"}),

@@ -129,6 +129,20 @@ def test_enqueue_on_a_callers_connection_with_dict_rows_returns_the_ids(queue: Q
     assert sql("SELECT id FROM fleetless.jobs ORDER BY id") == [(i,) for i in sorted([one, two, *many])]
 
 
+def test_enqueue_many_options_are_every_items_defaults_and_an_items_own_win(queue: Queue, sql) -> None:
+    """Issue 28: ``enqueue_many(..., queue=..., priority=...)`` applies to every item, the (kind,
+    payload) tuples the lean COPY would write from the columns' defaults too; an item's own option wins."""
+    ids = queue.enqueue_many([("greet", {"i": 0}), {"kind": "greet", "payload": {}, "queue": "own"},
+                              {"kind": "greet", "payload": {}, "priority": 9, "key": "k"}, ("greet", {"i": 3})],
+                             queue="bulk", priority=2, max_attempts=7, delay=60)
+    rows = sql("SELECT id, queue, priority, max_attempts, run_after > now() + interval '50 seconds'"
+               " FROM fleetless.jobs ORDER BY id")
+    assert [r[0] for r in rows] == sorted(ids) and len(set(ids)) == 4
+    got = {r[0]: r[1:] for r in rows}
+    assert [got[i] for i in ids] == [("bulk", 2, 7, True), ("own", 2, 7, True), ("bulk", 9, 7, True),
+                                     ("bulk", 2, 7, True)]
+
+
 def test_enqueue_many_with_one_bad_item_writes_nothing(queue: Queue, sql) -> None:
     with pytest.raises(ValueError, match=r"job #2: invalid job kind"):
         queue.enqueue_many([("a", {}), ("b", {}), ("Bad Kind", {})])
