@@ -417,8 +417,8 @@ PRINTER = """
 
 
 @pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
-def test_each_handle_jobs_prints_are_its_own_and_kept_when_it_returns(queue: Queue, handlers, sql: SQL,
-                                                                      per_sandbox: int) -> None:
+def test_each_handle_jobs_prints_are_its_own_and_kept_when_it_returns(queue: Queue, handlers, sql: SQL, dsn: str,
+                                                                      fleetless, per_sandbox: int) -> None:
     """Issue 28 papercut: each job's own output belongs to that job. A handle() that returns a value
     keeps what it printed in ``result`` (its value is ``result_json``); one that returns None has its
     prints as its result; one that raises has them as its result and its own stderr in its error;
@@ -445,3 +445,5 @@ def test_each_handle_jobs_prints_are_its_own_and_kept_when_it_returns(queue: Que
     page = TestClient(create_app(queue)).get(f"/jobs/{ids[0]}").text  # the job page shows both
     assert '<h2>Result</h2><pre id=result-json>{\n  &quot;n&quot;: 0\n}</pre>' in page, page
     assert "<h2>Output</h2><pre id=result>job 0 says hello\n</pre>" in page, page
+    shown = fleetless("show", str(ids[0]), dsn=dsn).stdout  # and show, as its output
+    assert "\noutput:\n  job 0 says hello\n" in shown and 'result_json: {"n": 0}' in shown, shown

@@ -341,8 +341,10 @@ def test_the_history_tells_a_failure_from_a_retry_and_numbers_snoozes(
 
     minutes = Insights(queue).per_minute(hours=1)  # failed, retried and the old 'retry' are failures
     assert sum(m["failed"] for m in minutes) == 3 and sum(m["done"] for m in minutes) == 1, minutes
+    # /metrics' totals folded before migration 024 count their 'retry' as 'failed' too
+    sql("INSERT INTO fleetless.attempt_totals (kind, outcome, bound, n, seconds) VALUES ('hist', 'retry', -1, 5, 0)")
     metrics = Insights(queue).metrics()
-    assert sorted(metrics.finished) == [("hist", "done", 1), ("hist", "failed", 2), ("hist", "retried", 1),
+    assert sorted(metrics.finished) == [("hist", "done", 1), ("hist", "failed", 7), ("hist", "retried", 1),
                                         ("hist", "snoozed", 2)], metrics.finished
 
 

@@ -545,7 +545,8 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
             click.echo("result (cut: only the first 64 KiB of stdout were kept):")
             click.echo("  " + printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key in ("last_error", "result") and value:
-            click.echo(f"{key}:")
+            # a handle() that returned a value (result_json) and printed: its prints are its output
+            click.echo(f"{'output' if key == 'result' and row.get('result_json') is not None else key}:")
             click.echo("  " + printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key == "payload" or (key == "result_json" and value is not None):
             click.echo(f"{key}: {printable(json.dumps(value))}")
