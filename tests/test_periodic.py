@@ -259,3 +259,66 @@ def test_a_watcher_enqueues_a_schedules_occurrence_at_its_tick(dsn: str, queue: 
     finally:
         w.terminate()
         w.communicate(timeout=60)
+
+
+def _watching(dsn: str, h: object) -> subprocess.Popen[str]:
+    """A watcher whose maintenance passes (the scheduler's among them) never come round again:
+    only a schedule's next occurrence, or a change it hears, runs the scheduler."""
+    return subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox",
+                             "process", "--watch", "--maintenance-interval", "1h"],
+                            env={**os.environ, "DATABASE_URL": dsn}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _in_its_loop(queue: Queue, sql) -> None:
+    """The watcher has made its first scheduler pass and sleeps in its loop: it ran a job."""
+    job = queue.enqueue("tick", {"warm": True})
+    wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)], 60,
+             "the watcher to run a job")
+
+
+def test_a_schedule_added_while_a_watcher_sleeps_is_enqueued_at_its_first_tick(
+        dsn: str, queue: Queue, sql, handlers, fleetless) -> None:
+    """Issue 26 item 7 remnant: a watcher computed its next wake from the schedules it knew at its
+    last scheduler pass, so a schedule added meanwhile was enqueued only at its next maintenance
+    pass (a minute or more late; here never). `schedule add` now NOTIFYs every watcher, which runs
+    a scheduler pass and sleeps until the new first occurrence (the next minute: the cron's finest)."""
+    h = handlers(**{"tick.py": "print('tick')"})
+    w = _watching(dsn, h)
+    try:
+        _in_its_loop(queue, sql)
+        r = fleetless("schedule", "add", "soon", "tick", "--cron", "* * * * *", dsn=dsn)
+        assert r.returncode == 0, r.stderr
+        ((tick, left),) = sql("SELECT date_trunc('minute', now()) + interval '1 minute',"
+                              " extract(epoch FROM date_trunc('minute', now()) + interval '1 minute' - now())::float8")
+        wait_for(lambda: sql("SELECT count(*) FROM fleetless.jobs WHERE kind = 'tick' AND run_after = %s", tick)
+                 == [(1,)], left + 10, "the first occurrence to be enqueued")
+        ((late,),) = sql("SELECT extract(epoch FROM created_at - run_after)::float8 FROM fleetless.jobs"
+                         " WHERE run_after = %s AND kind = 'tick'", tick)
+        assert late < 5, f"enqueued {late:.1f} s after its tick"
+    finally:
+        w.terminate()
+        w.communicate(timeout=60)
+
+
+def test_a_schedule_changed_while_a_watcher_sleeps_is_caught_up_at_once(
+        dsn: str, queue: Queue, sql, handlers) -> None:
+    """The same through the Python API, for a change: a yearly schedule made two minutes ago is
+    changed to every minute while the watcher sleeps (until next year, as far as it knew). Hearing
+    the change, it runs a pass at once, which enqueues the minutes since the schedule was made."""
+    h = handlers(**{"tick.py": "print('tick')"})
+    created = sql("SELECT now() - interval '2 minutes'")[0][0]
+    add(queue, sql, created, name="rare", cron="0 0 1 1 *", kind="tick", payload={})
+    w = _watching(dsn, h)
+    try:
+        _in_its_loop(queue, sql)
+        assert queue.add_schedule(Schedule(name="rare", cron="0 0 1 1 *", kind="tick", payload={})) is False
+        queue.add_schedule(Schedule(name="rare", cron="* * * * *", kind="tick", payload={}))
+        wait_for(lambda: sql("SELECT count(*) FROM fleetless.schedule_ticks WHERE schedule = 'rare'")[0][0] >= 1, 10,
+                 "the watcher to enqueue the changed schedule's missed minutes")
+        queue.remove_schedule("rare")  # wakes it too; the pass finds no schedule
+        assert w.poll() is None
+    finally:
+        w.terminate()
+        _, err = w.communicate(timeout=60)
+    assert "Traceback" not in err, err

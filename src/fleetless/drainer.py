@@ -371,7 +371,8 @@ class Drainer:
             from .watch import Watcher  # only watch mode pays for it (the cron tick's import time)
 
             self._watcher = Watcher(self.queue.conninfo, schema=self.queue.schema, channel=self.queue.channel,
-                                    queues=c.queues, wake=self._wake, lease=c.watch_lease)
+                                    queues=c.queues, wake=self._wake, lease=c.watch_lease,
+                                    on_schedules=self._maintainer.schedules_changed)
             if not self._db(self._watcher.acquire):
                 self._watcher = None
                 self.summary.watching_elsewhere = True

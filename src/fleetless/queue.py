@@ -1153,11 +1153,12 @@ class Queue:
             "name": schedule.name, "cron": schedule.cron, "timezone": schedule.timezone, "kind": schedule.kind,
             "payload": encode_payload(schedule.payload, self.max_payload_bytes), "queue": schedule.queue,
             "max_attempts": schedule.max_attempts, "priority": schedule.priority,
-            "timeout": schedule.timeout_seconds})
-        return bool(rows[0]["created"])
+            "timeout": schedule.timeout_seconds, "channel": self.channel, "schedules_changed": SCHEDULES_CHANGED})
+        return bool(rows and rows[0]["created"])  # no row: stored already as it is
 
     def remove_schedule(self, name: str) -> None:
-        if not self._run("schedule_remove", {"name": name}):
+        if not self._run("schedule_remove", {"name": name, "channel": self.channel,
+                                             "schedules_changed": SCHEDULES_CHANGED}):
             raise JobNotFound(f"no schedule named {name!r}")
 
     def schedules(self) -> tuple[list[tuple[Schedule, dt.datetime, dt.datetime | None]], dt.datetime]:
@@ -1418,6 +1419,10 @@ def _positional(query: str) -> tuple[str, tuple[str, ...]]:
 
 #: A NOTIFY payload must be shorter than 8,000 bytes (PostgreSQL's limit).
 NOTIFY_PAYLOAD_BYTES = 7999
+#: The payload a schedule's change (add, change, remove) NOTIFYs on the channel enqueues use: it
+#: wakes every watcher, whatever its queues (each runs the scheduler for every schedule), to run a
+#: scheduler pass at once. A queue name begins with a letter or digit, so none is this.
+SCHEDULES_CHANGED = ":schedules"
 
 
 def notify_payloads(queues: Iterable[str], limit: int = NOTIFY_PAYLOAD_BYTES) -> list[str]:

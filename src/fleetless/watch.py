@@ -8,7 +8,10 @@ than the lease, so a stopped or hung watcher stalls its queues for at most the l
 item 6). A row of fleetless's own table, not an advisory lock: a role that can merely connect
 cannot hold it (issue 25 item 7). A thread sets the drain loop's ``wake`` event on every notification for its queues
 (a rolled-back enqueue sends none). The drain loop sleeps on that event, at most until the next
-pending job is due (``Queue.next_due``), so a delayed job starts at its time without polling.
+pending job is due (``Queue.next_due``) or a schedule's next occurrence comes, so a delayed job
+starts at its time without polling. Adding, changing or removing a schedule NOTIFYs the same
+channel (payload ``SCHEDULES_CHANGED``): every watcher then runs a scheduler pass at once and
+sleeps until the new next occurrence (``on_schedules``).
 
 Working with cron: run ``fleetless drain --watch --idle-exit 60s`` from the cron tick. When a
 live watcher holds the row, the new one exits after that one query; when the watcher has been
@@ -34,13 +37,14 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
 from . import db
+from .queue import SCHEDULES_CHANGED
 
 __all__ = ["DEFAULT_LEASE", "MIN_LEASE", "Watcher", "beat_interval"]
 
@@ -59,7 +63,8 @@ def beat_interval(lease: float) -> float:
 
 class Watcher:
     def __init__(self, conninfo: str, *, schema: str, channel: str, queues: Sequence[str] | None,
-                 wake: threading.Event, lease: float | None = None) -> None:
+                 wake: threading.Event, lease: float | None = None,
+                 on_schedules: Callable[[], None] | None = None) -> None:
         self.conninfo = conninfo
         self.schema = schema
         self.channel = channel
@@ -69,6 +74,9 @@ class Watcher:
         self.lease = lease or DEFAULT_LEASE
         self.beat_every = beat_interval(self.lease)
         self.wake = wake
+        #: called (from the listening thread) when a schedule was added, changed or removed, before
+        #: the loop is woken: the drain runs a scheduler pass and sleeps until the new next occurrence
+        self.on_schedules = on_schedules
         self.lost = False  # another watcher took the row over (this one's heartbeat had expired)
         self.heard: list[str] = []  # payloads of the notifications that woke the loop (the latest 100)
         self._q = db.queries(schema)
@@ -169,7 +177,12 @@ class Watcher:
             self._conn = conn
             self.wake.set()  # notifications sent while we were away were missed: look once
         for note in conn.notifies(timeout=1.0):
-            if self._relevant(note.payload):
+            if note.payload == SCHEDULES_CHANGED:  # every watcher runs every schedule
+                if self.on_schedules is not None:
+                    self.on_schedules()
+                self.heard = [*self.heard[-99:], note.payload]
+                self.wake.set()
+            elif self._relevant(note.payload):
                 self.heard = [*self.heard[-99:], note.payload]
                 self.wake.set()
             if self._closing.is_set():

@@ -5,7 +5,8 @@ one place), a ``Result`` of counts, and ``run_once(...)`` that does one pass and
 call ``run_once`` directly, without any loop or timer. The CLI commands (``reap``, ``prune``) call
 the same units. :class:`Maintainer` is what a drain uses: every unit once at the start, then again
 whenever ``interval`` has passed, for drains that run long; the scheduler alone also when the next
-occurrence of a schedule has come (a watcher sleeps until then: ``next_schedule_in``).
+occurrence of a schedule has come (a watcher sleeps until then: ``next_schedule_in``), and when
+a schedule was added, changed or removed (a watcher hears it: ``schedules_changed``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Maintainer:
         self._guard = guard
         self._last: float | None = None
         self._next_schedule: float | None = None  # monotonic time of the next schedule occurrence
+        self._schedules_changed = False  # set by schedules_changed (a watcher's thread), taken by run_due
 
     def sweep_also(self, backends: tuple[type[Sandbox], ...]) -> None:
         """Also sweep these tiers' leftovers (kinds that run in a tier of their own)."""
@@ -100,6 +102,7 @@ class Maintainer:
 
     def _schedule(self, report: Report) -> scheduler.Result:
         self._next_schedule = None  # a failed pass leaves the timing to the interval
+        self._schedules_changed = False  # this pass reads them (a change heard during it: another pass)
         result = self._unit(report, "scheduler",
                             lambda: self._guard(lambda: scheduler.run_once(self.queue, self.settings.scheduler)),
                             scheduler.Result())
@@ -107,6 +110,11 @@ class Maintainer:
             # a little after the tick, so that the database's now() has passed it
             self._next_schedule = time.monotonic() + max(result.next_in, 0.0) + SCHEDULE_MARGIN
         return result
+
+    def schedules_changed(self) -> None:
+        """A schedule was added, changed or removed (a watcher heard it): the next :meth:`run_due`
+        runs a scheduler pass, whose next occurrence replaces the one computed before."""
+        self._schedules_changed = True
 
     def next_schedule_in(self) -> float | None:
         """Seconds until a schedule's next occurrence is due to be enqueued (None: no schedule)."""
@@ -129,7 +137,7 @@ class Maintainer:
         """A pass if ``interval`` has passed since the last one (or none ran yet), else None."""
         now = time.monotonic()
         if self._last is not None and now - self._last < self.settings.interval:
-            if self._next_schedule is not None and now >= self._next_schedule:
+            if self._schedules_changed or (self._next_schedule is not None and now >= self._next_schedule):
                 report = Report()
                 report.scheduled = self._schedule(report)
                 return report

@@ -1519,7 +1519,12 @@ WHERE id = %(id)s AND status = 'pending'
 RETURNING id, pg_notify(%(channel)s, queue);
 
 -- name: schedule_add
--- Add a schedule, or change one of the same name (its enqueued occurrences stay recorded).
+-- Add a schedule, or change one of the same name (its enqueued occurrences stay recorded). The
+-- NOTIFY (payload: SCHEDULES_CHANGED, which no queue name can be) wakes every watcher in the same
+-- transaction: it runs a scheduler pass and sleeps until the new next occurrence, instead of
+-- learning of the schedule at its next maintenance pass, up to a minute or more late (issue 26
+-- item 7). A schedule stored again as it is (every drain stores fleetless.toml's) writes nothing
+-- and wakes nobody: no row comes back.
 INSERT INTO {schema}.schedules AS s (name, cron, timezone, kind, payload, queue, max_attempts, priority,
                                      timeout_seconds)
 VALUES (%(name)s, %(cron)s, %(timezone)s, %(kind)s, %(payload)s, %(queue)s, %(max_attempts)s,
@@ -1527,10 +1532,14 @@ VALUES (%(name)s, %(cron)s, %(timezone)s, %(kind)s, %(payload)s, %(queue)s, %(ma
 ON CONFLICT (name) DO UPDATE SET cron = EXCLUDED.cron, timezone = EXCLUDED.timezone, kind = EXCLUDED.kind,
   payload = EXCLUDED.payload, queue = EXCLUDED.queue, max_attempts = EXCLUDED.max_attempts,
   priority = EXCLUDED.priority, timeout_seconds = EXCLUDED.timeout_seconds
-RETURNING (xmax = 0) AS created;
+WHERE (s.cron, s.timezone, s.kind, s.payload, s.queue, s.max_attempts, s.priority, s.timeout_seconds)
+      IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.timezone, EXCLUDED.kind, EXCLUDED.payload, EXCLUDED.queue,
+                        EXCLUDED.max_attempts, EXCLUDED.priority, EXCLUDED.timeout_seconds)
+RETURNING (xmax = 0) AS created, pg_notify(%(channel)s, %(schedules_changed)s);
 
 -- name: schedule_remove
-DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name;
+-- The NOTIFY wakes watchers as in schedule_add: the next wake they computed may be this one's.
+DELETE FROM {schema}.schedules WHERE name = %(name)s RETURNING name, pg_notify(%(channel)s, %(schedules_changed)s);
 
 -- name: schedules
 -- Every schedule with its latest enqueued occurrence (where catch-up starts) and the database's
