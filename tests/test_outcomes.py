@@ -373,6 +373,31 @@ def test_a_result_past_the_cap_is_dead_at_once(queue: Queue, dsn: str, sql: SQL,
         ("done", 65534)]
 
 
+NOT_JSON = """
+    import datetime
+    def handle(payload):
+        return {"set": {1, 2}, "nan": float("nan"), "when": datetime.date(2026, 1, 1)}[payload["what"]]
+"""
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
+def test_a_result_json_cannot_hold_is_dead_at_once(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
+                                                   per_sandbox: int) -> None:
+    """A handle() returning a set, NaN or a date would return it on every try: dead on its first
+    attempt with a one-line error naming what JSON could not hold (it was retried max_attempts
+    times, each with a traceback)."""
+    h = handlers(**{"odd.py": NOT_JSON})
+    ids = {what: queue.enqueue("odd", {"what": what}, max_attempts=3) for what in ("set", "nan", "when")}
+    _drain(dsn, h, "process", per_sandbox)
+    for what, job_id in ids.items():
+        got = _row(sql, job_id)
+        assert got["history"], what
+        assert (got["status"], got["attempts"], [r[1] for r in got["history"]]) == ("dead", 1, ["dead"]), got
+        assert "\n" not in got["error"] and "JSON cannot hold" in got["error"], got["error"]
+    assert "set" in _row(sql, ids["set"])["error"] and "date" in _row(sql, ids["when"])["error"]
+    assert "float" in _row(sql, ids["nan"])["error"]
+
+
 @pytest.mark.parametrize(("code", "stderr", "action", "delay", "decided"), [
     (90, "why\n", "fail", 0.0, "discard"), (91, "30\n", "snooze", 30.0, "snooze"),
     (91, "0.5 because\n", "snooze", 0.5, "snooze"), (92, "junk\n7 later\n\n", "fail", 7.0, "retry"),

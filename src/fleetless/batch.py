@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from . import decisions, handlers
-from .failure import result_too_large, summarize_failure
+from .failure import result_not_json, result_too_large, summarize_failure
 from .job import Job, Outcome, Run, done_with_json
 from .kinds import KindSettings
 from .retry import MAX_ERROR_CHARS
@@ -1070,6 +1070,9 @@ def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
         if "too_large" in rec:  # its result is past the cap: as deterministic as its payload, never retried
             return Outcome("fail", error=result_too_large(int(rec["too_large"])), permanent=True, result=stdout,
                            run=Run(tier=tier, exit_code=0))
+        if "not_json" in rec:  # it returned a set, NaN, an object: the same again on every try
+            return Outcome("fail", error=result_not_json(_text(str(rec["not_json"]))), permanent=True,
+                           result=stdout, run=Run(tier=tier, exit_code=0))
         if "decided" in rec:  # it raised fleetless.outcomes' Discard, Snooze or Retry
             return decisions.from_handle(rec["decided"], Run(tier=tier), stdout, _text(rec.get("stderr") or ""))
         error = _text(rec["error"])

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["HEAD_CHARS", "RESULT_JSON_BYTES", "error_head", "exception_line", "result_too_large", "summarize_failure"]
+__all__ = ["HEAD_CHARS", "RESULT_JSON_BYTES", "error_head", "exception_line", "result_not_json", "result_too_large",
+           "summarize_failure"]
 
 #: Longest error head shown in a list (the full error is on the job's own page / `show`).
 HEAD_CHARS = 200
@@ -64,3 +65,11 @@ def result_too_large(size: int) -> str:
     once, as the same payload would return as much again."""
     return (f"handle() returned {size} bytes of JSON, past the {RESULT_JSON_BYTES}-byte (64 KiB) cap on a result;"
             " dead without retries (store a large result elsewhere and return where it is)")
+
+
+def result_not_json(why: str) -> str:
+    """The one-line error of a handle() whose returned value JSON cannot hold (``why``: its type and
+    json's complaint): the job is dead at once, as the same payload would return the same again."""
+    line = " ".join(why.split())[:300]
+    return (f"handle() returned a value JSON cannot hold ({line}); dead without retries"
+            " (return None, a bool, a number, a string, or lists and dicts of them)")

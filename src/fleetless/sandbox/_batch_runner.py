@@ -23,6 +23,8 @@ The drainer writes this file into a sandbox's workspace and runs ``python _fleet
                                    (module: it raised fleetless.outcomes' Discard, Snooze or Retry)
     {"tag": "...", "ok": false, "too_large": 70001, "stdout": "...", "stderr": "..."}
                                    (module: its result was 70001 bytes of JSON, past RESULT_BYTES)
+    {"tag": "...", "ok": false, "not_json": "set: Object of type set is not JSON serializable", ...}
+                                   (module: it returned a value JSON cannot hold)
     {"tag": "...", "exit": 0, "stdout": "...", "stderr": "...", "killed": null, "duration": ...}
 
 **Channel mode** (IN and OUT are named pipes, process and bwrap tiers): the drainer holds both
@@ -669,6 +671,9 @@ class Runner:
                 decided = json.loads(data[1:])
             except ValueError:
                 decided = None
+        if killed is None and data.startswith(b"N"):
+            return json.dumps({"tag": tag, "ok": False, "not_json": data[1:501].decode("utf-8", "replace"),
+                               "stdout": stdout, "stderr": stderr, "duration": duration}, ensure_ascii=False)
         if killed is None and data.startswith(b"B") and data[1:].isdigit() and len(data) < 24:
             return json.dumps({"tag": tag, "ok": False, "too_large": int(data[1:]), "stdout": stdout,
                                "stderr": stderr, "duration": duration}, ensure_ascii=False)
@@ -763,10 +768,16 @@ class Runner:
     def module_job(self, job: dict[str, Any], w: int) -> None:
         try:
             value = self.handle(job["payload"])
-            text = "null" if value is None else json.dumps(value, allow_nan=False, separators=(",", ":"))
-            # ASCII: json.dumps escapes the rest. Too large is decided once (the host fails the job
-            # for good: the same payload would return as much again), not an error retried
-            report = b"B%d" % len(text) if len(text) > RESULT_BYTES else b"R" + text.encode()
+            try:
+                text = "null" if value is None else json.dumps(value, allow_nan=False, separators=(",", ":"))
+            except (TypeError, ValueError, RecursionError) as exc:
+                # a value JSON cannot hold (a set, NaN, an object) comes back on every try: decided
+                # once, as a result too large is, never retried
+                report = b"N" + _not_json(value, exc).encode("utf-8", "replace")
+            else:
+                # ASCII: json.dumps escapes the rest. Too large is decided once (the host fails the
+                # job for good: the same payload would return as much again), not an error retried
+                report = b"B%d" % len(text) if len(text) > RESULT_BYTES else b"R" + text.encode()
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
             decided = decision(exc)
             if decided is not None:
@@ -780,6 +791,14 @@ class Runner:
                 pass
         _write_all(w, report)
         os._exit(0)
+
+
+def _not_json(value: Any, exc: BaseException) -> str:
+    """What in a handle()'s returned value JSON cannot hold, on one line: the value's type and
+    json's own complaint (``Object of type set is not JSON serializable``, ``Out of range float
+    values are not JSON compliant``)."""
+    why = " ".join(str(exc).split())[:200] or type(exc).__name__
+    return f"{type(value).__name__}: {why}"
 
 
 def _one_json_value(text: bytes) -> bool:
