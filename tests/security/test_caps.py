@@ -155,6 +155,48 @@ def test_memory_a_job_writes_into_memfds_counts_against_its_memory_cap(
     assert leftovers(work) == []
 
 
+#: The hoard of MEMFD_HOARD by a job that first makes itself non-dumpable: its /proc/<pid>/fd is
+#: then unreadable to a drainer without CAP_SYS_PTRACE (issue 25, second round: 600 MiB under 256M).
+HIDDEN_HOARD = """
+import ctypes
+ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
+""" + MEMFD_HOARD
+
+#: A handle() job of a batch (forked from the runner's template, non-dumpable before issue 25's
+#: second round) hoarding as MEMFD_HOARD does.
+BATCH_HOARD = """
+import os, sys, time
+
+def handle(payload):
+    chunk = b"\\1" * (1 << 20)
+    fds = []
+    for i in range(4):
+        fd = os.memfd_create(f"hoard{i}")
+        for _ in range(64):
+            os.write(fd, chunk)
+        fds.append(fd)
+    print("hoarded", file=sys.stderr, flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("kind", ["nondumpable", "batch"])
+def test_memfds_of_a_non_dumpable_job_count_against_its_memory_cap(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str, kind: str) -> None:
+    """A job that makes itself non-dumpable, and a batch's handle() job (a fork of the runner's
+    non-dumpable template), cannot hide its memfds from the watch: killed at the cap."""
+    need_tier(tier)
+    uid = None if user == "root" else uid_of(user)
+    need_user(uid)
+    code, args = (HIDDEN_HOARD, ()) if kind == "nondumpable" else (BATCH_HOARD, ("--per-sandbox", "2"))
+    error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, kind, code,
+                                "--memory", "64M", "--timeout", "30", *args)
+    assert "memory limit 64 MiB exceeded" in error, error
+    assert leftovers(work) == []
+
+
 @pytest.mark.parametrize("user", USERS)
 def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
         dsn: str, queue: Queue, shared: Path, user: str) -> None:

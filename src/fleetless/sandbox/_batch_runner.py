@@ -520,7 +520,11 @@ class Runner:
             sock.send(b"s%d,%d" % (status, clean))
 
     def job_process(self, job_r: int, w: int, out_w: int, err_w: int) -> None:
-        """The job's process, a fork of the template: it reads its own line, then runs it."""
+        """The job's process, a fork of the template: it reads its own line, then runs it. It is
+        dumpable again (the runner and the template stay not), as a script's process is after its
+        exec: the drainer's memory watch reads its /proc/<pid>/fd for the memfds it holds (issue 25),
+        and the runner's fds are still not its to open."""
+        _prctl(PR_SET_DUMPABLE, 1)
         try:
             signal.signal(signal.SIGUSR1, self.jobs_usr1)  # the runner's own, not the job's
             os.setpgid(0, 0)

@@ -12,11 +12,15 @@ job's /tmp and /dev/shm and its workspace have size caps of their own), a memfd 
 job has open (in flight over a socket), System V shared memory not attached, and kernel memory
 (pipe and socket buffers). ``/proc/<pid>/fd`` of a job under a subordinate uid is not the
 drainer's to read: its holder (ns-root over that uid, :meth:`._subuid.Holder.memfd_bytes`) counts
-them; where nothing can read a process's fds its memfds are unseen, and the tiers say so.
+them. A non-dumpable process's ``/proc/<pid>/fd`` is unreadable even to its own uid without
+CAP_SYS_PTRACE: its fds are copied with pidfd_getfd(2) instead, which the drainer (or holder) may
+do over a job in a user namespace it owns (:func:`_copied_memfds`); where nothing can have a
+process's fds its memfds are unseen, and the tiers say so.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Callable
@@ -65,10 +69,58 @@ def resident_bytes(pids: list[int]) -> int:
     return total
 
 
+#: pidfd_getfd(2)'s number, the same on every architecture (Linux 5.6 and later).
+_SYS_PIDFD_GETFD = 438
+
+
+def _fd_table_size(pid: int) -> int:
+    """``FDSize`` of ``/proc/<pid>/status`` (readable without ptrace): every fd of ``pid`` is below it."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"FDSize:"):
+                return int(line.split()[1])
+    raise OSError(f"no FDSize for {pid}")
+
+
+def _copied_memfds(pid: int, seen: set[tuple[int, int]]) -> int:
+    """The memfd pages of a process whose ``/proc/<pid>/fd`` is unreadable (it is non-dumpable: a
+    batch's runner, or a job that called ``prctl(PR_SET_DUMPABLE, 0)``, issue 25): each of its fds
+    is copied with pidfd_getfd(2), which asks ptrace's access (the drainer has it over a job in a
+    user namespace it owns: bwrap's, the process tier's contained one; a holder, as ns-root),
+    looked at and closed at once. Where that is refused too the process counts 0 (the tiers say
+    memfds are unseen there)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = _fd_table_size(pid)
+    pidfd = os.pidfd_open(pid)
+    total = 0
+    try:
+        for target in range(size):
+            got = int(libc.syscall(_SYS_PIDFD_GETFD, pidfd, target, 0))
+            if got < 0:
+                if ctypes.get_errno() in (errno.EPERM, errno.ESRCH, errno.ENOSYS):
+                    break  # not ours to copy, gone, or an older kernel
+                continue  # EBADF: no such fd
+            try:
+                if not os.readlink(f"/proc/self/fd/{got}").startswith("/memfd:"):
+                    continue
+                st = os.fstat(got)
+            finally:
+                os.close(got)
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    finally:
+        os.close(pidfd)
+    return total
+
+
 def memfd_bytes(pids: list[int]) -> int:
     """The pages held by the memfds that ``pids`` have open (``/proc/<pid>/fd/<n>`` links to
     ``/memfd:...``; its ``st_blocks``), each file counted once however many hold it. A process whose
-    fds the drainer cannot read (:func:`os.listdir` refused) counts 0."""
+    ``/proc/<pid>/fd`` is unreadable (non-dumpable) has its fds copied instead
+    (:func:`_copied_memfds`); one whose fds cannot be had either way counts 0."""
     seen: set[tuple[int, int]] = set()
     total = 0
     for pid in pids:
@@ -76,6 +128,10 @@ def memfd_bytes(pids: list[int]) -> int:
         try:
             fds = os.listdir(base)
         except OSError:
+            try:
+                total += _copied_memfds(pid, seen)
+            except (OSError, ValueError):
+                pass
             continue
         for fd in fds:
             try:
