@@ -358,14 +358,18 @@ def _reporter(ctx: click.Context, tier: str) -> Reporter:
 
 def _log_caps(tier: str, limits: Limits) -> None:
     """The drain's first line (after the tier's, for ``auto``): which caps hold for its jobs and how
-    (``Sandbox.caps``). Shown (a warning) for a non-root drainer, whose jobs no cgroup may hold, and
-    wherever pids or memory is not capped; else at -v."""
+    (``Sandbox.caps``), and that its jobs run without their seccomp filter where they do
+    (``Sandbox.unfiltered``). Shown (a warning) for a non-root drainer, whose jobs no cgroup may
+    hold, wherever pids or memory is not capped and wherever the filter is missing; else at -v."""
     from .sandbox import get_backend
     from .sandbox._caps import caps_line, held
 
-    caps = get_backend(tier).caps(limits)
-    loud = os.geteuid() != 0 or not all(held(caps)[name] for name in ("pids", "memory"))
-    logging.getLogger("fleetless.cli").log(logging.WARNING if loud else logging.INFO, "%s", caps_line(tier, caps))
+    backend = get_backend(tier)
+    caps = backend.caps(limits)
+    why = backend.unfiltered()
+    loud = os.geteuid() != 0 or why is not None or not all(held(caps)[name] for name in ("pids", "memory"))
+    line = caps_line(tier, caps) + ("" if why is None else f"; jobs run with NO seccomp filter: {why}")
+    logging.getLogger("fleetless.cli").log(logging.WARNING if loud else logging.INFO, "%s", line)
 
 
 @cli.command()

@@ -71,3 +71,39 @@ def test_the_supervisor_removes_a_workspace_with_the_drainers_own_remover(tmp_pa
     (workspace / "deep" / "file").write_text("x")
     supervisor._remove_workspace(str(workspace))
     assert not workspace.exists()
+
+
+SECCOMP = "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')][0])"
+
+
+def test_jobs_get_the_seccomp_filter_and_where_it_cannot_be_built_doctor_and_the_caps_line_say_so(
+        hdir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A job runs under bwrap's seccomp filter (mode 2), also uncontained
+    (``FLEETLESS_PROCESS_CONTAIN=0``); where pyseccomp or libseccomp is missing it runs without one
+    (mode 0), and ``doctor``'s line for the tier and the drain's caps line (a warning) say so and why.
+    The drainer users' cases: tests/security/test_process_seccomp.py."""
+    import logging
+
+    from fleetless import cli
+    from fleetless.sandbox import Limits, process
+
+    script(hdir, "seccomp.py", SECCOMP)
+    backend = get_backend("process")
+    assert process.unfiltered() is None, process.unfiltered()
+    assert "seccomp deny-list" in backend.describe()
+    for contain in ("1", "0"):
+        monkeypatch.setenv(process.CONTAIN_ENV, contain)
+        with backend.create(Template(handlers_dir=hdir), 30) as sbx:
+            r = sbx.exec([sbx.python, f"{sbx.handlers_path}/seccomp.py"], 30)
+        assert (r.exit_code, r.stdout) == (0, "2\n"), (contain, r)
+    monkeypatch.setattr(process, "_unfiltered", ["cannot build the seccomp filter (pyseccomp, libseccomp2): gone"])
+    assert "jobs run with NO seccomp filter: cannot build the seccomp filter" in backend.describe()
+    with backend.create(Template(handlers_dir=hdir), 30) as sbx:
+        r = sbx.exec([sbx.python, f"{sbx.handlers_path}/seccomp.py"], 30)
+    assert (r.exit_code, r.stdout) == (0, "0\n"), r
+    with caplog.at_level(logging.INFO, logger="fleetless.cli"):
+        cli._log_caps("process", Limits())
+    [record] = [r for r in caplog.records if r.getMessage().startswith("caps (process)")]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().endswith("; jobs run with NO seccomp filter: cannot build the seccomp filter "
+                                        "(pyseccomp, libseccomp2): gone"), record.getMessage()

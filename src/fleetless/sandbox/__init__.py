@@ -169,6 +169,12 @@ class Sandbox(ABC):
         return ""
 
     @classmethod
+    def unfiltered(cls) -> str | None:
+        """Why this tier's jobs run here without the seccomp filter it loads into them where it can
+        (the drain's caps line says it), or None: they get it, or the tier loads none anyway."""
+        return None
+
+    @classmethod
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
         """For each of ``pids``, ``memory``, ``cpu`` and ``disk``: how this tier holds a job of
         ``limits`` (the defaults when None) to it on this host, ``"capped by ..."``, or

@@ -3,23 +3,27 @@
 What it isolates: the environment (only what the template passes), the working directory (a fresh
 private workspace, removed afterwards), resources by rlimit (address space, CPU seconds, file size,
 open files), pids and memory by a per-job pids and memory cgroup where the drainer can write one
-(memory otherwise by RLIMIT_AS and the drainer's watch, :mod:`.._tree`), and the process
-tree (a supervisor in a session of its own, so signals meant for the drainer's process group never
-reach it; it is a subreaper that kills every descendant at exit, timeout, TTL and when the drainer
-dies, even by SIGKILL; the cgroup kills what outlives the supervisor). Where the kernel allows, the
-job runs in a pid namespace of its own whose init dies with the supervisor (so nothing of the job
+(memory otherwise by RLIMIT_AS and the drainer's watch, :mod:`.._tree`), and the process tree (a
+supervisor in a session of its own, so signals meant for the drainer's process group never reach
+it; it is a subreaper that kills every descendant at exit, timeout, TTL and when the drainer dies,
+even by SIGKILL; the cgroup kills what outlives the supervisor). Where the kernel allows, the job
+runs in a pid namespace of its own whose init dies with the supervisor (so nothing of the job
 outlives it, cgroup or not), with a fresh /proc, private tmpfs /tmp, /var/tmp, /dev/shm and
-/run/lock, an IPC namespace, no_new_privs and a session keyring of its own (see ``_supervisor.py``);
-its TMPDIR is in its workspace; the drainer and supervisor are non-dumpable. Under a root drainer
-the job runs as a leased unprivileged uid (:mod:`.._hostuid`; a non-root drainer with a
-subordinate range: one of it, :mod:`.._subuid`), so it cannot reach its supervisor, the drainer or
-other jobs, and when it ends every process and key of that uid is swept before the lease is
-released. Where it gives the job those namespaces it also gives it a network namespace with only
-loopback (unless ``limits.network``): its 127.0.0.1 is its own, not the host's database; where the
-kernel refuses them, the job has the host's network (:func:`network_words`, said by ``doctor`` and
-``auto``). What it does not: the rest of the filesystem is the job uid's (the drainer's own uid
-under a non-root drainer without a range: :func:`isolation_gap`, and ``auto`` does not fall back to
-this tier then). Use ``bwrap`` or ``microvm`` for untrusted code.
+/run/lock, an IPC namespace, no_new_privs and a session keyring of its own (see
+``_supervisor.py``), and a mount table that names no other job's workspace; every job (contained or
+not) runs under the seccomp filter of bwrap and the fork server (:mod:`..bwrap._seccomp`: no new
+namespaces, no keyrings, ``bpf``, ``io_uring``...; where it cannot be built, :func:`unfiltered`
+says why, in ``doctor`` and the drain's caps line); its TMPDIR is in its workspace; the drainer and
+supervisor are non-dumpable. Under a root drainer the job runs as a leased unprivileged uid
+(:mod:`.._hostuid`; a non-root drainer with a subordinate range: one of it, :mod:`.._subuid`), so
+it cannot reach its supervisor, the drainer or other jobs, and when it ends every process and key
+of that uid is swept before the lease is released. Where it gives the job those namespaces it also
+gives it a network namespace with only loopback (unless ``limits.network``): its 127.0.0.1 is its
+own, not the host's database; where the kernel refuses them, the job has the host's network
+(:func:`network_words`, said by ``doctor`` and ``auto``). What it does not: the rest of the
+filesystem is the job uid's (the drainer's own uid under a non-root drainer without a range:
+:func:`isolation_gap`, and ``auto`` does not fall back to this tier then). Use ``bwrap`` or
+``microvm`` for untrusted code.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from .._hardening import harden_drainer, untraversable
 from .._limits import rlimit_kill_reason, rlimits_for
 from .._wording import describe_signal, memory_size
 
-__all__ = ["CONTAIN_ENV", "ProcessSandbox", "isolation_gap", "jobs_own_network", "network_words"]
+__all__ = ["CONTAIN_ENV", "ProcessSandbox", "isolation_gap", "jobs_own_network", "network_words", "unfiltered"]
 
 log = logging.getLogger(__name__)
 _SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
@@ -205,8 +209,16 @@ class ProcessSandbox(Sandbox):
 
     @classmethod
     def describe(cls) -> str:
-        """Which uid jobs run as, and which network they have (for ``fleetless doctor``)."""
-        return f"{cls._describe_uid()}; {network_words()}"
+        """Which uid jobs run as, which network they have and their seccomp filter (for ``fleetless
+        doctor``)."""
+        why = unfiltered()
+        words = ("jobs run under bwrap's seccomp deny-list (no new namespaces, no keyrings, ...) with no_new_privs"
+                 if why is None else f"jobs run with NO seccomp filter: {why}")
+        return f"{cls._describe_uid()}; {network_words()}; {words}"
+
+    @classmethod
+    def unfiltered(cls) -> str | None:
+        return unfiltered()
 
     @classmethod
     def _describe_uid(cls) -> str:
@@ -310,6 +322,7 @@ class ProcessSandbox(Sandbox):
         if pids is not None and cgroup is None and (self._lease is not None or nproc_counts_per_namespace()):
             rlimits["RLIMIT_NPROC"] = pids  # the supervisor applies it only where it counts the job alone
         harden_drainer()
+        seccomp = _filter_fd()
         status_r, status_w = os.pipe()
         limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
         try:
@@ -322,17 +335,19 @@ class ProcessSandbox(Sandbox):
                 [*enter, sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
                  self._creds,
                  "wait" if cgroup is not None else "-", f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}",
-                 self._contain(), "--", *argv],
+                 self._contain(), "-" if seccomp is None else str(seccomp), "--", *argv],
                 stdin=subprocess.PIPE if cgroup is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(status_w,),
+                pass_fds=(status_w,) if seccomp is None else (status_w, seccomp),
                 cwd=self.workspace_path if self._holder is None else "/",
                 env={"HOME": self.workspace_path, "TMPDIR": self._tmpdir, **self._template.env},
                 start_new_session=True,
             )
         finally:
             os.close(status_w)
+            if seccomp is not None:
+                os.close(seccomp)
         with self._lock:
             self._proc = proc
             destroyed = self._killed
@@ -419,7 +434,9 @@ class ProcessSandbox(Sandbox):
 
             keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
         keep = [p for p in keep if _under_private_dirs(p) and "\n" not in p]
-        lines = [str(self._template.limits.tmp_bytes), *(f"K {p}" for p in keep)]
+        work = str(_workspace.root())
+        lines = [str(self._template.limits.tmp_bytes), *([f"W {work}"] if "\n" not in work else []),
+                 *(f"K {p}" for p in keep)]
         if self._lease is not None:  # a root drainer's interpreter under /root: bound back for the job
             from ..bwrap._filesystem import blocked_paths, interpreter_paths
 
@@ -507,6 +524,42 @@ def isolation_gap() -> str | None:
         return (f"its jobs would run as the drainer's own uid {os.getuid()}, which cannot be swept when "
                 f"they end; {_subuid.missing()}")
     return None
+
+
+_unfiltered: list[str | None] = []
+
+
+def unfiltered() -> str | None:
+    """Why this drainer's process-tier jobs would run without the seccomp filter (pyseccomp or
+    libseccomp missing, a kernel without seccomp filters), or None where each job gets it. Asked
+    once per process (the drain's caps line and ``doctor`` say it)."""
+    if not _unfiltered:
+        from ..bwrap._seccomp import seccomp_file
+
+        why = None
+        try:
+            with open("/proc/self/status", "rb") as f:
+                if not any(line.startswith(b"Seccomp_filters:") or line.startswith(b"Seccomp:") for line in f):
+                    why = "this kernel has no seccomp (no Seccomp field in /proc/self/status)"
+            if why is None:
+                seccomp_file()
+        except (SandboxUnavailable, OSError) as exc:
+            why = str(exc)
+        _unfiltered.append(why)
+    return _unfiltered[0]
+
+
+def _filter_fd() -> int | None:
+    """A descriptor of the seccomp filter's file for the supervisor (SECCOMP_FD), None where
+    :func:`unfiltered` says why not."""
+    if unfiltered() is not None:
+        return None
+    from ..bwrap._seccomp import seccomp_file
+
+    try:
+        return os.open(seccomp_file(), os.O_RDONLY | os.O_CLOEXEC)
+    except (SandboxUnavailable, OSError) as exc:  # was there a moment ago: the job must not run unfiltered
+        raise SandboxUnavailable(f"cannot open the seccomp filter for the job: {exc}") from exc
 
 
 def _watch_reads_fds() -> bool:

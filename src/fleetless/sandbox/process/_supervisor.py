@@ -19,7 +19,10 @@ from inside. The init also gives the job a mount namespace with a fresh /proc (o
 namespace: no host process is visible), a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock,
 an IPC namespace and (unless ``limits.network``) a network namespace with only loopback, up: the
 job's 127.0.0.1 is its own, so it cannot reach the host's database or any other host service.
-Every job gets TMPDIR in its workspace, no_new_privs and a fresh session keyring. A job run as
+Before it detaches every other workspace mount (:func:`_hide_other_workspaces`: the job's mount
+table names no other job's workspace). Every job gets TMPDIR in its workspace, no_new_privs, a fresh
+session keyring and, right before exec, the seccomp filter of bwrap and the fork server (the drainer
+passes it on SECCOMP_FD: ``bwrap/_seccomp.py``, which this program does not import). A job run as
 another uid (CREDS) has a *sweeper*, forked before the job: at the job's end (or the supervisor's)
 it becomes that uid and kills every process of it and clears its keyrings; the supervisor exits 3
 when that did not complete (0 otherwise). The supervisor and the init make themselves non-
@@ -27,18 +30,21 @@ dumpable, so that what they hold (the status pipe) is not reachable through /pro
 uid.
 
 Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
-    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV...
+    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN SECCOMP_FD -- ARGV...
 where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"; RLIMIT_NPROC: see :func:`_nproc`; NICE=n: the
 job's nice value, never below the supervisor's), CREDS is
 "UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
 must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or
 "-", DEADLINE a number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated
-lines: TMP_BYTES (each private directory's size), then "K PATH" for each host path under those the
+lines: TMP_BYTES (each private directory's size), then "W PATH" for the work directory (its mounts
+but WORKSPACE are detached), "K PATH" for each host path under those the
 job needs (the work directory, the handlers, the interpreter),
 "T DIR" for each directory the job's uid cannot search that holds its interpreter (a root
 drainer's /root), "V PATH<tab>DIR" for each path under such a DIR to bind back for it, and "N" when
-the job keeps the host's network (``limits.network``; else a network namespace with only loopback). The job gets this
-process's environment and working directory, and /dev/null as its stdin.
+the job keeps the host's network (``limits.network``; else a network namespace with only loopback).
+SECCOMP_FD is a descriptor to read the job's seccomp filter from (a ``struct sock_filter`` array;
+"-": none, which the drainer says). The job gets this process's environment and working
+directory, and /dev/null as its stdin.
 """
 
 import ctypes
@@ -52,6 +58,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
@@ -68,6 +75,21 @@ _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "i686": 288, "armv
 KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_GET_PERSISTENT = 1, 7, 22
 KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING = -3, -4, -5
 SWEEP_SECONDS = 10.0
+#: The tmpfs source name of a capped workspace (``sandbox/_diskcap.py``'s).
+WORKSPACE_SOURCE = b"fleetless-workspace"
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _load_filter(bpf: bytes) -> None:
+    """Load ``bpf`` as this process's seccomp filter (no_new_privs must be set: it is)."""
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = _SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"cannot load the seccomp filter: {os.strerror(errno)}")
 
 
 def _prctl(option: int, value: int) -> None:
@@ -287,7 +309,40 @@ def _loopback_up() -> None:
         s.close()
 
 
-def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]], net: bool) -> None:
+def _unescape(field: bytes) -> bytes:
+    """A path of /proc/self/mountinfo as it is (the kernel writes space, tab, newline and backslash
+    as octal escapes)."""
+    head, *rest = field.split(b"\\")
+    return head + b"".join(bytes([int(part[:3], 8)]) + part[3:] for part in rest)
+
+
+def _hide_other_workspaces(base: str, own: str) -> None:
+    """Detach, in this (new, private) mount namespace, every mount under the work directory ``base``
+    and every capped workspace (a tmpfs named WORKSPACE_SOURCE, another drainer's too) but the job's
+    own workspace ``own``: the job's /proc/self/mountinfo then names no other job's workspace. A
+    mount the kernel locked into this namespace (one that came from a more privileged one: the
+    host's mounts, for a supervisor in a user namespace) cannot be detached and stays listed
+    (docs/isolation.md says which)."""
+    under = base.encode() + b"/" if base else None
+    mine = own.encode()
+    for _ in range(8):  # stacked mounts come off one per round
+        found = []
+        with open("/proc/self/mountinfo", "rb") as f:
+            for line in f:
+                fields = line.split()
+                point = _unescape(fields[4])
+                source = fields[fields.index(b"-") + 2] if b"-" in fields else b""
+                if mine and (point == mine or point.startswith(mine + b"/")):
+                    continue
+                if source == WORKSPACE_SOURCE or (under is not None and point.startswith(under)):
+                    found.append(point)
+        detached = sum(_libc.umount2(point, MNT_DETACH) == 0 for point in reversed(found))
+        if not detached:
+            return
+
+
+def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]], net: bool,
+                    base: str, own: str) -> None:
     """In a new mount and IPC namespace (the init's, inherited by the job) and, unless ``net`` (the
     kind's ``limits.network``), a new network namespace with only loopback, up: a fresh /proc of the
     job's pid namespace (and /sys of its network namespace, read-only) and a private tmpfs on each
@@ -295,13 +350,16 @@ def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tupl
     :func:`_bind_back`. A job therefore leaves nothing in the host's shared temporary directories (a
     setuid copy of an interpreter for the next job of its uid), and no System V IPC object, and
     reaches nothing on the host's network (its 127.0.0.1 is its own: not the host's database) nor
-    the host's Unix sockets under /run (its /run is a tmpfs of its own then: PostgreSQL's socket). The
-    mounts and the namespaces are required; only a /proc or /sys the kernel will not mount here (a
+    the host's Unix sockets under /run (its /run is a tmpfs of its own then: PostgreSQL's socket).
+    First, :func:`_hide_other_workspaces` (``base``: the work directory; ``own``: the job's
+    workspace), so that none is bound back with the work directory. The mounts and the namespaces
+    are required; only a /proc or /sys the kernel will not mount here (a
     container that masks parts of its own) stays the host's."""
     _unshare(CLONE_NEWNS | CLONE_NEWIPC | (0 if net else CLONE_NEWNET))
     if not net:
         _loopback_up()
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
+    _hide_other_workspaces(base, own)
     if view:
         _bind_back(tops, view)
     if not net:
@@ -400,8 +458,10 @@ def _nproc(rlimits: list[list[str]], uid: int, contained: bool) -> list[list[str
     return out
 
 
-def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> None:
-    """In the forked child: become the job (never returns)."""
+def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]], bpf: bytes) -> None:
+    """In the forked child: become the job (never returns); its seccomp filter ``bpf`` (if any) is
+    the last thing before exec (after keyctl, which it denies), and a filter that will not load
+    fails the job (it never runs unfiltered)."""
     try:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
@@ -425,6 +485,8 @@ def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> 
         # Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: restore them.
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(signum, signal.SIG_DFL)
+        if bpf:
+            _load_filter(bpf)
         os.execvp(argv[0], argv)
     except BaseException as exc:  # report an exec failure the shell's way
         os.write(2, f"fleetless: cannot run {argv[0]}: {exc}\n".encode())
@@ -432,7 +494,7 @@ def _exec_job(argv: list[str], uid: int, gid: int, rlimits: list[list[str]]) -> 
 
 
 def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int, gid: int,
-          rlimits: list[list[str]]) -> None:
+          rlimits: list[list[str]], bpf: bytes, workspace: str) -> None:
     """The job's pid namespace's init (pid 1 there; never returns): private mounts, then the job;
     its wait status goes to the supervisor on ``report``. When it exits, or dies with the
     supervisor, the kernel kills whatever is left in the namespace."""
@@ -448,13 +510,14 @@ def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int
         tops = [line[2:] for line in contain[1:] if line.startswith("T ")]
         view = [(path, top) for path, _, top in (line[2:].partition("\t") for line in contain[1:]
                                                   if line.startswith("V "))]
-        _private_mounts(int(contain[0]), keep, tops, view, "N" in contain[1:])
+        base = next((line[2:] for line in contain[1:] if line.startswith("W ")), "")
+        _private_mounts(int(contain[0]), keep, tops, view, "N" in contain[1:], base, workspace)
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # as init: the job's are ignored
             signal.signal(signum, signal.SIG_DFL)
         job = os.fork()
         if job == 0:
             os.close(report)
-            _exec_job(argv, uid, gid, rlimits)
+            _exec_job(argv, uid, gid, rlimits, bpf)
         while True:  # reap everything re-parented to us; stop at the job's end
             pid, status = os.waitpid(-1, 0)
             if pid == job:
@@ -467,8 +530,14 @@ def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int
 
 
 def main() -> None:
-    status_fd, workspace, rlimits_arg, creds, wait, deadline, contain_arg, sep, *argv = sys.argv[1:]
-    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN -- ARGV..."
+    status_fd, workspace, rlimits_arg, creds, wait, deadline, contain_arg, seccomp_fd, sep, *argv = sys.argv[1:]
+    assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN SECCOMP_FD -- ARGV..."
+    bpf = b""
+    if seccomp_fd != "-":
+        with open(int(seccomp_fd), "rb") as f:  # (closed: the job does not inherit it)
+            bpf = f.read()
+        if not bpf or len(bpf) % 8:
+            sys.exit(f"fleetless: the seccomp filter on fd {seccomp_fd} is not one ({len(bpf)} bytes)")
     rlimits = [item.split("=") for item in rlimits_arg.split(",")] if rlimits_arg != "-" else []
     uid, gid = (int(x) for x in creds.split(":")) if creds != "-" else (-1, -1)
     contain = contain_arg.split("\n") if contain_arg != "-" else []
@@ -515,14 +584,14 @@ def main() -> None:
             os.close(fd)
             os.close(alive_w)
             os.close(report_r)
-            _init(alive_r, report_w, contain, argv, uid, gid, rlimits)
+            _init(alive_r, report_w, contain, argv, uid, gid, rlimits, bpf, workspace)
         os.close(alive_r)  # alive_w stays open, unused, until this process dies
         os.close(report_w)
     else:
         pid = os.fork()
         if pid == 0:
             os.close(fd)
-            _exec_job(argv, uid, gid, rlimits)
+            _exec_job(argv, uid, gid, rlimits, bpf)
 
     def overdue(signum: int, frame: object) -> None:  # the wait below then reports the kill
         try:
