@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from fleetless import Queue
+from fleetless.sandbox import _diskcap
 
 from .drains import drain, handlers_dir, need_tier, need_user, open_to_jobs, shared, work_dir
 
@@ -148,15 +149,22 @@ def test_a_process_tier_job_sees_no_other_jobs_workspace_mount(
     """With two jobs running at once, neither's ``/proc/self/mountinfo`` names the other's
     workspace (a capped tmpfs under a root drainer, and in a ranged drainer's holder namespace), nor
     any mount under the work directory but its own workspace. (A drainer without a range caps no
-    process-tier workspace: there is none to see; other drainers' mounts that the kernel locked
-    into a non-root job's mount namespace: see docs/isolation.md.)"""
+    process-tier workspace: there is none to see.) Another drainer's capped workspace elsewhere (a
+    decoy the test mounts on the host) is hidden from a root drainer's job, and still listed for a
+    non-root drainer's, where the kernel locked it in (what remains: docs/isolation.md)."""
     need_tier("process")
     uid = drainer_uid(user)
     h = handlers_dir(shared, **{"mounts.py": MOUNTS})
     work = work_dir(shared, uid)
     seen = open_to_jobs(shared / "seen")
     ids = [queue.enqueue("mounts", {"seen": str(seen)}, max_attempts=1) for _ in range(2)]
-    r = drain(dsn, h, work, "--concurrency", "2", tier="process", user=uid)
+    decoy = shared / "another-drainers-ws"  # a root drainer's workspace elsewhere, mounted as it would be
+    decoy.mkdir()
+    _diskcap.mount(decoy, 1 << 20, 16, 0, 0)
+    try:
+        r = drain(dsn, h, work, "--concurrency", "2", tier="process", user=uid)
+    finally:
+        _diskcap.release(decoy)
     assert not isinstance(r, subprocess.Popen)
     assert r.returncode == 0, r.stderr
     outs = []
@@ -170,3 +178,7 @@ def test_a_process_tier_job_sees_no_other_jobs_workspace_mount(
         assert not [p for p in out["points"] if p == other or p.startswith(other + "/")], out
         under_work = [p for p in out["points"] if p.startswith(str(work) + "/")]
         assert all(p == out["me"] or p.startswith(out["me"] + "/") for p in under_work), (under_work, out["me"])
+        # Another drainer's workspace mounted in the host's mount namespace: detached for a root
+        # drainer's job; the kernel locks it into a non-root drainer's job's namespace (a copy
+        # from a more privileged one), where it stays listed (docs/isolation.md).
+        assert (str(decoy) in out["points"]) == (user is not None), out
