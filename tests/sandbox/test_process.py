@@ -107,3 +107,19 @@ def test_jobs_get_the_seccomp_filter_and_where_it_cannot_be_built_doctor_and_the
     assert record.levelno == logging.WARNING
     assert record.getMessage().endswith("; jobs run with NO seccomp filter: cannot build the seccomp filter "
                                         "(pyseccomp, libseccomp2): gone"), record.getMessage()
+
+
+def test_a_filter_the_kernel_refuses_fails_the_job_which_never_runs_unfiltered(
+        hdir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A filter that was built but does not load (here: one BPF instruction and no return, which
+    the kernel rejects) fails the job as an exec failure: it does not run without its filter."""
+    from fleetless.sandbox.bwrap import _seccomp
+
+    bogus = tmp_path / "bogus.bpf"
+    bogus.write_bytes(bytes(8))
+    monkeypatch.setattr(_seccomp, "seccomp_file", lambda: bogus)
+    script(hdir, "seccomp.py", SECCOMP)
+    with get_backend("process").create(Template(handlers_dir=hdir), 30) as sbx:
+        r = sbx.exec([sbx.python, f"{sbx.handlers_path}/seccomp.py"], 30)
+    assert r.exit_code == 127 and r.stdout == "", r
+    assert "cannot load the seccomp filter: Invalid argument" in r.stderr, r.stderr

@@ -10,7 +10,8 @@ even by SIGKILL; the cgroup kills what outlives the supervisor). Where the kerne
 runs in a pid namespace of its own whose init dies with the supervisor (so nothing of the job
 outlives it, cgroup or not), with a fresh /proc, private tmpfs /tmp, /var/tmp, /dev/shm and
 /run/lock, an IPC namespace, no_new_privs and a session keyring of its own (see
-``_supervisor.py``), and a mount table that names no other job's workspace; every job (contained or
+``_supervisor.py``), and a mount table that names no other job's workspace (but those the kernel
+locked into it: docs/isolation.md); every job (contained or
 not) runs under the seccomp filter of bwrap and the fork server (:mod:`..bwrap._seccomp`: no new
 namespaces, no keyrings, ``bpf``, ``io_uring``...; where it cannot be built, :func:`unfiltered`
 says why, in ``doctor`` and the drain's caps line); its TMPDIR is in its workspace; the drainer and
