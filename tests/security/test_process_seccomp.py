@@ -139,11 +139,18 @@ MOUNTS = """
 import json, os, sys, time
 args = json.load(open(sys.argv[1]))
 me = os.getcwd()
-open(os.path.join(args["seen"], os.path.basename(me)), "w").write(me)
+name = os.path.join(args["seen"], os.path.basename(me))
+with open(name + ".part", "w") as f:  # renamed whole: the other job never reads it half-written
+    f.write(me)
+os.rename(name + ".part", name)
+
+def said():
+    return [n for n in os.listdir(args["seen"]) if not n.endswith(".part")]
+
 give_up = time.monotonic() + 60
-while len(os.listdir(args["seen"])) < 2 and time.monotonic() < give_up:
+while len(said()) < 2 and time.monotonic() < give_up:
     time.sleep(0.01)
-others = [open(os.path.join(args["seen"], n)).read() for n in os.listdir(args["seen"])]
+others = [open(os.path.join(args["seen"], n)).read() for n in said()]
 points = [line.split()[4].replace("\\\\040", " ") for line in open("/proc/self/mountinfo")]
 print(json.dumps({"me": me, "others": [o for o in others if o != me], "points": points}))
 """
