@@ -215,7 +215,7 @@ class ProcessSandbox(Sandbox):
         why = unfiltered()
         words = ("jobs run under bwrap's seccomp deny-list (no new namespaces, no keyrings, ...) with no_new_privs"
                  if why is None else f"jobs run with NO seccomp filter: {why}")
-        return f"{cls._describe_uid()}; {network_words()}; {words}"
+        return f"{cls._describe_uid()}; {words}; {network_words()}"
 
     @classmethod
     def unfiltered(cls) -> str | None:
