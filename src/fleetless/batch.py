@@ -660,8 +660,11 @@ class Runner:
         it is the one cancelled, the sandbox is destroyed (the jobs after it run on in a fresh one).
         When a job after it was, the runner is told to start no other job (SIGUSR1,
         :func:`_stop_runner`): the job running finishes, and the rest go to a fresh sandbox without
-        the cancelled ones. Where the runner cannot be reached (a microVM's guest), the sandbox is
-        destroyed as before, and the job running is released, not charged (Runner.run)."""
+        the cancelled ones. A microVM's guest runner passes it on (``Sandbox.stop_batch_runner``).
+        Where the runner cannot be reached at all, the sandbox is destroyed as before, and the job
+        running is released, not charged (Runner.run). A microVM's output comes back only when it
+        ends, so which job runs is not known there: a cancel of its first job destroys the VM, of
+        a later one stops the runner (if that one is running already, it ends as it would have)."""
 
         def cancel() -> None:
             if not live.is_set():  # not started: the check before the exec runs none of them
@@ -980,8 +983,8 @@ def _stop_runner(sbx: Sandbox) -> bool:
     from .sandbox import _tree
 
     top = sbx.host_pid
-    if top is None:
-        return False
+    if top is None:  # nothing of it on this host (a microVM's guest): through the tier, if it can
+        return sbx.stop_batch_runner()
     marked: dict[int, int] = {}  # pid -> parent, of the processes that look like the runner
     for pid in [top, *_tree.descendants(top)]:
         try:

@@ -135,3 +135,63 @@ def test_a_cancel_while_a_batchs_sandbox_is_made_runs_the_rest_without_it(
     assert [rows[i][0] for i in ids] == ["done", "cancelled", "done"], (rows, summary)
     assert all(rows[i][1] == 1 for i in ids), rows
     assert rows[ids[1]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows
+
+
+SLEEPER = """
+    import time
+    def handle(payload):
+        time.sleep(payload.get("sleep", 0))
+        return payload["n"]
+"""
+
+
+def _vms() -> list[int]:
+    """This process's descendants that are a microVM's QEMU."""
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            if Path(f"/proc/{pid}/comm").read_bytes().startswith(b"qemu-system"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_a_cancel_of_a_job_waiting_in_a_running_microvm_batch_leaves_the_job_running_alone(
+        queue: Queue, sql: Any, handlers: Any, require_tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 item 1 on the microVM tier (file mode in a guest the drainer cannot signal): the
+    4th job of a batch of 4 is cancelled while the VM boots or runs the 1st. The drainer's stop
+    goes over the VM's channel to the guest's runner, which passes it on to the batch runner
+    (SIGUSR1) once it catches it: the 1st job ends done, in its one attempt, the cancelled one never
+    starts, and the 2nd and 3rd run in a fresh VM. Before, the drainer destroyed the VM: the 1st job
+    was given back uncharged ('released' in its history) and ran again."""
+    require_tier("microvm")
+    h = handlers(**{"slow.py": SLEEPER})
+    ids = [queue.enqueue("slow", {"n": 0, "sleep": 8}, max_attempts=3)]
+    ids += [queue.enqueue("slow", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
+    seen = threading.Event()
+    original = batch_module.Slot.kill_current
+
+    def kill_current(self: batch_module.Slot) -> None:  # the drainer acted on the cancel
+        original(self)
+        seen.set()
+
+    monkeypatch.setattr(batch_module.Slot, "kill_current", kill_current)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="microvm", per_sandbox=4, concurrency=1,
+                                         timeout=120))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(_vms, timeout=120, what="the batch's VM to start")
+        assert queue.cancel(ids[3]) is Status.RUNNING  # claimed with its batch
+        wait_for(seen.is_set, timeout=60, what="the drainer to act on the cancel")
+    finally:
+        thread.join(timeout=600)
+    assert not thread.is_alive()
+    rows = {i: (s, a, e) for i, s, a, e in sql(
+        "SELECT id, status, attempts, last_error FROM fleetless.jobs WHERE id = ANY(%s)", ids)}
+    assert [rows[i][0] for i in ids] == ["done", "done", "done", "cancelled"], rows
+    assert all(rows[i][1] == 1 for i in ids), rows
+    assert sql("SELECT attempt, outcome FROM fleetless.job_attempts WHERE job_id = %s ORDER BY id", ids[0]) == [
+        (1, "done")]
+    assert rows[ids[3]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows

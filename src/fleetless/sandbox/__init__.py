@@ -209,6 +209,12 @@ class Sandbox(ABC):
         there is none on this host (a microVM's guest) or nothing runs."""
         return None
 
+    def stop_batch_runner(self) -> bool:
+        """Where the drainer cannot signal a batch runner itself (``host_pid`` is None: a
+        microVM's guest), ask it through the tier to start no other job once the one running has
+        ended (file mode's SIGUSR1). True if asked; False where the tier has no way."""
+        return False
+
     def open_pipes(self, names: Sequence[str]) -> list[int] | None:
         """Named pipes ``names`` made in the workspace for the job's uid to open, and this side of
         each opened read-write (a batch's channel), where the drainer cannot make them itself (its

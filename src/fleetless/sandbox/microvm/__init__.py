@@ -51,7 +51,7 @@ from fleetless.sandbox._caps import NOT
 from fleetless.sandbox._limits import rlimit_kill_reason
 from fleetless.sandbox.microvm.image import CpioWriter, ImageInfo, guest_has_program, load_image
 
-__all__ = ["MIN_MEMORY_MIB", "GuestJob", "MicroVMSandbox", "accel", "boot", "network_mode"]
+__all__ = ["MIN_MEMORY_MIB", "Control", "GuestJob", "MicroVMSandbox", "accel", "boot", "network_mode"]
 
 #: Guest RAM below which the kernel + initramfs + python do not fit (the job gets the rest).
 MIN_MEMORY_MIB = 128
@@ -143,6 +143,50 @@ class BootOutcome:
     pid: int = 0  # of the VMM process (gone when boot() returns)
     guest_uptime: float | None = None  # guest clock when the runner started (kernel boot time)
     restored: bool = False  # True: a copy of the snapshot ran the jobs (False: a cold boot)
+
+
+class Control:
+    """The host's end of a running VM's channel input: a batch drain's stop (``<nonce> stop``,
+    which the guest's runner passes on as SIGUSR1 to the batch runner: see guest_init). A line goes
+    out only once the guest has said something on the channel (:meth:`ready`): its port is open
+    then, and after a restore the job has been read whole, so nothing is lost or interleaved with
+    it. A stop asked for earlier (the VM still booting) waits until then."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._nonce = ""
+        self._ready = False
+        self._pending = False
+
+    def bind(self, fd: int, nonce: str) -> None:
+        with self._lock:
+            self._fd, self._nonce, self._ready = fd, nonce, False
+
+    def ready(self) -> None:
+        with self._lock:
+            if self._fd is not None and not self._ready:
+                self._ready = True
+                if self._pending:
+                    self._send()
+
+    def unbind(self) -> None:
+        with self._lock:
+            self._fd, self._ready, self._pending = None, False, False
+
+    def stop(self) -> None:
+        with self._lock:
+            self._pending = True
+            if self._ready:
+                self._send()
+
+    def _send(self) -> None:
+        assert self._fd is not None
+        self._pending = False
+        try:
+            os.write(self._fd, f"{self._nonce} stop\n".encode())  # under PIPE_BUF: whole or not at all
+        except OSError:
+            pass  # the VM is gone: the reader says why
 
 
 def _job_archive(jobs: Sequence[GuestJob], handlers_dir: Path, nonce: str,
@@ -260,7 +304,7 @@ def _pdeathsig_preexec(parent: int) -> None:
 def boot(image: ImageInfo, jobs: Sequence[GuestJob], handlers_dir: Path, *, accel: str,
          memory_mib: int, cpus: int, tmp_bytes: int = 64 * MiB, network: bool = False,
          hard_deadline: float | None = None, on_spawn: Any = None,
-         cancelled: threading.Event | None = None) -> BootOutcome:
+         cancelled: threading.Event | None = None, control: Control | None = None) -> BootOutcome:
     """Boot one VM that runs ``jobs`` in order and return their outcomes.
 
     ``hard_deadline`` (``time.monotonic()`` based) is when the VM is killed whatever happens
@@ -283,26 +327,31 @@ def boot(image: ImageInfo, jobs: Sequence[GuestJob], handlers_dir: Path, *, acce
         os.write(memfd, archive)
         con_r, con_w = os.pipe()
         chan_r, chan_w = os.pipe()
-        pipes += [con_r, con_w, chan_r, chan_w]
+        in_r, in_w = os.pipe()  # the channel's other way: the host's control lines (Control)
+        pipes += [con_r, con_w, chan_r, chan_w, in_r, in_w]
         engine = _QemuEngine(binary, image)
         argv = engine.argv(accel=accel, memory_mib=memory_mib, cpus=cpus, initrd_fd=memfd,
-                           console_fd=con_w, channel_fd=chan_w, network=net)
+                           console_fd=con_w, channel_fd=None, network=net)
         parent = os.getpid()
         proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            pass_fds=(memfd, con_w, chan_w), preexec_fn=lambda: _pdeathsig_preexec(parent),
+            argv, stdin=in_r, stdout=chan_w, stderr=subprocess.PIPE,
+            pass_fds=(memfd, con_w), preexec_fn=lambda: _pdeathsig_preexec(parent),
             start_new_session=True,
         )
         if on_spawn is not None:
             on_spawn(proc)
-        os.close(con_w)
-        os.close(chan_w)
+        for fd in (con_w, chan_w, in_r):
+            os.close(fd)
         os.close(memfd)
         memfd = -1
-        pipes = [con_r, chan_r]
+        pipes = [con_r, chan_r, in_w]
+        if control is not None:
+            control.bind(in_w, nonce)
         return _collect(proc, jobs, con_r, chan_r, nonce, accel, started, hard_deadline,
-                        cancelled)
+                        cancelled, control)
     finally:
+        if control is not None:
+            control.unbind()
         if proc is not None:
             _reap(proc)
         if memfd >= 0:
@@ -333,7 +382,7 @@ _RECORD = re.compile(rb"^FLEETLESS1 ([0-9a-f]+) (\w+) (.*)$")
 
 def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int, chan_r: int,
              nonce: str, accel: str, started: float, hard_deadline: float | None,
-             cancelled: threading.Event | None) -> BootOutcome:
+             cancelled: threading.Event | None, control: Control | None = None) -> BootOutcome:
     assert proc.stderr is not None
     results: list[JobOutcome | None] = [None] * len(jobs)
     outcome = BootOutcome(results, accel, 0.0, pid=proc.pid)
@@ -390,6 +439,8 @@ def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int
                         now = time.monotonic()
                         if outcome.boot is None:
                             outcome.boot = now - started
+                            if control is not None:  # the guest holds its channel now
+                                control.ready()
                         if kind == "hello":
                             outcome.guest_uptime = float(body.get("uptime", 0.0))
                         elif kind == "start":
@@ -512,6 +563,7 @@ class MicroVMSandbox(Sandbox):
         self._proc: subprocess.Popen[bytes] | None = None
         self._cancel = threading.Event()
         self._killed = False
+        self._control = Control()  # the running VM's channel input (a batch runner's stop)
 
     # -- protocol
 
@@ -614,7 +666,7 @@ class MicroVMSandbox(Sandbox):
             out = boot(self.image, [job], self.template.handlers_dir, accel=accel(self.image),
                        memory_mib=mem, cpus=self.cpus(), tmp_bytes=limits.tmp_bytes,
                        network=limits.network, hard_deadline=ttl_deadline, on_spawn=on_spawn,
-                       cancelled=self._cancel)
+                       cancelled=self._cancel, control=self._control)
         with self._lock:
             self._proc = None
         self.last_boot = out
@@ -664,7 +716,7 @@ class MicroVMSandbox(Sandbox):
             return None
         out = microvm_snapshot.restore(snap, self.image, [job], self.template.handlers_dir,
                                        tmp_bytes=limits.tmp_bytes, hard_deadline=ttl_deadline,
-                                       on_spawn=on_spawn, cancelled=self._cancel)
+                                       on_spawn=on_spawn, cancelled=self._cancel, control=self._control)
         if isinstance(out, str):
             microvm_snapshot.say_once(out)
             return None
@@ -674,6 +726,14 @@ class MicroVMSandbox(Sandbox):
             microvm_snapshot.say_once(f"{out.failure} {out.detail}".strip())
             return None
         return out
+
+    def stop_batch_runner(self) -> bool:
+        """Through the guest's runner (the channel): the batch runner starts no other job. A stop
+        asked for while the VM boots goes out once the guest holds its channel."""
+        if self._killed:
+            return False
+        self._control.stop()
+        return True
 
     def kill(self) -> None:
         self._killed = True

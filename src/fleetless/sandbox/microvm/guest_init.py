@@ -19,6 +19,12 @@ Every record is one line ``FLEETLESS1 <nonce> <kind> <json>``; kinds: ``hello`` 
 ``start`` (job id), ``result`` (id, exit_code, stdout/stderr base64, duration, timed_out,
 oom), ``error`` (the runner failed) and ``done`` (all jobs ran; the host may stop the VM).
 The job's stdout/stderr are pipes read by the runner; it never writes to the channel.
+
+The host may write one control line to the channel while a job runs: ``<nonce> stop``, which a
+batch drain sends when a job waiting in the batch was cancelled. The runner passes it on as
+SIGUSR1 to the job's process once that process catches SIGUSR1 (the batch runner, which then
+starts no other job: the job running finishes, the host runs the rest, without the cancelled
+one, in a fresh VM). A job never holds the channel, so only the host can say it.
 """
 
 from __future__ import annotations
@@ -105,7 +111,25 @@ def kill_all_jobs() -> None:
             time.sleep(0.005)
 
 
-def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
+#: Bit of SIGUSR1 in /proc/<pid>/status's SigCgt (signals the process catches).
+_USR1_BIT = 1 << (signal.SIGUSR1 - 1)
+
+
+def catches_usr1(pid: int) -> bool:
+    """Whether ``pid`` has a handler for SIGUSR1 (until then the signal would kill it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & _USR1_BIT)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+def run_job(job: dict[str, Any], uid: int, gid: int, control: int | None = None,
+            nonce: str = "") -> dict[str, Any]:
+    """``control``: the channel, read for the host's ``<nonce> stop`` while the job runs."""
     stdout_cap = int(job.get("stdout_bytes", 65536))
     stderr_cap = int(job.get("stderr_bytes", 65536))
     timeout = float(job["timeout"])
@@ -158,10 +182,21 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ, "out")
     sel.register(proc.stderr, selectors.EVENT_READ, "err")
+    if control is not None:
+        sel.register(control, selectors.EVENT_READ, "ctl")
+    said = bytearray()  # what the host wrote on the channel so far
+    stop = f"{nonce} stop\n".encode()
+    stopping = False  # the host asked for a stop not passed on yet
     deadline = started + timeout
     timed_out = False
     exited = False
-    while sel.get_map():
+    while any(key.data != "ctl" for key in sel.get_map().values()):
+        if stopping and not exited and catches_usr1(proc.pid):
+            stopping = False
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except OSError:
+                pass
         if not exited and proc.poll() is not None:
             # The job is over: its leftovers (background children) go too, so the pipes close.
             exited = True
@@ -173,6 +208,18 @@ def run_job(job: dict[str, Any], uid: int, gid: int) -> dict[str, Any]:
             kill_all_jobs_but(None)
         events = sel.select(timeout=0.05 if exited else min(max(remaining, 0.0), 0.05))
         for key, _ in events:
+            if key.data == "ctl":
+                try:
+                    chunk = os.read(key.fd, 4096)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    continue
+                said = said[-len(stop):] + chunk
+                if stop in said:
+                    stopping, said = True, bytearray()
+                continue
             if key.data == "out" and len(out) >= stdout_cap:
                 # Past the cap: drop what the job writes without copying it through Python.
                 try:
@@ -537,7 +584,7 @@ def agent_main(desc: dict[str, Any]) -> None:
         gid = int(header.get("gid", 65534))
         for job in header["jobs"]:
             channel.send("start", {"id": job["id"]})
-            channel.send("result", run_job(job, uid, gid))
+            channel.send("result", run_job(job, uid, gid, fd, channel.nonce))
         channel.send("done", {})
     except BaseException as exc:
         channel.send("error", {"error": f"{type(exc).__name__}: {exc}"})
@@ -557,8 +604,10 @@ def main() -> None:
     if desc.get("mode") == "agent":
         agent_main(desc)
         return
-    channel = Channel(CHANNEL, desc["nonce"])
+    fd = os.open(CHANNEL, os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)  # the host writes to it too
     os.unlink(CHANNEL)
+    make_raw(fd)
+    channel = Channel(fd, desc["nonce"])
     try:
         setup(int(desc.get("tmp_bytes", 64 << 20)), bool(desc.get("network", False)))
         channel.send("hello", {"uptime": open("/proc/uptime").read().split()[0]})
@@ -566,7 +615,7 @@ def main() -> None:
         gid = int(desc.get("gid", 65534))
         for job in desc["jobs"]:
             channel.send("start", {"id": job["id"]})
-            channel.send("result", run_job(job, uid, gid))
+            channel.send("result", run_job(job, uid, gid, fd, channel.nonce))
         channel.send("done", {})
     except BaseException as exc:
         channel.send("error", {"error": f"{type(exc).__name__}: {exc}"})

@@ -48,7 +48,7 @@ from fleetless.sandbox import SandboxUnavailable
 from fleetless.sandbox.microvm.image import CpioWriter, ImageInfo
 
 if TYPE_CHECKING:
-    from fleetless.sandbox.microvm import BootOutcome
+    from fleetless.sandbox.microvm import BootOutcome, Control
 
 log = logging.getLogger("fleetless.sandbox.microvm")
 
@@ -520,6 +520,8 @@ def _open_state(dirfd: int) -> int:
 
 
 def _writer(fd: int, data: bytes) -> None:
+    """Writes the job; the descriptor stays open for the host's control lines (restore closes
+    it once this thread has ended)."""
     try:
         view = memoryview(data)
         while view:
@@ -527,13 +529,11 @@ def _writer(fd: int, data: bytes) -> None:
             view = view[n:]
     except OSError:
         pass  # QEMU is gone: the reader says why
-    finally:
-        os.close(fd)
 
 
 def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir: Path, *,
             tmp_bytes: int, hard_deadline: float | None = None, on_spawn: Any = None,
-            cancelled: threading.Event | None = None) -> BootOutcome | str:
+            cancelled: threading.Event | None = None, control: Control | None = None) -> BootOutcome | str:
     """Run ``jobs`` in a fresh copy of the snapshot; a :class:`~microvm.BootOutcome`, or a str
     saying why the snapshot cannot take these jobs (then nothing was started)."""
     from fleetless.sandbox import microvm
@@ -550,6 +550,7 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
     fds: list[int] = []
     proc: subprocess.Popen[bytes] | None = None
     mine = theirs = None
+    writer: threading.Thread | None = None
     try:
         con_r, con_w = os.pipe()
         chan_r, chan_w = os.pipe()
@@ -603,20 +604,26 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
                 fcntl.fcntl(in_w, F_SETPIPE_SZ, max(len(data), 65536))
             except OSError:
                 pass
-            fds.remove(in_w)
-            threading.Thread(target=_writer, args=(in_w, data), daemon=True).start()
+            writer = threading.Thread(target=_writer, args=(in_w, data), daemon=True)
+            writer.start()
+            if control is not None:  # ready at the guest's first record: it has read the job whole
+                control.bind(in_w, nonce)
         else:
             proc.kill()
         out = microvm._collect(proc, jobs, con_r, chan_r, nonce, str(snap.key["accel"]), started,
-                               hard_deadline, cancelled)
+                               hard_deadline, cancelled, control)
         out.restored = out.boot is not None
         if not out.restored and out.failure == "vm exited":
             out.failure = "restore failed"
             out.detail = f"{out.detail} {_qmp_errors(mine)}".strip()
         return out
     finally:
+        if control is not None:
+            control.unbind()
         if proc is not None:
             microvm._reap(proc)
+        if writer is not None:  # its write ends once QEMU is gone: then its descriptor is closed
+            writer.join(10)
         if mine is not None:
             mine.close()
         if theirs is not None:
