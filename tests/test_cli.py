@@ -168,7 +168,10 @@ def test_drain_defaults_to_auto_and_says_which_tier_it_chose_and_why(dsn: str, q
     r = fleetless("drain", "--handlers", str(h), dsn=dsn, env={"FLEETLESS_SANDBOX": ""})
     assert r.returncode == 0, r.stderr
     tier, note = choose_tier("auto")
-    assert tier == (("forkserver" if os.geteuid() == 0 else "bwrap") if _bwrap_works() else "process")
+    from fleetless.sandbox import _subuid
+
+    fork = os.geteuid() == 0 or _subuid.delegation() is not None  # (and its probe: test_subuid_jobs.py)
+    assert tier == (("forkserver" if fork else "bwrap") if _bwrap_works() else "process")
     # The usual choice is news only with -v; a fall-back to the process tier is always a warning.
     if tier in ("bwrap", "forkserver"):
         assert note not in r.stderr, r.stderr
@@ -180,7 +183,8 @@ def test_drain_defaults_to_auto_and_says_which_tier_it_chose_and_why(dsn: str, q
     assert explicit.returncode == 0 and "auto" not in explicit.stderr, explicit.stderr
     helptext = " ".join(fleetless("drain", "--help", env={"FLEETLESS_SANDBOX": ""}).stdout.split())
     assert "[auto|bwrap|forkserver|microvm|process]" in helptext and "[default: auto]" in helptext
-    assert "auto: the fork server for a root drainer, else bwrap where it works on this host, else process" in helptext
+    assert ("auto: the fork server for a root drainer or one with a subordinate uid range, else bwrap where it "
+            "works on this host, else process") in helptext
 
 
 def _bwrap_works() -> bool:

@@ -1,12 +1,17 @@
 """(3) Per-job mode: jobs/s of `fleetless drain --concurrency 2` per tier on `print(1)` handlers,
 against the same jobs run with no sandbox (`python3 handler.py payload.json`, two at a time); and
-with no tier flag at all (`--sandbox auto`, what a user who types the README's command gets)."""
+with no tier flag at all (`--sandbox auto`, what a user who types the README's command gets), also
+(run as root) by an unprivileged drainer whose user has a subordinate uid range
+(``$FLEETLESS_TEST_SUBUID_USER``, default ``fleetless-ci`` as ``.ci/run`` makes it; issue 27), under
+``/usr/bin/python3`` with this tree's sources and packages on its path."""
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import subprocess
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +35,28 @@ def _bare(folder: str, n: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+def _unprivileged() -> tuple[str, dict[str, str]] | None:
+    """(user, environment) of the unprivileged drainer with a subordinate range, or None where the
+    bench cannot run one (not root, no such user or range, this tree not readable by others)."""
+    user = os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci")
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam(user)
+        with open("/etc/subuid") as f:
+            if not any(line.startswith(f"{user}:") for line in f):
+                return None
+    except (KeyError, OSError):
+        return None
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    path = [src, *(p for p in sys.path if p.endswith("site-packages"))]
+    probe = subprocess.run(["runuser", "-u", user, "--", "/usr/bin/python3", "-c", "import fleetless, psycopg"],
+                           env={"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"}, capture_output=True, cwd="/")
+    if probe.returncode != 0:
+        return None
+    return user, {"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"}
+
+
 def run(ctx: Context) -> Section:
     sizes = {"process": 200, "bwrap": 200, "forkserver": 200, "microvm": 6}
     if ctx.quick:
@@ -45,9 +72,22 @@ def run(ctx: Context) -> Section:
     cases.update({f"{t} tier": [] for t in tiers})
     auto, _ = choose_tier("auto")  # the tier the drain with no flag picks here
     cases[f"no tier flag (auto: {auto})"] = []
+    other = _unprivileged()
+    other_label = ""
+    if other is not None:
+        user, env = other
+        said = subprocess.run(["runuser", "-u", user, "--", "/usr/bin/python3", "-c",
+                               "from fleetless.sandbox import choose_tier; print(choose_tier('auto')[0])"],
+                              env=env, capture_output=True, text=True, cwd="/").stdout.strip()
+        other_label = f"no tier flag, drainer {user} with a subordinate range (auto: {said})"
+        cases[other_label] = []
     with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
         Path(folder, "one.py").write_text("print(1)\n")
         os.chmod(folder, 0o755)
+        if other is not None:
+            work = Path(folder, "work")
+            work.mkdir(mode=0o700)
+            os.chown(work, pwd.getpwnam(other[0]).pw_uid, pwd.getpwnam(other[0]).pw_gid)
         q = Queue(dsn)
         q.init()
         for _ in range(ctx.reps):
@@ -59,10 +99,15 @@ def run(ctx: Context) -> Section:
                 flag = [] if label.startswith("no tier flag") else ["--sandbox", tier]
                 with psycopg.connect(dsn, autocommit=True) as c:
                     c.execute("TRUNCATE fleetless.jobs, fleetless.job_attempts CASCADE")
-                q.enqueue_many(("one", {"i": i}) for i in range(sizes[tier]))
-                wall, _, _ = run_process([VENV_PY, "-m", "fleetless.cli", "drain", "--handlers", folder, *flag,
-                                          "--concurrency", "2"], env={"DATABASE_URL": dsn, "FLEETLESS_SANDBOX": ""})
-                cases[label].append(sizes[tier] / wall)
+                n = sizes["forkserver"] if label == other_label else sizes[tier]
+                q.enqueue_many(("one", {"i": i}) for i in range(n))
+                head, env = [VENV_PY], {"DATABASE_URL": dsn, "FLEETLESS_SANDBOX": ""}
+                if label == other_label and other is not None:
+                    head = ["runuser", "-u", other[0], "--", "/usr/bin/python3"]
+                    env.update(other[1], FLEETLESS_WORKDIR=f"{folder}/work", HOME=f"{folder}/work")
+                wall, _, _ = run_process([*head, "-m", "fleetless.cli", "drain", "--handlers", folder, *flag,
+                                          "--concurrency", "2"], env=env)
+                cases[label].append(n / wall)
         q.close()
     s = Section("perjob", "(3) Per-job mode: one sandbox per job, --concurrency 2", "bench/run.py --only perjob",
                 ctx, ["tier", "jobs/s", "/ no sandbox"], raw=cases)
@@ -72,4 +117,7 @@ def run(ctx: Context) -> Section:
         s.add_bar(label, values)
     s.notes.append("Jobs per repetition: " + ", ".join(f"{t} {sizes[t]}" for t in tiers)
                    + " (the drain is a whole process: its start is included).")
+    if other_label:
+        s.notes.append(f"`{other_label}`: {sizes['forkserver']} jobs, the drain started by `runuser` under "
+                       "/usr/bin/python3 (the bare case's interpreter), its own work directory.")
     return s

@@ -285,8 +285,9 @@ def drain_options(f: F) -> F:
         click.option("--max-jitter", callback=_duration, default="30", show_default=True),
         click.option("--sandbox", type=click.Choice([AUTO, *available_backends()]), default=AUTO,
                      show_default=True, envvar="FLEETLESS_SANDBOX",
-                     help="Isolation tier. auto: the fork server for a root drainer, else bwrap where it works "
-                          "on this host, else process (says which, and why, on stderr) [env FLEETLESS_SANDBOX]."),
+                     help="Isolation tier. auto: the fork server for a root drainer or one with a subordinate uid "
+                          "range, else bwrap where it works on this host, else process (says which, and why, on "
+                          "stderr) [env FLEETLESS_SANDBOX]."),
         click.option("--memory", callback=_size, default="512M", show_default=True,
                      help="Memory cap per job."),
         click.option("--cpus", type=float, default=1.0, show_default=True, help="CPU quota per job."),
@@ -926,8 +927,8 @@ def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
 @cli.command()
 @click.option("--sandbox", type=click.Choice([AUTO, *available_backends()]), default=AUTO, show_default=True,
               envvar="FLEETLESS_SANDBOX",
-              help="Isolation tier. auto: the fork server for a root drainer, else bwrap where it works on this "
-                   "host, else process [env FLEETLESS_SANDBOX].")
+              help="Isolation tier. auto: the fork server for a root drainer or one with a subordinate uid range, "
+                   "else bwrap where it works on this host, else process [env FLEETLESS_SANDBOX].")
 @click.option("--jobs", "n_jobs", type=int, default=12, show_default=True, help="Size of the burst.")
 @json_option
 @click.pass_context

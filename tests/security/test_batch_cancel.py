@@ -59,8 +59,6 @@ def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
         which: str, tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     require_tier(tier)
-    if tier == "forkserver" and os.geteuid() != 0:
-        pytest.skip("the fork server needs a root drainer")
     h = handlers(**{"gated.py": GATED_OWN_USR1 if which.endswith("own-usr1") else GATED})
     which = which.removesuffix("-own-usr1")
     ids = [queue.enqueue("gated", {"n": 0, "gated": True}, max_attempts=3)]
@@ -106,8 +104,6 @@ def test_a_cancel_while_a_batchs_sandbox_is_made_runs_the_rest_without_it(
     cancelled job never starts, the others run (attempt 1, done), and the drain goes on (it used to
     destroy the sandbox under the batch's file writes: a broken sandbox, the drain's end)."""
     require_tier(tier)
-    if tier == "forkserver" and os.geteuid() != 0:
-        pytest.skip("the fork server needs a root drainer")
     h = handlers(**{"gated.py": GATED})
     ids = [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in range(3)]
     seen = threading.Event()

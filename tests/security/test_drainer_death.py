@@ -89,8 +89,8 @@ def test_a_sigkilled_drainer_mid_job_leaves_none_of_its_processes(
     need_tier(tier)
     if tier == "microvm" and user is not None:
         pytest.skip("the microVM tier's image and accelerator are set up for root here")
-    if tier == "forkserver" and (user is not None or os.getuid() != 0):
-        pytest.skip("the fork server needs a root drainer")
+    if tier == "forkserver" and user is not None:  # (a drainer as this user: need_tier said it)
+        pytest.skip("fleetless-ci2 has no subordinate uid range: no fork server for it")
     if tier in ("microvm", "forkserver") and mode == "batch-watch":
         pytest.skip(f"a {tier} watcher starts no spare sandbox (its jobs' workspace is not the host's)")
     per_sandbox = 1 if mode == "per-job" else 3

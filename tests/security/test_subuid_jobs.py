@@ -31,7 +31,7 @@ from proctools import descendants, leftovers
 
 __all__ = ["shared"]  # the fixture, imported for the tests below
 
-TIERS = ["bwrap", "process"]
+TIERS = ["bwrap", "process", "forkserver"]
 USER = os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci")
 
 #: Every job's first lines: a marker in its workspace, then wait (bounded) for the test's ``go``.
@@ -96,12 +96,15 @@ def holder_roots(proc: subprocess.Popen[str]) -> list[Path]:
 
 
 def markers(work: Path, tier: str, proc: subprocess.Popen[str] | None = None) -> list[Path]:
-    """The jobs' markers, on the host or in the holder's mount namespace (each file once)."""
+    """The jobs' markers, on the host or in the holder's mount namespace (each file once); the
+    forkserver's in each job init's mount namespace, at ``/workspace``."""
     sub = "*/workspace/marker" if tier == "bwrap" else "*/marker"
     found: dict[tuple[int, int], Path] = {}
     for root in [Path("/"), *(holder_roots(proc) if proc is not None else [])]:
         try:
-            for m in sorted((root / str(work).lstrip("/")).glob(f"ws-{sub}")):
+            where = (root / str(work).lstrip("/")).glob(f"ws-{sub}") if tier != "forkserver" else (
+                [root / "workspace/marker"] if root != Path("/") and (root / "workspace/marker").exists() else [])
+            for m in sorted(where):
                 st = m.stat()
                 found.setdefault((st.st_dev, st.st_ino), m)
         except OSError:  # a process gone meanwhile, a namespace the test may not enter
@@ -382,3 +385,33 @@ def test_doctor_says_a_subordinate_range_drainers_jobs_run_as_uids_of_that_range
     said = f"jobs run as host uids {first}-{last} (the drainer user's subordinate range), one each"
     assert said in r.stdout, r.stdout
     assert "drainer's own uid" not in r.stdout
+
+
+def test_auto_picks_the_fork_server_for_a_subordinate_range_drainer_and_bwrap_without_a_range() -> None:
+    """Issue 27: no tier flag gives a drainer with a subordinate range the fork server, and says so in
+    the drain's first line; one without a range (fleetless-ci2) keeps bwrap, and the fork server's
+    check (doctor's line) says why, naming what to add."""
+    uid, _ = subuid_user()
+    code = ("from fleetless.sandbox import choose_tier, get_backend, SandboxUnavailable\n"
+            "print(choose_tier('auto'))\n"
+            "try:\n    get_backend('forkserver').check()\nexcept SandboxUnavailable as exc:\n    print(exc)\n")
+    env = {"PYTHONPATH": ":".join(pythonpath_for_others()), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=120, cwd="/",
+                       env=env, user=uid, group=pwd.getpwuid(uid).pw_gid, extra_groups=[])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [str(("forkserver", "sandbox: forkserver (auto: a drainer with a subordinate uid "
+                                          "range forks each job from a pre-started server into bwrap's namespaces; "
+                                          "--sandbox chooses another)"))], r.stdout
+    try:
+        plain = pwd.getpwnam(os.environ.get("FLEETLESS_TEST_PLAIN_USER", "fleetless-ci2"))
+    except KeyError:
+        return
+    r = subprocess.run(["/usr/bin/python3", "-c", code], capture_output=True, text=True, timeout=120, cwd="/",
+                       env=env, user=plain.pw_uid, group=plain.pw_gid, extra_groups=[])
+    assert r.returncode == 0, r.stderr
+    tier, why = r.stdout.splitlines()
+    assert tier.startswith("('bwrap', "), r.stdout
+    assert why == ("the fork server needs a root drainer or a subordinate uid range for the drainer's user (its "
+                   "server is ns-root over those uids, each job one of them); here: add a line "
+                   f"{plain.pw_name}:FIRST:65536 in /etc/subuid and a line {plain.pw_name}:FIRST:65536 in "
+                   "/etc/subgid"), why

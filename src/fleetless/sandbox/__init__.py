@@ -270,8 +270,9 @@ def available_backends() -> list[str]:
 def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
     """The tier a drain runs with for ``name``, and one line saying which and why when ``name``
     is ``auto`` (else ""). ``auto`` is the cheapest tier that keeps bwrap's promises: the fork
-    server for a root drainer where bwrap's namespaces work (the same namespaces, uids, seccomp
-    filter and cgroups, without an interpreter start per job: issue 27), else bwrap where it can
+    server for a root drainer, or one whose user has a subordinate uid range, where bwrap's namespaces
+    work (the same namespaces, uids, seccomp filter and caps, without an interpreter start per job:
+    issue 27), else bwrap where it can
     create its namespaces here, else process; never microvm, which needs its guest image built
     first. With the drain's ``template``, the chosen tier's own checks of it are started
     (:meth:`Sandbox.warm`)."""
@@ -299,7 +300,8 @@ def choose_tier(name: str, template: Template | None = None) -> tuple[str, str]:
         get_backend("forkserver").check()
     except SandboxUnavailable:
         return "bwrap", "sandbox: bwrap (auto: it can create namespaces here; --sandbox chooses another)"
-    return "forkserver", ("sandbox: forkserver (auto: a root drainer forks each job from a pre-started server into "
+    who = "a root drainer" if os.geteuid() == 0 else "a drainer with a subordinate uid range"
+    return "forkserver", (f"sandbox: forkserver (auto: {who} forks each job from a pre-started server into "
                           "bwrap's namespaces; --sandbox chooses another)")
 
 

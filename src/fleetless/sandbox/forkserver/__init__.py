@@ -17,7 +17,14 @@ Handler behaviour is ``python3 -s handler.py payload.json``'s, with these differ
 ``/proc/self/environ`` shows the server's (empty) start-up environment while ``os.environ`` is the
 job's; stdout and stderr are UTF-8 whatever the job's locale variables say.
 
-Needs a root drainer (namespaces and the job uids); a non-root drainer gets ``SandboxUnavailable``.
+Needs a root drainer (the job uids: :mod:`.._hostuid`'s range), or a non-root drainer whose user has
+a subordinate uid range (:mod:`.._subuid`): its server then starts as ns-root of the drainer's
+holder's user namespace (every capability over the subordinate uids, none outside), where it makes
+the same namespaces and mounts, and each job drops to a leased ns-uid of the range. What a root
+drainer's cgroups do is done there as bwrap's non-root path does it: ``RLIMIT_NPROC`` of the job's
+own (leased, unshared) uid caps its processes, ``RLIMIT_AS`` each process's memory and the
+drainer's watch (:mod:`.._tree`) the tree's; init chowns the workspace and the job's pipes to the
+job (the drainer cannot). Another drainer gets ``SandboxUnavailable`` saying what to add.
 """
 
 from __future__ import annotations
@@ -43,8 +50,11 @@ from .. import (
     Template,
     _capture,
     _hostuid,
+    _subuid,
+    _tree,
     cgroups,
 )
+from .._caps import JOB_NICE
 from .._wording import memory_size
 from . import client
 
@@ -103,6 +113,10 @@ class ForkServerSandbox(Sandbox):
         self._ttl = ttl_seconds
         self._born = time.monotonic()
         self._lease: _hostuid.Lease | None = None
+        self._ids = (0, 0)  # the job's uid and gid as its server sees them (host ids, or ns-ids)
+        self._own = not _hostuid.needed()  # a non-root drainer's: init gives the job its workspace
+        self._holder: _subuid.Holder | None = None
+        self._watched: _tree.Watched | None = None
         self._cgroup: cgroups.JobCgroup | None = None
         self._init: client.Init | None = None
         self._started = False
@@ -113,7 +127,7 @@ class ForkServerSandbox(Sandbox):
         try:
             handlers = handlers_snapshot(template.handlers_dir)
             self._key = client.ServerKey(self.python, str(handlers), template.limits.network)
-            self._lease = _hostuid.lease()
+            self._lease = self._job_lease()
             key = self._key
 
             def root() -> client.RootSpec:
@@ -131,16 +145,32 @@ class ForkServerSandbox(Sandbox):
                                       os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
             if not self._init.alive():
                 raise SandboxUnavailable("the fork server's job init died before its job")
-            os.fchown(self._workspace, self._lease.uid, self._lease.gid)  # the job's own
+            if not self._own:
+                os.fchown(self._workspace, self._lease.uid, self._lease.gid)  # the job's own
         except BaseException:
             self.kill()
             raise
 
+    def _job_lease(self) -> _hostuid.Lease:
+        """A uid of the job's own: a root drainer's from its range; else one of the drainer user's
+        subordinate range, as its ns-uid in the holder's namespace, where the server runs."""
+        if not self._own:
+            lease = _hostuid.lease()
+            self._ids = (lease.uid, lease.gid)
+            return lease
+        d = _subuid.delegation()
+        if d is None:
+            raise SandboxUnavailable(unavailable_why())
+        self._holder = _subuid.holder()
+        lease = _subuid.lease(d)
+        self._ids = (_subuid.ns_id(d, lease), _subuid.ns_id(d, lease))
+        return lease
+
     @classmethod
     def check(cls) -> None:
-        if not _hostuid.needed():
-            raise SandboxUnavailable("the fork server needs a root drainer (it makes namespaces and runs "
-                                     "each job as a leased uid); use bwrap or process")
+        why = unavailable_why()
+        if why:
+            raise SandboxUnavailable(why)
         if not hasattr(os, "pidfd_open"):
             raise SandboxUnavailable("the fork server needs pidfd_open (Linux 5.3+, Python 3.9+)")
 
@@ -153,7 +183,8 @@ class ForkServerSandbox(Sandbox):
     @classmethod
     def check_template(cls, template: Template) -> None:
         cls.check()
-        _hostuid.configured_range()
+        if _hostuid.needed():
+            _hostuid.configured_range()
 
     @classmethod
     def sweep(cls) -> int:
@@ -165,8 +196,14 @@ class ForkServerSandbox(Sandbox):
     @classmethod
     def describe(cls) -> str:
         caps = cgroups.available().describe()
+        if _hostuid.needed():
+            uids = "jobs run as leased host uids, one each"
+        else:
+            uids = (f"jobs run as host uids {_subuid.delegation()} (the drainer user's subordinate range), one "
+                    "each; the server is ns-root of the drainer's user namespace")
+            caps = ["RLIMIT_NPROC of the job's own uid", "the drainer's watch on the tree's memory"]
         return ("enforces: " + "; ".join([*caps, "rlimits"]) + "; fresh pid/mount/net/IPC/UTS namespaces; "
-                "seccomp deny-list; .py handlers forked from a pre-warmed server")
+                f"seccomp deny-list; .py handlers forked from a pre-warmed server; {uids}")
 
     @classmethod
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
@@ -175,7 +212,10 @@ class ForkServerSandbox(Sandbox):
         from ..bwrap import tier_caps
 
         limits = limits or Limits()
-        out = tier_caps(limits, nice=False)
+        out = tier_caps(limits, nice=_niced())
+        if limits.pids is not None and not cgroups.available().pids and not _hostuid.needed():
+            out["pids"] = (f"capped by RLIMIT_NPROC of the job's own subordinate uid (leased to it alone) at "
+                           f"{limits.pids}")
         caps = ([] if limits.memory_bytes is None else [f"{limits.memory_bytes // (1024 * 1024)} MiB"]) + (
             [] if limits.inodes is None else [f"{limits.inodes} files"])
         if caps:
@@ -222,7 +262,8 @@ class ForkServerSandbox(Sandbox):
             for part in parts[:-1]:
                 try:
                     os.mkdir(part, 0o755, dir_fd=folder)
-                    os.chown(part, uid, gid, dir_fd=folder, follow_symlinks=False)
+                    if not self._own:  # (else init gives it to the job before it runs)
+                        os.chown(part, uid, gid, dir_fd=folder, follow_symlinks=False)
                 except FileExistsError:
                     pass
                 inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)
@@ -231,7 +272,8 @@ class ForkServerSandbox(Sandbox):
             fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                          dir_fd=folder)
             try:
-                os.fchown(fd, uid, gid)
+                if not self._own:
+                    os.fchown(fd, uid, gid)
                 view = memoryview(data.encode() if isinstance(data, str) else data)
                 while view:
                     view = view[os.write(fd, view):]
@@ -246,6 +288,12 @@ class ForkServerSandbox(Sandbox):
         rl = rlimits_for(self._template, timeout_seconds)
         if self._cgroup is not None and self._cgroup.memory_bytes is not None:
             rl.pop("RLIMIT_AS", None)  # the cgroup caps real memory; AS breaks some runtimes
+        pids = self._template.limits.pids
+        if self._own and pids is not None and (self._cgroup is None or self._cgroup.pids_max is None):
+            # the job's uid is leased to it alone and init is ns-root: the count is the job's own
+            rl["RLIMIT_NPROC"] = pids
+        if _niced():
+            rl["RLIMIT_NICE"] = 0  # with its nice (``_exec``): it cannot lower it again
         return {name: [v, v + 1 if name == "RLIMIT_CPU" else v] for name, v in rl.items()}
 
 
@@ -287,8 +335,9 @@ class ForkServerSandbox(Sandbox):
         runpy = len(argv) >= 2 and argv[0] == self.python and argv[1].endswith(".py")
         spec = {
             "argv": list(argv), "runpy": runpy, "env": {"HOME": WORKSPACE, **self._template.env},
-            "uid": lease.uid, "gid": lease.gid, "rlimits": rlimits,
+            "uid": self._ids[0], "gid": self._ids[1], "own": self._own, "rlimits": rlimits,
             "deadline": max(budget, 0) + OWN_DEADLINE_SLACK, "network": limits.network,
+            "nice": JOB_NICE if _niced() else None,
             "tmp_bytes": limits.tmp_bytes, "workspace_bytes": limits.memory_bytes,
             "workspace_inodes": limits.inodes,
         }
@@ -296,8 +345,8 @@ class ForkServerSandbox(Sandbox):
         err_r, err_w = os.pipe()
         status_r, status_w = os.pipe()
         try:
-            for fd in (out_w, err_w):  # the job's own, as a shell's pipe would be: /dev/stderr opens
-                os.fchown(fd, lease.uid, lease.gid)
+            for fd in (out_w, err_w) if not self._own else ():  # the job's own, as a shell's pipe
+                os.fchown(fd, lease.uid, lease.gid)  # would be: /dev/stderr opens (else init does it)
             if self._cgroup is not None:
                 self._cgroup.mark()
             socket.send_fds(init.sock, [json.dumps(spec).encode()], [out_w, err_w, status_w])
@@ -313,12 +362,22 @@ class ForkServerSandbox(Sandbox):
         captured = _capture.Captured(limits.stdout_bytes, limits.stderr_bytes, self.stdout_seen)
         deadline = started + max(budget, 0)
         pidfd = init.pidfd
-        with open(out_r, "rb", buffering=0) as out, open(err_r, "rb", buffering=0) as err:
-            hit = _capture.pump(out, err, captured, deadline, lambda: self._terminate(init),
-                                exited=(pidfd, lambda: None))
-        if not select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))[0]:
-            hit = True
-            self._terminate(init)
+        watched = None  # no memory cgroup: the tree's sum is watched (RLIMIT_AS caps each process only)
+        if limits.memory_bytes is not None and (self._cgroup is None or self._cgroup.memory_bytes is None):
+            holder = self._holder
+            watched = _tree.watch(init.pid, limits.memory_bytes, lambda: self._terminate(init),
+                                  _tree.memfd_bytes if holder is None else holder.memfd_bytes)
+        self._watched = watched
+        try:
+            with open(out_r, "rb", buffering=0) as out, open(err_r, "rb", buffering=0) as err:
+                hit = _capture.pump(out, err, captured, deadline, lambda: self._terminate(init),
+                                    exited=(pidfd, lambda: None))
+            if not select.select([pidfd], [], [], max(deadline - time.monotonic(), 0))[0]:
+                hit = True
+                self._terminate(init)
+        finally:
+            if watched is not None:
+                watched.cancel()
         os.set_blocking(status_r, False)
         try:
             raw = os.read(status_r, 4096)
@@ -331,6 +390,8 @@ class ForkServerSandbox(Sandbox):
             raise SandboxUnavailable(f"the fork server's job init failed: {raw[6:].decode(errors='replace').strip()}")
         status = _capture.parse_status(raw)
         killed: str | None = reason if hit else None
+        if watched is not None and watched.hit and limits.memory_bytes is not None:
+            killed = f"killed: memory limit {memory_size(limits.memory_bytes)} exceeded"
         if status is not None:
             exit_code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         else:
@@ -384,6 +445,47 @@ class ForkServerSandbox(Sandbox):
             if self._lease is not None:  # last: nothing of the job runs as it any more
                 self._lease.release(clean=dead)
                 self._lease = None
+
+
+def _niced() -> bool:
+    """Whether jobs run at :data:`.._caps.JOB_NICE` as bwrap's do where no cpu cgroup holds them
+    (a non-root drainer's): a busy job then yields the CPU to the drainer and PostgreSQL."""
+    return not _hostuid.needed() and not cgroups.available().cpu
+
+
+_probed: dict[int, str] = {}  # drainer pid -> why the holder cannot make a job's namespaces ("" if it can)
+
+
+def unavailable_why() -> str:
+    """Why this drainer cannot run the fork server ("" where it can): one line."""
+    if not hasattr(os, "pidfd_open"):
+        return "the fork server needs pidfd_open (Linux 5.3+, Python 3.9+)"
+    if _hostuid.needed():
+        return ""
+    if _subuid.delegation() is None:
+        return (f"the fork server needs a root drainer or a subordinate uid range for the drainer's user (its "
+                f"server is ns-root over those uids, each job one of them); here: {_subuid.missing()}")
+    if os.getpid() not in _probed:
+        _probed[os.getpid()] = _probe_userns()
+    return _probed[os.getpid()]
+
+
+def _probe_userns() -> str:
+    """Whether the drainer's holder can make what each job's init makes: a pid namespace with its
+    own ``/proc``, network, IPC and UTS namespaces (once per drainer process, ~10 ms)."""
+    import subprocess
+
+    try:
+        holder = _subuid.holder()
+        assert holder is not None
+        r = subprocess.run([*holder.enter(), "unshare", "--pid", "--fork", "--mount-proc", "--net", "--ipc", "--uts",
+                            "--", "true"], capture_output=True, timeout=30, env={}, cwd="/", stdin=subprocess.DEVNULL)
+    except (OSError, SandboxUnavailable, subprocess.SubprocessError) as exc:
+        return f"the fork server cannot start in the drainer's user namespace: {exc}"
+    if r.returncode != 0:
+        err = r.stderr.decode(errors="replace").strip() or f"exit status {r.returncode}"
+        return f"the fork server cannot make a job's namespaces in the drainer's user namespace: {err}"
+    return ""
 
 
 def _release(init: client.Init) -> None:

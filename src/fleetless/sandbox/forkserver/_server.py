@@ -32,6 +32,13 @@ Init waits for the job, kills it at its deadline by itself, writes ``status N`` 
 the status pipe and exits, which kills every process left in its pid namespace (``setsid`` daemons
 included). Init dies with the server (parent-death signal), and the server kills its children and
 exits when its control socket closes (the drainer died, or retired it).
+
+A non-root drainer's server (``config["userns"]``) runs as ns-root of the drainer's user namespace
+(its subordinate uids mapped) and pid 1 of a pid namespace of that user namespace, which it may
+``setns`` back into after each job's: the same steps, but its binds keep the mount flags the kernel
+locked, its root holds the host's ``/proc`` for each init to detach once its own is mounted (a user
+namespace may mount ``proc`` only where one is fully visible), and each init chowns the workspace
+and the job's pipes to the job's ns-uid (``spec["own"]``) and nices it (``spec["nice"]``).
 """
 
 from __future__ import annotations
@@ -59,7 +66,10 @@ MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384
+MS_MOVE = 8192
 MS_PRIVATE = 1 << 18
+MS_RELATIME = 1 << 21
+MS_STRICTATIME = 1 << 24
 MNT_DETACH = 2
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
@@ -109,9 +119,23 @@ def _close_from(first: int) -> None:
         os.closerange(first, 65536)
 
 
+def _kept_flags(path: str) -> int:
+    """The mount flags ``path``'s mount has now (``statvfs``'s, as ``MS_*``): a remount of a bind in
+    a user namespace must keep the flags the kernel locked on it (noexec, nodev, atime...), as bwrap's."""
+    got = os.statvfs(path).f_flag
+    flags = got & (MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048)  # + NOATIME, NODIRATIME
+    if got & 4096:  # ST_RELATIME
+        flags |= MS_RELATIME
+    elif not got & 1024:
+        flags |= MS_STRICTATIME
+    return flags
+
+
 def _bind(src: str, dst: str, readonly: bool, device: bool = False) -> None:
     _mount(src, dst, None, MS_BIND | MS_REC)
     flags = MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if device else MS_NODEV) | (MS_RDONLY if readonly else 0)
+    if _USERNS:
+        flags |= _kept_flags(dst)
     _mount(None, dst, None, flags)
 
 
@@ -130,6 +154,11 @@ def _make_point(root: str, path: str, is_dir: bool) -> str:
 #: interpreter installed there (a venv under /tmp, issue 25, item 1). Each job gets a tmpfs of its
 #: own on both, so :func:`_mount_job` binds these again on top of it.
 _KEPT: list[tuple[str, str, bool]] = []
+#: A server started as ns-root of a non-root drainer's user namespace (:mod:`..._subuid`'s holder,
+#: ``config["userns"]``): its binds keep the flags the kernel locked, and its root holds the host's
+#: ``/proc`` until each job's init has mounted its own (:func:`_prepare`), as the kernel lets a user
+#: namespace mount a ``proc`` only where one is fully visible already.
+_USERNS = False
 
 
 def _under_job_tmpfs(path: str) -> bool:
@@ -153,6 +182,8 @@ def build_root(config: dict) -> None:  # type: ignore[type-arg]
         _bind(src, _make_point(root, dst, os.path.isdir(src)), readonly=True)
     for d in ("/proc", "/tmp", "/workspace", "/dev"):
         os.makedirs(root + d, exist_ok=True)
+    if _USERNS:  # (not remounted: its flags are the host's, locked; each init moves it away)
+        _mount("/proc", root + "/proc", None, MS_BIND | MS_REC)
     _mount("fleetless-dev", root + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k")
     for name in _DEVICES:
         if os.path.exists(f"/dev/{name}"):
@@ -190,7 +221,12 @@ def _prepare(network: bool) -> None:
     _check(_libc.sethostname(b"fleetless", 9), "sethostname")
     if not network:
         _loopback_up()
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if _USERNS:  # its own /proc mounted beside the host's, which then goes (the job never sees it)
+        _mount("proc", "/tmp", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _check(_libc.umount2(b"/proc", MNT_DETACH), "umount the host's /proc")
+        _mount("/tmp", "/proc", None, MS_MOVE)
+    else:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     # The workspace: a tmpfs of this mount namespace (RAM charged to the job's memory cgroup, gone
     # with the namespace); the drainer writes the payload into it through /proc/<init>/root.
     _mount("workspace", "/workspace", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0700")
@@ -209,6 +245,17 @@ def _mount_job(spec: dict) -> None:  # type: ignore[type-arg]
         _bind(keep, _make_point("", dst, is_dir), readonly=True)
 
 
+def _give(uid: int, gid: int, fds: tuple[int, ...]) -> None:
+    """The workspace (what the drainer wrote into it) and the job's pipes to the job's uid, before
+    the job exists: its own, as a root drainer makes them (no link is followed)."""
+    for fd in fds:
+        os.fchown(fd, uid, gid)
+    for top, dirs, files in os.walk("/workspace"):
+        os.chown(top, uid, gid, follow_symlinks=False)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            os.chown(os.path.join(top, name), uid, gid, follow_symlinks=False)
+
+
 def _run_job(spec: dict, out_fd: int, err_fd: int, seccomp: bytes | None) -> None:  # type: ignore[type-arg]
     """In the forked job: drop everything, then become the handler. Never returns."""
     import resource
@@ -221,6 +268,8 @@ def _run_job(spec: dict, out_fd: int, err_fd: int, seccomp: bytes | None) -> Non
         os.dup2(null, 0)
         _close_from(3)
         os.chdir("/workspace")
+        if spec.get("nice") is not None:  # before RLIMIT_NICE 0, as bwrap's jobs are
+            os.setpriority(os.PRIO_PROCESS, 0, max(int(spec["nice"]), os.getpriority(os.PRIO_PROCESS, 0)))
         for name, (soft, hard) in spec["rlimits"].items():
             resource.setrlimit(getattr(resource, name), (soft, hard))
         uid, gid = spec["uid"], spec["gid"]
@@ -388,6 +437,8 @@ def job_init(sock: socket.socket, network: bool, seccomp: bytes | None) -> None:
         if spec["network"] != network:
             raise ValueError("a job with another network setting than its server's")
         _mount_job(spec)
+        if spec.get("own"):  # a non-root drainer cannot chown to the job's uid: ns-root here can
+            _give(spec["uid"], spec["gid"], (out_fd, err_fd))
         pid = os.fork()
     except BaseException as exc:
         os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
@@ -433,8 +484,11 @@ def _fork_job(ctl: socket.socket, own_pidns: int, fds: list[int], network: bool,
         _unshare(CLONE_NEWPID)
         try:
             pid = os.fork()
-        finally:
-            if os.getpid() != 1 and _libc.setns(own_pidns, CLONE_NEWPID) != 0:
+        except OSError:
+            pid = -1
+            raise
+        finally:  # (the server may be pid 1 of a namespace of its own: it tells itself by pid)
+            if pid != 0 and _libc.setns(own_pidns, CLONE_NEWPID) != 0:
                 os._exit(70)  # later children must not land in this job's namespace
     except OSError as exc:
         for fd in fds:
@@ -483,7 +537,9 @@ def _reap(children: set[int], block: bool = False) -> None:
 
 
 def serve(config: dict) -> None:  # type: ignore[type-arg]
+    global _USERNS
     ctl = socket.socket(fileno=int(config["ctl"]))
+    _USERNS = bool(config.get("userns"))
     seccomp: bytes | None = None
     try:
         for name in config["prewarm"]:

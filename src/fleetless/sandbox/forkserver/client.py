@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import SandboxUnavailable, _workspace, cgroups
+from .. import SandboxUnavailable, _subuid, _workspace, cgroups
 
 log = logging.getLogger("fleetless.sandbox")
 
@@ -85,6 +85,34 @@ class RootSpec:
     scripts: str | None = None
 
 
+def _enter() -> list[str]:
+    """argv prefix that starts the server: none for a root drainer; for a non-root one, ``nsenter``
+    into its holder's user and mount namespaces (:mod:`.._subuid`), where the server is ns-root with
+    every capability over the drainer's subordinate uids (its jobs' leased ns-uids) and none outside."""
+    if os.geteuid() == 0:
+        return []
+    helper = _subuid.holder()
+    if helper is None:
+        raise SandboxUnavailable(f"the fork server needs a root drainer or a subordinate uid range: "
+                                 f"{_subuid.missing()}")
+    # and pid 1 of a pid namespace of that user namespace's: one it may setns back into after
+    # each job's (the host's it may not); all of it dies with the server (its parent unshare's
+    # --kill-child: with unshare too)
+    return [*helper.enter(), "unshare", "--pid", "--fork", "--kill-child", "--"]
+
+
+def _host_pid(pidfd: int) -> int:
+    """The pid, in the drainer's pid namespace, of the process ``pidfd`` refers to (the server says
+    its own namespace's: another one where it runs in a pid namespace of its own)."""
+    with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"Pid:"):
+                pid = int(line.split()[1])
+                if pid > 0:
+                    return pid
+    raise SandboxUnavailable("the fork server's job init is gone")
+
+
 class Server:
     """One running fork server (its process, control socket and counters)."""
 
@@ -98,9 +126,14 @@ class Server:
         self._lock = threading.Lock()
         # the server's tmpfs root (mounted in its own namespace only: an empty directory here)
         self._mountpoint = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-{os.getpid()}-", dir=_workspace.root()))
+        try:
+            enter = _enter()
+        except BaseException:
+            _workspace.remove(self._mountpoint)
+            raise
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         config = {
-            "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint),
+            "ctl": theirs.fileno(), "mountpoint": str(self._mountpoint), "userns": bool(enter),
             "binds": [list(b) for b in root.binds], "symlinks": [list(s) for s in root.symlinks],
             "seccomp": root.seccomp, "prewarm": list(PREWARM), "network": key.network, "scripts": root.scripts,
         }
@@ -110,7 +143,7 @@ class Server:
             # "python -s -": its command line (every job's /proc/1/cmdline) says nothing of its
             # configuration; the code comes on stdin, the configuration on its socket
             self.proc = subprocess.Popen(
-                [key.python, "-s", "-"], env={}, cwd="/", pass_fds=(theirs.fileno(),),
+                [*enter, key.python, "-s", "-"], env={}, cwd="/", pass_fds=(theirs.fileno(),),
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                 stderr=err or subprocess.DEVNULL, start_new_session=True)
             if err is not None:
@@ -171,7 +204,7 @@ class Server:
                     raise SandboxUnavailable(f"the fork server cannot fork: {said}")
                 if self.jobs >= self.max_jobs or time.monotonic() >= self.deadline:
                     self.retired = True
-                return int(pid), got[0]
+                return _host_pid(got[0]), got[0]
         finally:
             for fd in fds[1:]:
                 os.close(fd)
