@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -35,11 +36,14 @@ def _bare(folder: str, n: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+RUNUSER = shutil.which("runuser", path="/usr/sbin:/sbin:/usr/bin:/bin") or "runuser"
+
+
 def _unprivileged() -> tuple[str, dict[str, str]] | None:
     """(user, environment) of the unprivileged drainer with a subordinate range, or None where the
     bench cannot run one (not root, no such user or range, this tree not readable by others)."""
     user = os.environ.get("FLEETLESS_TEST_SUBUID_USER", "fleetless-ci")
-    if os.geteuid() != 0:
+    if os.geteuid() != 0 or not os.path.isabs(RUNUSER):
         return None
     try:
         pwd.getpwnam(user)
@@ -50,7 +54,7 @@ def _unprivileged() -> tuple[str, dict[str, str]] | None:
         return None
     src = str(Path(__file__).resolve().parents[2] / "src")
     path = [src, *(p for p in sys.path if p.endswith("site-packages"))]
-    probe = subprocess.run(["runuser", "-u", user, "--", "/usr/bin/python3", "-c", "import fleetless, psycopg"],
+    probe = subprocess.run([RUNUSER, "-u", user, "--", "/usr/bin/python3", "-c", "import fleetless, psycopg"],
                            env={"PYTHONPATH": ":".join(path), "PATH": "/usr/bin:/bin"}, capture_output=True, cwd="/")
     if probe.returncode != 0:
         return None
@@ -76,17 +80,16 @@ def run(ctx: Context) -> Section:
     other_label = ""
     if other is not None:
         user, env = other
-        said = subprocess.run(["runuser", "-u", user, "--", "/usr/bin/python3", "-c",
+        said = subprocess.run([RUNUSER, "-u", user, "--", "/usr/bin/python3", "-c",
                                "from fleetless.sandbox import choose_tier; print(choose_tier('auto')[0])"],
                               env=env, capture_output=True, text=True, cwd="/").stdout.strip()
         other_label = f"no tier flag, drainer {user} with a subordinate range (auto: {said})"
         cases[other_label] = []
-    with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
+    with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as work:
         Path(folder, "one.py").write_text("print(1)\n")
         os.chmod(folder, 0o755)
-        if other is not None:
-            work = Path(folder, "work")
-            work.mkdir(mode=0o700)
+        if other is not None:  # (not in the handlers' folder, which each drain snapshots)
+            os.chmod(work, 0o711)  # its jobs pass it, as the work directory check asks
             os.chown(work, pwd.getpwnam(other[0]).pw_uid, pwd.getpwnam(other[0]).pw_gid)
         q = Queue(dsn)
         q.init()
@@ -103,8 +106,8 @@ def run(ctx: Context) -> Section:
                 q.enqueue_many(("one", {"i": i}) for i in range(n))
                 head, env = [VENV_PY], {"DATABASE_URL": dsn, "FLEETLESS_SANDBOX": ""}
                 if label == other_label and other is not None:
-                    head = ["runuser", "-u", other[0], "--", "/usr/bin/python3"]
-                    env.update(other[1], FLEETLESS_WORKDIR=f"{folder}/work", HOME=f"{folder}/work")
+                    head = [RUNUSER, "-u", other[0], "--", "/usr/bin/python3"]
+                    env.update(other[1], FLEETLESS_WORKDIR=work, HOME=work)
                 wall, _, _ = run_process([*head, "-m", "fleetless.cli", "drain", "--handlers", folder, *flag,
                                           "--concurrency", "2"], env=env)
                 cases[label].append(n / wall)
