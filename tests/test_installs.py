@@ -85,9 +85,7 @@ def test_a_root_drainer_runs_jobs_from_where_it_is_installed(installed: Path, ti
         ("done", 1, f"{n * 2} /workspace\n") for n in range(4)], r.stderr
 
 
-def test_an_unprivileged_drainer_runs_bwrap_from_a_venv_only_it_can_read(dsn: str, queue: Any, sql: Any) -> None:
-    """A drainer user with a subordinate range (its jobs run as those uids, bwrap too), installed in a
-    0700 directory of its own: bwrap and its libraries are copied where those uids can run them."""
+def _subuid_user_and_bwrap() -> Any:
     import pwd
 
     from fleetless.sandbox import SandboxUnavailable, get_backend
@@ -103,30 +101,63 @@ def test_an_unprivileged_drainer_runs_bwrap_from_a_venv_only_it_can_read(dsn: st
         get_backend("bwrap").check()
     except SandboxUnavailable as exc:
         pytest.skip(f"bwrap unavailable: {exc}")
+    return pw
+
+
+def _drain_from_a_private_install(dsn: str, queue: Any, sql: Any, top: Path, pw: Any, verbose: bool,
+                                  *flags: str) -> subprocess.CompletedProcess[str]:
+    """Three echo jobs drained by ``pw``'s user from fleetless installed in a 0700 directory of its
+    own (a venv of /usr/bin/python3 under ``top``), with ``flags`` (and ``-v``); each must be done."""
+    top.chmod(0o755)
+    home = top / "home"
+    home.mkdir()
+    python = install(home, "/usr/bin/python3")
+    h = top / "handlers"
+    h.mkdir(mode=0o755)
+    (h / "echo.py").write_text("import json, os, sys\nprint(json.load(open(sys.argv[1]))['n'], os.getcwd())\n")
+    (h / "echo.py").chmod(0o644)
+    tmp = top / "tmp"
+    tmp.mkdir()
+    tmp.chmod(0o1777)
+    subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(home)], check=True)
+    home.chmod(0o700)
+    queue.enqueue_many([("echo", {"n": n}) for n in range(3)])
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn, "TMPDIR": str(tmp)}
+    r = subprocess.run([str(python), "-m", "fleetless.cli", *(["-v"] if verbose else []), "drain", "--handlers", str(h),
+                        *flags],
+                       env=env, capture_output=True, text=True, timeout=300, cwd="/", user=pw.pw_uid,
+                       group=pw.pw_gid, extra_groups=[])
+    assert r.returncode == 0, r.stderr
+    assert sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id") == [
+        ("done", 1, f"{n} /workspace\n") for n in range(3)], r.stderr
+    return r
+
+
+def test_an_unprivileged_drainer_runs_bwrap_from_a_venv_only_it_can_read(dsn: str, queue: Any, sql: Any) -> None:
+    """A drainer user with a subordinate range (its jobs run as those uids, bwrap too), installed in a
+    0700 directory of its own: bwrap and its libraries are copied where those uids can run them."""
+    pw = _subuid_user_and_bwrap()
     top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
     try:
-        top.chmod(0o755)
-        home = top / "home"
-        home.mkdir()
-        python = install(home, "/usr/bin/python3")
-        h = top / "handlers"
-        h.mkdir(mode=0o755)
-        (h / "echo.py").write_text("import json, os, sys\nprint(json.load(open(sys.argv[1]))['n'], os.getcwd())\n")
-        (h / "echo.py").chmod(0o644)
-        tmp = top / "tmp"
-        tmp.mkdir()
-        tmp.chmod(0o1777)
-        subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", str(home)], check=True)
-        home.chmod(0o700)
-        queue.enqueue_many([("echo", {"n": n}) for n in range(3)])
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "DATABASE_URL": dsn, "TMPDIR": str(tmp)}
-        r = subprocess.run([str(python), "-m", "fleetless.cli", "drain", "--handlers", str(h), "--sandbox", "bwrap"],
-                           env=env, capture_output=True, text=True, timeout=300, cwd="/", user=pw.pw_uid,
-                           group=pw.pw_gid, extra_groups=[])
-        assert r.returncode == 0, r.stderr
-        assert sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id") == [
-            ("done", 1, f"{n} /workspace\n") for n in range(3)], r.stderr
-        copies = list(tmp.glob(f"fleetless-{pw.pw_uid}-*/bwrap-shared-*"))
+        _drain_from_a_private_install(dsn, queue, sql, top, pw, False, "--sandbox", "bwrap")
+        copies = list((top / "tmp").glob(f"fleetless-{pw.pw_uid}-*/bwrap-shared-*"))
         assert len(copies) == 1 and copies[0].stat().st_uid == pw.pw_uid, copies
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(top)], check=False)
+
+
+def test_an_unprivileged_drainer_installed_where_only_it_can_read_gets_the_fork_server_by_default(
+        dsn: str, queue: Any, sql: Any) -> None:
+    """The same install, no tier flag (issue 27): the fork server, its server and jobs under
+    /usr/bin/python3 (the venv's directory is the drainer user's alone), said in the drain's first line."""
+    pw = _subuid_user_and_bwrap()
+    top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
+    try:
+        r = _drain_from_a_private_install(dsn, queue, sql, top, pw, True)
+        lines = r.stderr.splitlines()  # (after the one saying the venv is the user's alone: /usr/bin/python3)
+        assert lines[0].startswith("fleetless: handlers run under /usr/bin/python3, not "), r.stderr
+        assert lines[1].startswith(
+            "fleetless: sandbox: forkserver (auto: a drainer with a subordinate uid range forks each job"), r.stderr
+        assert "on forkserver" in r.stderr, r.stderr
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(top)], check=False)
