@@ -205,6 +205,39 @@ def test_memfds_of_a_non_dumpable_job_count_against_its_memory_cap(
     assert leftovers(work) == []
 
 
+#: 256 MiB in eight System V shared memory segments, each filled through a mapping and detached:
+#: pages no process maps nor holds open (issue 25, second round: unbounded without a memory cgroup).
+SHM_HOARD = """
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+for _ in range(8):
+    shmid = libc.shmget(0, 32 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    assert shmid >= 0, ctypes.get_errno()
+    addr = libc.shmat(shmid, None, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    ctypes.memset(addr, 1, 32 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+print("hoarded", file=sys.stderr, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
+@pytest.mark.parametrize("tier", TIERS)
+def test_system_v_shared_memory_a_job_detaches_counts_against_its_memory_cap(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str) -> None:
+    """Segments no process has attached are in no RSS: a memory cgroup holds them (root), else the
+    watch counts the segments of the job's IPC namespace (/proc/sysvipc/shm read inside it)."""
+    need_tier(tier)
+    uid = None if user == "root" else uid_of(user)
+    need_user(uid)
+    error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, "shm", SHM_HOARD,
+                                "--memory", "64M", "--timeout", "30")
+    assert "memory limit 64 MiB exceeded" in error, error
+    assert leftovers(work) == []
+
+
 @pytest.mark.parametrize("user", USERS)
 def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
         dsn: str, queue: Queue, shared: Path, user: str) -> None:
@@ -221,7 +254,8 @@ def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
             assert f" {name} capped by " in line or f" {name} {NOT}" in line, line
         assert " pids capped by " in line and " memory capped by " in line, line
         # no memory cgroup: the watch says what it counts, memfds included, and what it does not
-        assert "memory capped by RLIMIT_AS per process" in line and "and its open memfds every 0.1 s" in line, line
+        assert "memory capped by RLIMIT_AS per process" in line, line
+        assert "and its open memfds, the System V shared memory of its IPC namespace every 0.1 s" in line, line
         assert "(not counted: tmpfs files" in line, line
     work = work_dir(shared, uid)
     h = handlers_dir(shared, **{"ok.py": "print('ok')\n"})

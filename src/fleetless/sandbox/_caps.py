@@ -79,7 +79,10 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
         out["memory"] = f"capped by a memory cgroup ({memory_cgroup}) at {limits.memory_bytes // MiB} MiB"
     else:
         memfds = " and its open memfds" if memfds_seen else ""
-        unseen = "" if memfds_seen else "memfds (the drainer cannot read the job's /proc/<pid>/fd), "
+        unseen = "" if memfds_seen else ("memfds (the drainer cannot read the job's /proc/<pid>/fd), System V "
+                                         "shared memory (the job is in the host's IPC namespace), ")
+        if memfds_seen:
+            memfds += ", the System V shared memory of its IPC namespace"
         out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
                          f"summing the job tree's resident anonymous and shared memory{memfds} every "
                          f"{_tree.INTERVAL:g} s, killing it over the cap (not counted: {unseen}{_tree.NOT_COUNTED})")

@@ -4,12 +4,14 @@ could hold the cap many times over. One daemon thread per drainer sums, every :d
 seconds, the resident anonymous and shared memory (``RssAnon`` + ``RssShmem``) of each watched
 tree, found from its root through ``/proc/<pid>/task/<tid>/children`` (readable by any user, so a
 job under another uid is seen too), plus the pages held by the memfds its processes have open
-(:func:`memfd_bytes`: memory no process maps, issue 25), and calls the tree's ``over`` once when
+(:func:`memfd_bytes`: memory no process maps, issue 25) and the System V shared memory of its IPC
+namespaces (:mod:`._sysvshm`: segments no process has attached are in no RSS), and calls the tree's ``over`` once when
 the sum passes its cap; the sandbox then kills the tree and says ``memory limit N exceeded``
 (tests/security/test_caps.py). Pages that forked processes still share are counted in each, and a
 memfd both open and mapped counts twice. Not counted (:data:`NOT_COUNTED`): files in tmpfs (the
 job's /tmp and /dev/shm and its workspace have size caps of their own), a memfd no process of the
-job has open (in flight over a socket), System V shared memory not attached, and kernel memory
+job has open (in flight over a socket), System V shared memory in the host's IPC namespace (a job
+without one of its own), and kernel memory
 (pipe and socket buffers). ``/proc/<pid>/fd`` of a job under a subordinate uid is not the
 drainer's to read: its holder (ns-root over that uid, :meth:`._subuid.Holder.memfd_bytes`) counts
 them. A non-dumpable process's ``/proc/<pid>/fd`` is unreadable even to its own uid without
@@ -25,12 +27,14 @@ import os
 import threading
 from collections.abc import Callable
 
+from . import _sysvshm
+
 __all__ = ["INTERVAL", "NOT_COUNTED", "Watched", "descendants", "memfd_bytes", "resident_bytes", "watch"]
 
 INTERVAL = 0.1
 #: What the watch does not count, in the caps line's words.
 NOT_COUNTED = ("tmpfs files (/tmp, /dev/shm and the workspace have size caps of their own), memfds no process of "
-               "the job has open, unattached System V shared memory, kernel memory such as pipe and socket buffers")
+               "the job has open, kernel memory such as pipe and socket buffers")
 
 
 def descendants(root: int) -> list[int]:
@@ -152,10 +156,15 @@ class Watched:
     def __init__(self, root: int, cap: int, over: Callable[[], None], memfds: Callable[[list[int]], int]) -> None:
         self.root, self.cap, self.over, self.memfds = root, cap, over, memfds
         self.hit = False  # the tree passed its cap (``over`` was called)
+        self.shm: dict[int, _sysvshm.Counter] = {}  # a helper per IPC namespace of the tree
 
     def cancel(self) -> None:
         with _lock:
             _trees.discard(self)
+            counters = list(self.shm.values())
+            self.shm = {}
+        for counter in counters:
+            counter.close()
 
 
 _lock = threading.Lock()
@@ -187,6 +196,12 @@ def _held(w: Watched) -> int:
             held += w.memfds(pids)
         except Exception:  # a holder gone (its drainer stopping): what it would count is unseen
             pass
+    if held <= w.cap:
+        counters = w.shm
+        held += _sysvshm.count(pids, counters)
+        if counters is not w.shm:  # cancelled meanwhile: a helper started since is this one's to end
+            for counter in counters.values():
+                counter.close()
     return held
 
 
