@@ -439,3 +439,21 @@ def test_the_fork_servers_command_line_says_nothing_of_its_configuration(queue: 
     argv = json.loads(result)
     assert argv[1:] == ["-s", "-", ""], argv
     assert str(os.getpid()) not in result and "mountpoint" not in result and str(private_workdir) not in result
+
+
+def test_where_the_seccomp_filter_cannot_be_built_the_tier_is_refused_not_run_unfiltered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server keeps bwrap's promises or does not run: without the filter (pyseccomp or
+    libseccomp missing) check() refuses it with one line saying why, so ``auto`` passes on to the
+    next tier. Before, its jobs ran without a filter and nothing said so."""
+    from fleetless.sandbox import get_backend
+    from fleetless.sandbox.bwrap import _seccomp
+
+    def gone() -> Path:
+        raise SandboxUnavailable("cannot build the seccomp filter (pyseccomp, libseccomp2): gone")
+
+    monkeypatch.setattr(_seccomp, "seccomp_file", gone)
+    with pytest.raises(SandboxUnavailable) as err:
+        get_backend("forkserver").check()
+    assert str(err.value) == ("the fork server loads bwrap's seccomp filter into every job: cannot build the"
+                              " seccomp filter (pyseccomp, libseccomp2): gone")

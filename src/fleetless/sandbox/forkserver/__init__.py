@@ -80,11 +80,8 @@ def _root_spec(python: str, handlers: Path, network: bool) -> client.RootSpec:
     binds.append((str(etc_dir(network)), "/etc"))
     binds += [(p, p) for p in interpreter_paths(python)]
     binds.append((str(handlers), HANDLERS))
-    try:
-        seccomp: str | None = str(seccomp_file())
-    except SandboxUnavailable:
-        seccomp = None
-    return client.RootSpec(tuple(binds), tuple(links), seccomp, scripts=HANDLERS)
+    # never None here: check() refuses the tier where the filter cannot be built
+    return client.RootSpec(tuple(binds), tuple(links), str(seccomp_file()), scripts=HANDLERS)
 
 
 class ForkServerSandbox(Sandbox):
@@ -173,6 +170,12 @@ class ForkServerSandbox(Sandbox):
             raise SandboxUnavailable(why)
         if not hasattr(os, "pidfd_open"):
             raise SandboxUnavailable("the fork server needs pidfd_open (Linux 5.3+, Python 3.9+)")
+        from ..bwrap._seccomp import seccomp_file
+
+        try:  # its jobs get bwrap's filter or the tier does not run (it ran them unfiltered, silently)
+            seccomp_file()
+        except SandboxUnavailable as exc:
+            raise SandboxUnavailable(f"the fork server loads bwrap's seccomp filter into every job: {exc}") from None
 
     @classmethod
     def warm(cls, template: Template) -> None:
