@@ -999,11 +999,41 @@ def _stop_runner(sbx: Sandbox) -> bool:
     if len(tops) != 1:
         return False
     try:
-        os.kill(tops[0], signal.SIGUSR1)
+        pidfd = os.pidfd_open(tops[0])
     except OSError as exc:
-        log.debug("cannot signal the batch runner %d: %s", tops[0], exc)
+        log.debug("cannot reach the batch runner %d: %s", tops[0], exc)
         return False
+    # The runner names itself first thing, and catches SIGUSR1 only once it has read its header
+    # and imported the handler: a SIGUSR1 before that would kill it (its first job charged with
+    # 'killed by SIGUSR1'). Sent once it catches the signal, by a thread that waits for that.
+    threading.Thread(target=_usr1_when_caught, args=(tops[0], pidfd), name="stop-runner", daemon=True).start()
     return True
+
+
+#: Bit of SIGUSR1 in /proc/<pid>/status's SigCgt (the signals a process catches).
+_USR1_BIT = 1 << (signal.SIGUSR1 - 1)
+
+
+def _usr1_when_caught(pid: int, pidfd: int) -> None:
+    """SIGUSR1 to the runner (through its pidfd: never another process) once it catches it;
+    nothing if it ends first."""
+    try:
+        while True:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    caught = next((int(line.split()[1], 16) & _USR1_BIT for line in f
+                                   if line.startswith("SigCgt:")), 0)
+            except (OSError, ValueError, IndexError):
+                caught = 0
+            if caught:
+                signal.pidfd_send_signal(pidfd, signal.SIGUSR1)
+                return
+            if select.select([pidfd], [], [], 0.02)[0]:  # it ended
+                return
+    except OSError as exc:
+        log.debug("cannot signal the batch runner %d: %s", pid, exc)
+    finally:
+        os.close(pidfd)
 
 
 def _said_late(stdout: str) -> bool:

@@ -191,3 +191,60 @@ def test_a_cancel_of_a_job_waiting_in_a_running_microvm_batch_leaves_the_job_run
     assert sql("SELECT attempt, outcome FROM fleetless.job_attempts WHERE job_id = %s ORDER BY id", ids[0]) == [
         (1, "done")]
     assert rows[ids[3]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows
+
+
+#: A handler whose import takes a while (a heavy module): the runner has named itself, and catches
+#: SIGUSR1 only once the import is over.
+SLOW_IMPORT = """
+    import time
+    time.sleep(4)
+    def handle(payload):
+        return payload["n"]
+"""
+
+
+def _runners() -> list[int]:
+    """This process's descendants named as the batch runner names itself (the runner, its template)."""
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            if Path(f"/proc/{pid}/comm").read_bytes().strip() == b"fleetless-batch":
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("tier", ["forkserver"])  # file mode as root (process and bwrap: channel mode)
+def test_a_cancel_while_the_batch_runner_imports_its_handler_waits_for_it_to_catch_the_stop(
+        tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 4th job of a file-mode batch is cancelled while the runner, named already, still imports
+    its handler: SIGUSR1 then would kill it (its default action), and the first job was charged
+    a failed attempt, 'killed by SIGUSR1'. The drainer now sends it once the runner catches it:
+    the first three jobs end done in one attempt each, the 4th cancelled without starting."""
+    require_tier(tier)
+    if os.geteuid() != 0:
+        pytest.skip("the fork server needs a root drainer")
+    h = handlers(**{"slow.py": SLOW_IMPORT})
+    ids = [queue.enqueue("slow", {"n": n}, max_attempts=3) for n in range(4)]
+    seen = threading.Event()
+    original = batch_module.Slot.kill_current
+
+    def kill_current(self: batch_module.Slot) -> None:  # the drainer acted on the cancel
+        original(self)
+        seen.set()
+
+    monkeypatch.setattr(batch_module.Slot, "kill_current", kill_current)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=4, concurrency=1))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(_runners, timeout=60, what="the batch runner to start")
+        assert queue.cancel(ids[3]) is Status.RUNNING  # claimed with its batch
+        wait_for(seen.is_set, timeout=30, what="the drainer to act on the cancel")
+    finally:
+        thread.join(timeout=180)
+    assert not thread.is_alive()
+    assert sql("SELECT status, attempts FROM fleetless.jobs ORDER BY id") == [
+        ("done", 1), ("done", 1), ("done", 1), ("cancelled", 1)]
+    assert sql("SELECT job_id, outcome FROM fleetless.job_attempts WHERE outcome <> 'done'") == [(ids[3], "cancelled")]
