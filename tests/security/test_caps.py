@@ -189,19 +189,23 @@ def handle(payload):
 
 
 @pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", [*TIERS, "forkserver"])
 @pytest.mark.parametrize("kind", ["nondumpable", "batch"])
 def test_memfds_of_a_non_dumpable_job_count_against_its_memory_cap(
         dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str, kind: str) -> None:
     """A job that makes itself non-dumpable, and a batch's handle() job (a fork of the runner's
     non-dumpable template), cannot hide its memfds from the watch: killed at the cap."""
     need_tier(tier)
+    need_range(tier, user)
     uid = None if user == "root" else uid_of(user)
     need_user(uid)
     code, args = (HIDDEN_HOARD, ()) if kind == "nondumpable" else (BATCH_HOARD, ("--per-sandbox", "2"))
     error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, kind, code,
                                 "--memory", "64M", "--timeout", "30", *args)
-    assert "memory limit 64 MiB exceeded" in error, error
+    if (tier, user, kind) == ("forkserver", "root", "batch"):  # its memory cgroup's OOM kill hits the job
+        assert "killed by SIGKILL" in error or "memory limit 64 MiB exceeded" in error, error  # alone
+    else:
+        assert "memory limit 64 MiB exceeded" in error, error
     assert leftovers(work) == []
 
 
@@ -224,12 +228,13 @@ time.sleep(120)
 
 
 @pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", [*TIERS, "forkserver"])
 def test_system_v_shared_memory_a_job_detaches_counts_against_its_memory_cap(
         dsn: str, queue: Queue, sql: Any, shared: Path, tier: str, user: str) -> None:
     """Segments no process has attached are in no RSS: a memory cgroup holds them (root), else the
     watch counts the segments of the job's IPC namespace (/proc/sysvipc/shm read inside it)."""
     need_tier(tier)
+    need_range(tier, user)
     uid = None if user == "root" else uid_of(user)
     need_user(uid)
     error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, "shm", SHM_HOARD,
