@@ -82,10 +82,13 @@ def test_a_batch_keeps_each_jobs_outcome_and_survives_a_job_that_kills_the_sandb
         (3, "done", {"calls": 1, "job": "3", "n": 3}),  # a fork of the runner: no job sees another's state
         (4, "fail", "exit code 7 (handle() did not return)"),
         (5, "done", {"calls": 1, "job": "5", "n": 5}),
-        (6, "fail", "ValueError: Out of range float values are not JSON compliant"),
+        (6, "fail", "handle() returned a value JSON cannot hold (float: Out of range float values are not JSON"
+                    " compliant); dead without retries (return None, a bool, a number, a string, or lists and"
+                    " dicts of them)"),
         (7, "fail", "killed by SIGSEGV"),
         (8, "done", {"calls": 1, "job": "8", "n": 8}),
     ]
+    assert outcomes[5][1].permanent  # decided once: the same payload returns NaN again
     error = outcomes[1][1].error or ""
     assert "Traceback" in error and 'raise ValueError("no good: "' in error  # the traceback's tail
 
