@@ -243,6 +243,41 @@ def test_system_v_shared_memory_a_job_detaches_counts_against_its_memory_cap(
     assert leftovers(work) == []
 
 
+#: 20,000 empty files in the job's private tmpfs (DIR): each inode is kernel memory that no memory
+#: cgroup may hold; the tmpfs's nr_inodes (Limits.inodes, 16,384) must stop it.
+MANY_TMP_FILES = """
+import os, sys
+made = 0
+try:
+    os.mkdir("DIR/many")
+    for made in range(20_000):
+        open(f"DIR/many/{made}", "w").close()
+    made = 20_000
+except OSError as exc:
+    print(f"made {made} files: {exc.strerror}", file=sys.stderr)
+    raise SystemExit(1)
+print(f"made {made} files", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
+@pytest.mark.parametrize("folder", ["/tmp", "/dev/shm"])
+def test_a_process_tier_jobs_private_tmpfs_holds_no_more_files_than_its_inode_cap(
+        dsn: str, queue: Queue, sql: Any, shared: Path, folder: str, user: str) -> None:
+    """The process tier's private /tmp, /var/tmp, /dev/shm, /run/lock (and /run) are tmpfs of
+    ``nr_inodes=Limits.inodes`` (16,384): the job stops there with ENOSPC, charged. Before (issue
+    25, second round) they had the kernel's default, half the RAM's pages."""
+    need_tier("process")
+    uid = None if user == "root" else uid_of(user)
+    need_user(uid)
+    error, work = _one_dead_job(dsn, queue, sql, shared, "process", uid, "many",
+                                MANY_TMP_FILES.replace("DIR", folder), "--timeout", "60")
+    assert "No space left on device" in error, error
+    made = int(error.split("made ", 1)[1].split()[0])
+    assert 16_000 < made < 16_384, error
+    assert leftovers(work) == []
+
+
 @pytest.mark.parametrize("user", USERS)
 def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
         dsn: str, queue: Queue, shared: Path, user: str) -> None:

@@ -436,8 +436,9 @@ class ProcessSandbox(Sandbox):
             keep += [os.path.realpath(p) for p in interpreter_paths(self.python)]
         keep = [p for p in keep if _under_private_dirs(p) and "\n" not in p]
         work = str(_workspace.root())
-        lines = [str(self._template.limits.tmp_bytes), *([f"W {work}"] if "\n" not in work else []),
-                 *(f"K {p}" for p in keep)]
+        inodes = self._template.limits.inodes
+        lines = [str(self._template.limits.tmp_bytes), *([f"I {max(inodes, 2)}"] if inodes is not None else []),
+                 *([f"W {work}"] if "\n" not in work else []), *(f"K {p}" for p in keep)]
         if self._lease is not None:  # a root drainer's interpreter under /root: bound back for the job
             from ..bwrap._filesystem import blocked_paths, interpreter_paths
 

@@ -36,7 +36,8 @@ job's nice value, never below the supervisor's), CREDS is
 "UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
 must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or
 "-", DEADLINE a number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated
-lines: TMP_BYTES (each private directory's size), then "W PATH" for the work directory (its mounts
+lines: TMP_BYTES (each private directory's size), then "I N" for each one's most files (its
+``nr_inodes``: each costs kernel memory no memory cgroup may hold), "W PATH" for the work directory (its mounts
 but WORKSPACE are detached), "K PATH" for each host path under those the
 job needs (the work directory, the handlers, the interpreter),
 "T DIR" for each directory the job's uid cannot search that holds its interpreter (a root
@@ -69,6 +70,8 @@ _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctype
 _libc.syscall.restype = ctypes.c_long
 #: The directories every user may write on a host, each covered by a fresh tmpfs of the job's own.
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+#: Each private tmpfs's most files (CONTAIN's "I N"; 0: the kernel's default, half the RAM's pages)
+_tmp_inodes = 0
 #: keyctl(2)'s system call number by machine; its operations and special keyring ids.
 _SYS_KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219, "i686": 288, "armv7l": 311, "ppc64le": 311,
                "s390x": 280}
@@ -277,7 +280,7 @@ def _private_dir(target: str, size: int, keep: list[str]) -> None:
             if p.startswith(target + "/") and os.path.exists(p)]
     try:
         _mount(f"fleetless{target.replace('/', '-')}", target, "tmpfs", MS_NOSUID | MS_NODEV,
-               f"mode=1777,size={size}")
+               f"mode=1777,size={size}" + (f",nr_inodes={_tmp_inodes}" if _tmp_inodes else ""))
         try:
             for path, fd in held:
                 if os.path.isdir(f"/proc/self/fd/{fd}"):
@@ -511,6 +514,8 @@ def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int
         view = [(path, top) for path, _, top in (line[2:].partition("\t") for line in contain[1:]
                                                   if line.startswith("V "))]
         base = next((line[2:] for line in contain[1:] if line.startswith("W ")), "")
+        global _tmp_inodes
+        _tmp_inodes = next((int(line[2:]) for line in contain[1:] if line.startswith("I ")), 0)
         _private_mounts(int(contain[0]), keep, tops, view, "N" in contain[1:], base, workspace)
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # as init: the job's are ignored
             signal.signal(signum, signal.SIG_DFL)
