@@ -11,6 +11,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any, Literal, NoReturn, TypeVar
 
 import click
@@ -920,8 +921,23 @@ def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
     else:
         click.echo(said, err=True)
     # log_config=None: uvicorn's own records go through fleetless's handler (text or JSON) too.
-    uvicorn.run(app, host=host, port=port, root_path=root_path, log_level="warning", proxy_headers=True,
-                log_config=None)
+    config = uvicorn.Config(app, host=host, port=port, root_path=root_path, log_level="warning",
+                            proxy_headers=True, log_config=None)
+    server = uvicorn.Server(config)
+    stopped_by: list[int] = []
+    handle_exit = server.handle_exit
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        stopped_by.append(sig)
+        handle_exit(sig, frame)
+
+    server.handle_exit = on_signal  # type: ignore[method-assign]
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has shut down
+        stopped_by.append(signal.SIGINT)
+    if signal.SIGINT in stopped_by:
+        sys.exit(130)  # Ctrl-C: the shell's convention, as drain and wait exit
 
 
 @cli.command()
@@ -1039,10 +1055,10 @@ def _global_options_first(args: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: click's parsing, but every error is a single line on stderr."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:  # bare `fleetless`: the help, not an error line; 2 as for any usage mistake
+    if not args:  # bare `fleetless`: the help, as `fleetless --help` (git and psql answer so too), exit 0
         with click.Context(cli, info_name="fleetless") as ctx:
             click.echo(cli.get_help(ctx))
-        sys.exit(2)
+        sys.exit(0)
     try:
         cli.main(args=_global_options_first(args), prog_name="fleetless", standalone_mode=False)
     except click.exceptions.Exit as exc:
