@@ -101,8 +101,8 @@ def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12, as_json: bool
             concurrency=max(os.cpu_count() or 1, 2),
             # Retries due at once so the demo shows a job walking to dead in one drain.
             retry=RetryPolicy(base_seconds=0, max_jitter_seconds=0),
-            # The demo's kind with no handler ends dead at once (no other drainer will have it).
-            no_handler_delay=None,
+            # The demo's kind with no handler is given back for 60 s, as by any drain (a drainer of
+            # the next release may have it): the demo teaches what a real drain does.
         )
         drainer = Drainer(queue, config)
         if drainer.tier_note:
@@ -125,7 +125,14 @@ def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12, as_json: bool
             say(f"{job['id']:>4}  {job['kind']:<13} {job['status']:<9} "
                 f"{job['attempts']}/{job['max_attempts']:<4} {outcome}")
         say("")
-        say(f"{summary.done} done, {summary.dead} dead in {time.monotonic() - started:.1f} s.")
+        given_back = f", {summary.released} given back" if summary.released else ""
+        say(f"{summary.done} done, {summary.dead} dead{given_back} in {time.monotonic() - started:.1f} s.")
+        for job in report:
+            if job["status"] == "pending" and str(job["outcome"]).startswith("no handler for kind"):
+                say(f"Job {job['id']} ({job['kind']}) has no handler here: a drain gives such a job back, "
+                    f"uncharged, due again in {drainer.config.no_handler_delay or 0:g} s, for a drainer that has "
+                    "its handler (a rolling deploy); five give-backs in a row count as one failed attempt. "
+                    "--no-handler-delay 0 makes it dead at once.")
         kinds = ", ".join(sorted(p.name for p in handlers.iterdir()))
         say(f"The handlers that ran are in {handlers} ({kinds}): read them, or run them on "
             f"your own jobs with: fleetless drain --handlers {handlers}")
