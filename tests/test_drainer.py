@@ -160,7 +160,8 @@ def test_the_environment_is_scrubbed(queue: Queue, handlers, sql, monkeypatch: p
     drain(queue, h, pass_env=("ALLOWED_TOKEN", "MODE=fast"))
     (result,) = sql("SELECT result FROM fleetless.jobs")[0]
     assert str(result).split() == ["ALLOWED_TOKEN", "FLEETLESS_ATTEMPT", "FLEETLESS_JOB_ID", "FLEETLESS_KIND",
-                                   "HOME", "LANG", "MODE", "PATH", "TMPDIR"]  # (the process tier's, in the workspace)
+                                   "FLEETLESS_SNOOZES", "HOME", "LANG", "MODE", "PATH",
+                                   "TMPDIR"]  # (the process tier's, in the workspace)
 
 
 def test_huge_stdout_is_read_and_capped_without_harm(queue: Queue, handlers, sql) -> None:

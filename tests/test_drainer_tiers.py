@@ -54,7 +54,8 @@ def test_each_tier_runs_the_handler_contract(tier: str, queue: Queue, handlers, 
                                limits=Limits(memory_bytes=256 * 1024 * 1024))).run()
     rows = {r[0]: r[1:] for r in sql("SELECT id, status, result, last_error FROM fleetless.jobs")}
     tmpdir = " TMPDIR" if tier == "process" else ""  # (the process tier's jobs' TMPDIR is in their workspace)
-    assert rows[ok] == ("done", f"42 FLEETLESS_ATTEMPT FLEETLESS_JOB_ID FLEETLESS_KIND HOME LANG PATH{tmpdir}\n", None)
+    assert rows[ok] == ("done", "42 FLEETLESS_ATTEMPT FLEETLESS_JOB_ID FLEETLESS_KIND FLEETLESS_SNOOZES HOME LANG "
+                        f"PATH{tmpdir}\n", None)
     assert rows[failed][0] == "dead" and rows[failed][2] == "exit code 3: bad input\nbad input"
     assert rows[hung][0] == "dead" and str(rows[hung][2]).startswith("killed: timeout after 2 s")
     assert rows[shell] == ("done", 'shell saw {"x": 1}\n', None)

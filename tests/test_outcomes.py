@@ -432,3 +432,49 @@ def test_the_exceptions_check_their_values() -> None:
         with pytest.raises(ValueError, match="Snooze seconds"):
             Snooze(bad)  # type: ignore[arg-type]
     assert json.dumps(Snooze(1).seconds) == "1.0"
+
+
+#: A handler that snoozes twice (due at once), saying FLEETLESS_SNOOZES and FLEETLESS_ATTEMPT each run.
+COUNTING_MODULE = """
+    import os
+    from fleetless.outcomes import Snooze
+
+    def handle(payload):
+        seen = f"attempt {os.environ['FLEETLESS_ATTEMPT']} snoozes {os.environ['FLEETLESS_SNOOZES']}"
+        if int(os.environ["FLEETLESS_SNOOZES"]) < 2:
+            raise Snooze(0, reason=seen)
+        return seen
+"""
+COUNTING_SCRIPT = """
+    import os, sys
+    seen = f"attempt {os.environ['FLEETLESS_ATTEMPT']} snoozes {os.environ['FLEETLESS_SNOOZES']}"
+    if int(os.environ["FLEETLESS_SNOOZES"]) < 2:
+        print("0", seen, file=sys.stderr)
+        sys.exit(91)
+    print(seen)
+"""
+
+
+@pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_handlers_count_their_snoozes_in_fleetless_snoozes(queue: Queue, dsn: str, sql: SQL,
+                                                            handlers: Callable[..., Path],
+                                                            require_tier: Callable[[str], None], tier: str,
+                                                            per_sandbox: int) -> None:
+    """FLEETLESS_ATTEMPT stays 1 across snoozes (a snooze gives its attempt back): a handler had no
+    way to count them. FLEETLESS_SNOOZES is the job's count before this run, for both kinds of handler."""
+    require_tier(tier)
+    h = handlers(**{"mod.py": COUNTING_MODULE, "scr.py": COUNTING_SCRIPT})
+    ids = {kind: queue.enqueue(kind, {}) for kind in ("mod", "scr")}
+    for _ in range(3):  # each snooze is due at once; a drain may or may not take it again itself
+        _drain(dsn, h, tier, per_sandbox)
+        if sql("SELECT count(*) FROM fleetless.jobs WHERE status = 'pending'") == [(0,)]:
+            break
+    for kind, job_id in ids.items():
+        heads = [r[0] for r in sql("SELECT error_head FROM fleetless.job_attempts WHERE job_id = %s"
+                                   " AND outcome = 'snoozed' ORDER BY id", job_id)]
+        assert [head.splitlines()[0].rpartition(": ")[2] for head in heads] == [
+            "attempt 1 snoozes 0", "attempt 1 snoozes 1"], (kind, heads)
+        result = sql("SELECT status, coalesce(result, result_json #>> '{}') FROM fleetless.jobs WHERE id = %s",
+                     job_id)
+        assert [(status, text.strip()) for status, text in result] == [("done", "attempt 1 snoozes 2")], kind

@@ -126,7 +126,8 @@ def job_env(job: Job, base: dict[str, str]) -> dict[str, str]:
 
 
 def _own_env(job: Job) -> dict[str, str]:
-    return {"FLEETLESS_JOB_ID": str(job.id), "FLEETLESS_ATTEMPT": str(job.attempts), "FLEETLESS_KIND": job.kind}
+    return {"FLEETLESS_JOB_ID": str(job.id), "FLEETLESS_ATTEMPT": str(job.attempts),
+            "FLEETLESS_SNOOZES": str(job.snoozes), "FLEETLESS_KIND": job.kind}
 
 
 class Slot:
@@ -686,7 +687,8 @@ class Runner:
         # checked before the VM starts only)
         end = self._start_by(job) if self.backend.host_clock else None
         late = "" if end is None else f'"not_after":{end!r},'
-        return (f'{{"id":{job.id},"attempt":{job.attempts},"timeout":{self.timeout_of(job)!r},{late}'
+        return (f'{{"id":{job.id},"attempt":{job.attempts},"snoozes":{job.snoozes},'
+                f'"timeout":{self.timeout_of(job)!r},{late}'
                 f'"tag":"{tag}","payload":{job.payload_json}}}')
 
     def _converse(self, jobs: Sequence[Job], sbx: Sandbox, chan: _Channel, header: str,

@@ -60,6 +60,7 @@ class Job:
     queue: str = "default"
     priority: int = 0
     lease_seconds: float | None = None  # the lease left when the claim returned, by the database's clock
+    snoozes: int = 0  # how many times its handler snoozed it so far (FLEETLESS_SNOOZES)
 
     @property
     def payload(self) -> Any:

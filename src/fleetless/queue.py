@@ -1504,7 +1504,7 @@ def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
         Job(id=r["id"], kind=r["kind"], payload_json=r["payload_json"], attempts=r["attempts"],
             max_attempts=r["max_attempts"], claim_token=r["claim_token"],
             timeout_seconds=r["timeout_seconds"], queue=r["queue"], priority=r["priority"],
-            lease_seconds=r["lease_seconds"])
+            lease_seconds=r["lease_seconds"], snoozes=r["snoozes"])
         for r in rows
     ]
     jobs.sort(key=lambda j: (-j.priority, j.id))

@@ -92,7 +92,8 @@ def test_jobs_keep_the_handler_contract_through_the_fork_server(queue: Queue, ha
     _drain(queue, h, concurrency=2)
     rows = _rows(sql)
     assert rows[ok] == (
-        "done", "42 FLEETLESS_ATTEMPT FLEETLESS_JOB_ID FLEETLESS_KIND HOME LANG PATH 2 fleetless\natexit ran\n", None)
+        "done", "42 FLEETLESS_ATTEMPT FLEETLESS_JOB_ID FLEETLESS_KIND FLEETLESS_SNOOZES HOME LANG PATH 2 fleetless\n"
+                "atexit ran\n", None)
     assert rows[code][0] == "dead" and rows[code][2].startswith("exit code 3")
     assert rows[message][0] == "dead" and rows[message][2].startswith("exit code 1: bad input")
     assert rows[boom][0] == "dead" and "ValueError: no good" in rows[boom][2]

@@ -755,6 +755,7 @@ class Runner:
             env = os.environ
             env["FLEETLESS_JOB_ID"] = str(job["id"])
             env["FLEETLESS_ATTEMPT"] = str(job["attempt"])
+            env["FLEETLESS_SNOOZES"] = str(job.get("snoozes", 0))  # (a line from an older drainer has none)
             env["TMPDIR"] = env["HOME"] = home
             if argv:
                 os.set_inheritable(w, False)

@@ -300,7 +300,7 @@ WHERE j.id = ANY(ARRAY(
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds;
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes;
 
 -- name: claimed_with
 -- The rows one claim statement took, found by its token: the reply to a committed claim was lost
@@ -309,7 +309,7 @@ RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attem
 -- levels deep cannot crash a drain).
 SELECT j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
        j.timeout_seconds, j.queue, j.priority,
-       extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds
+       extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes
 FROM {schema}.jobs AS j
 WHERE j.status = 'running' AND j.claim_token = %(token)s;
 
@@ -1060,7 +1060,7 @@ WHERE j.id = ANY(ARRAY(
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes
 )
 SELECT * FROM claimed ORDER BY priority DESC, id;
 
@@ -1163,7 +1163,7 @@ WITH t AS (
   )
   RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
             j.timeout_seconds, j.queue, j.priority,
-            extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds
+            extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds, j.snoozes
 ), logged AS (
   INSERT INTO {schema}.kind_starts (kind, started_at)
   SELECT %(kind)s, t.at FROM claimed, t WHERE %(rate)s::int IS NOT NULL
@@ -1275,7 +1275,7 @@ WHERE j.id = ANY(ARRAY(
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds
+          extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds, j.snoozes
 )
 SELECT * FROM claimed ORDER BY priority DESC, id;
 
