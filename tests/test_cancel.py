@@ -4,6 +4,7 @@ further attempt), run-now and delete, on Queue and the CLI, asserted in the tabl
 from __future__ import annotations
 
 import json
+import re
 import threading
 import uuid
 from pathlib import Path
@@ -66,6 +67,48 @@ def test_a_cancel_mark_turns_any_non_success_end_of_the_attempt_into_cancelled(q
         ("cancelled", 1, True), ("cancelled", 1, True), ("cancelled", 1, True), ("done", 1, True),
         ("cancelled", 1, True)]
     assert [a["outcome"] for j in (failed, released, batched) for a in queue.attempts(j.id)] == ["cancelled"] * 3
+    # last_error leads with the cancel, the attempt's own end after it (it was that end alone: a
+    # snooze's or a failure's reason read as why the job was cancelled)
+    lead = "cancelled: an operator cancelled the job while it ran; its attempt ended: "
+    errors = dict(sql("SELECT id, last_error FROM fleetless.jobs"))
+    assert (errors[failed.id], errors[released.id], errors[batched.id]) == (
+        lead + "exit code 1", lead + "drainer stopping", lead + "boom")
+    assert errors[reaped.id].startswith(lead + "claim expired: the drainer did not finish attempt 1"), errors
+    assert errors[done.id] is None
+
+
+def test_a_job_that_snoozed_then_was_cancelled_says_it_was_cancelled_not_why_it_snoozed(
+        dsn: str, queue: Queue, sql, handlers, fleetless) -> None:
+    """Issue 28: `fleetless wait` said 'job 99 is cancelled: snoozed for 2 s', the snooze's reason
+    left in last_error; a cancel now records its own, for wait, show and the dashboard alike."""
+    h = handlers(**{"nap.py": "import sys\nprint('600 upstream not ready', file=sys.stderr)\nsys.exit(91)"})
+    pending = queue.enqueue("nap", {})
+    Drainer(queue, DrainConfig(handlers_dir=h)).run()
+    assert sql("SELECT status, last_error FROM fleetless.jobs") == [
+        ("pending", "snoozed for 600 s (exit code 91): upstream not ready")]
+    r = fleetless("cancel", str(pending), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    ((error,),) = sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", pending)
+    assert re.fullmatch(r"cancelled: an operator cancelled the job while it was pending "
+                        r"\(at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\)", error), error
+    r = fleetless("wait", str(pending), dsn=dsn)
+    assert r.returncode != 0 and r.stderr.startswith(
+        f"fleetless: error: job {pending} is cancelled: an operator cancelled the job while it was pending (at "), r
+    assert "snoozed" not in r.stderr
+    assert "an operator cancelled the job while it was pending" in fleetless("show", str(pending), dsn=dsn).stdout
+    # a waiting job (a workflow's child) says so too; a snoozed one cancelled while it ran, as above
+    parent = queue.enqueue("nap", {}, delay=3600)
+    child = queue.enqueue("nap", {}, after=[parent])
+    queue.cancel(child)
+    ((error,),) = sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", child)
+    assert error.startswith("cancelled: an operator cancelled the job while it was waiting (at "), error
+    queue.enqueue("nap", {})
+    (running,) = queue.claim(1)
+    queue.cancel(running.id)
+    snooze = Outcome("snooze", error="snoozed for 2 s", delay=2)
+    assert queue.finish_many([(running, snooze)]) == {running.id: Status.CANCELLED}
+    assert sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", running.id) == [
+        ("cancelled: an operator cancelled the job while it ran; its attempt ended: snoozed for 2 s",)]
 
 
 def test_retrying_a_cancelled_job_clears_the_mark(queue: Queue) -> None:

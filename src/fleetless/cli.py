@@ -526,7 +526,8 @@ def wait(ctx: click.Context, job_id: int, timeout: float | None, as_json: bool) 
             text = finished.result if isinstance(finished.result, str) else json.dumps(finished.result)
             click.echo(printable(text.rstrip("\n")))
     else:
-        head = (finished.error or "").strip().splitlines()[:1]
+        # "job 7 is cancelled: an operator cancelled the job …", not "is cancelled: cancelled: …"
+        head = [line.removeprefix(f"{finished.status}: ") for line in (finished.error or "").strip().splitlines()[:1]]
         _say(logging.ERROR, f"job {job_id} is {finished.status}" + (f": {printable(head[0])}" if head else ""),
              event="finished", id=job_id, status=finished.status)
     sys.exit(WAIT_EXIT[finished.status])

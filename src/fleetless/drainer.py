@@ -734,10 +734,13 @@ class Drainer:
             what = "retried"
         started = self._claimed_at.pop(_claim_of(job), None)
         self._cancelled.discard(_claim_of(job))
+        error = outcome.error
+        if what == "cancelled" and error is not None and not error.startswith("cancelled:"):
+            error = f"{CANCELLED}; its attempt ended: {error}"  # as the table's last_error says (queries.sql)
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,
-            tier=self._tier_of(job.kind), error_head=error_head(outcome.error)))
+            tier=self._tier_of(job.kind), error_head=error_head(error)))
 
     @property
     def _grace(self) -> float:

@@ -354,7 +354,9 @@ SELECT status FROM finished;
 -- computed by the retry policy; exhausted (or permanent) failure is dead and stays for inspection.
 -- The attempt's history row is written by the same statement, as in complete.
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
--- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled, and
+-- its last_error leads with the cancel (the attempt's own end after it: a snooze's reason alone
+-- would read as why it was cancelled); the history row keeps the attempt's own error.
 WITH finished AS (
   UPDATE {schema}.jobs
   SET status = CASE WHEN cancel_requested_at IS NULL AND attempts < max_attempts AND NOT %(permanent)s
@@ -363,7 +365,9 @@ WITH finished AS (
                        THEN now() + make_interval(secs => %(delay)s) ELSE run_after END,
       finished_at = CASE WHEN cancel_requested_at IS NULL AND attempts < max_attempts AND NOT %(permanent)s
                          THEN NULL ELSE now() END,
-      last_error = %(error)s, result = %(result)s, locked_at = NULL, lease_expires_at = NULL, releases = 0
+      last_error = CASE WHEN cancel_requested_at IS NULL OR %(error)s LIKE 'cancelled:%%' THEN %(error)s
+                        ELSE 'cancelled: an operator cancelled the job while it ran; its attempt ended: ' || %(error)s END,
+      result = %(result)s, locked_at = NULL, lease_expires_at = NULL, releases = 0
   WHERE id = %(id)s AND claim_token = %(token)s AND status = 'running'
   RETURNING id, attempts, started_at, status, tier
 ), history AS (
@@ -385,7 +389,9 @@ SELECT status FROM finished;
 -- time cannot block a queue forever. The history row keeps the attempt's number and start as
 -- they were before the give-back (read from "was").
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
--- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled, and
+-- its last_error leads with the cancel (the attempt's own end after it: a snooze's reason alone
+-- would read as why it was cancelled); the history row keeps the attempt's own error.
 WITH finished AS (
   UPDATE {schema}.jobs AS j
   SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
@@ -398,7 +404,9 @@ WITH finished AS (
       finished_at = CASE WHEN j.cancel_requested_at IS NOT NULL THEN now()
                          WHEN j.releases + 1 < %(max_releases)s OR j.attempts < j.max_attempts THEN NULL
                          ELSE now() END,
-      last_error = CASE WHEN j.cancel_requested_at IS NOT NULL OR j.releases + 1 < %(max_releases)s
+      last_error = CASE WHEN j.cancel_requested_at IS NOT NULL AND %(error)s NOT LIKE 'cancelled:%%'
+                        THEN 'cancelled: an operator cancelled the job while it ran; its attempt ended: ' || %(error)s
+                        WHEN j.cancel_requested_at IS NOT NULL OR j.releases + 1 < %(max_releases)s
                         THEN %(error)s
                         ELSE 'released ' || (j.releases + 1) || ' times in a row; charged as an attempt: '
                              || %(error)s END,
@@ -426,14 +434,18 @@ SELECT status FROM finished;
 -- slow, not dead. SKIP LOCKED: never wait on a row a live drainer is finishing right now.
 -- Each reaped attempt gets its history row (outcome expired) in the same statement.
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
--- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled, and
+-- its last_error leads with the cancel (the attempt's own end after it: a snooze's reason alone
+-- would read as why it was cancelled); the history row keeps the attempt's own error.
 WITH reaped AS (
 UPDATE {schema}.jobs AS j
 SET status = CASE WHEN j.cancel_requested_at IS NOT NULL THEN 'cancelled'
                   WHEN j.attempts < j.max_attempts THEN 'pending' ELSE 'dead' END,
     finished_at = CASE WHEN j.cancel_requested_at IS NULL AND j.attempts < j.max_attempts
                        THEN NULL ELSE now() END,
-    last_error = 'claim expired: the drainer did not finish attempt ' || j.attempts
+    last_error = CASE WHEN j.cancel_requested_at IS NOT NULL
+                      THEN 'cancelled: an operator cancelled the job while it ran; its attempt ended: ' ELSE '' END
+                 || 'claim expired: the drainer did not finish attempt ' || j.attempts
                  || ' (claimed at ' || to_char(j.locked_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
                  || ' UTC); presumed dead',
     locked_at = NULL, lease_expires_at = NULL, claim_token = NULL,
@@ -532,9 +544,15 @@ SELECT id FROM {schema}.jobs WHERE status = 'dead' AND attempts >= 1000 ORDER BY
 -- holding it polls for the mark, kills its sandbox and writes the attempt's end, which the mark
 -- turns into cancelled (so does the reaper, if that drainer died). Returns the status after.
 -- A waiting job (a workflow's, its parents not done yet) is cancelled at once, as a pending one.
+-- Its last_error says so: what an earlier run left there (a snooze's or a failure's reason) would
+-- read as the reason it was cancelled in wait, show and the dashboard.
 UPDATE {schema}.jobs
 SET status = CASE WHEN status IN ('pending', 'waiting') THEN 'cancelled' ELSE status END,
     finished_at = CASE WHEN status IN ('pending', 'waiting') THEN now() ELSE finished_at END,
+    last_error = CASE WHEN status IN ('pending', 'waiting')
+                      THEN 'cancelled: an operator cancelled the job while it was ' || status
+                           || ' (at ' || to_char(now() AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC)'
+                      ELSE last_error END,
     cancel_requested_at = COALESCE(cancel_requested_at, now())
 WHERE id = %(id)s AND status IN ('pending', 'running', 'waiting')
 RETURNING status;
@@ -867,7 +885,9 @@ SELECT id FROM gone;
 -- "was" is the row before this update, for the number and start of an attempt given back, and
 -- the tier its claim recorded when the outcome does not say (batch mode).
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
--- never goes back to pending: what would have been a retry or a give-back ends it cancelled.
+-- never goes back to pending: what would have been a retry or a give-back ends it cancelled, and
+-- its last_error leads with the cancel (the attempt's own end after it: a snooze's reason alone
+-- would read as why it was cancelled); the history row keeps the attempt's own error.
 -- A no-handler give-back hands its start back to its kind's rate limit (unstarted, refunded).
 WITH finished AS (
 UPDATE {schema}.jobs AS j
@@ -890,7 +910,8 @@ SET status = CASE
       WHEN j.cancel_requested_at IS NOT NULL THEN now()
       WHEN o.act = 'fail' AND NOT (j.attempts < j.max_attempts AND NOT o.permanent) THEN now()
       ELSE NULL END,
-    last_error = o.err,
+    last_error = CASE WHEN o.act <> 'done' AND j.cancel_requested_at IS NOT NULL AND o.err NOT LIKE 'cancelled:%%'
+                      THEN 'cancelled: an operator cancelled the job while it ran; its attempt ended: ' || o.err ELSE o.err END,
     releases = CASE WHEN o.act = 'release' THEN j.releases + 1 WHEN o.act = 'fail' THEN 0 ELSE j.releases END,
     snoozes = CASE WHEN o.act = 'snooze' THEN j.snoozes + 1 ELSE j.snoozes END,
     result = CASE WHEN o.act IN ('release', 'snooze') THEN j.result ELSE o.result END,
