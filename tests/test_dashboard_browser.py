@@ -143,11 +143,16 @@ def test_retry_a_dead_job_from_the_browser_with_the_token(queue: Queue, sql: Any
     page.click(f"#jobs a[href$='/jobs/{dead}']")
     assert page.inner_text("#error-head") == "exit code 1: ValueError: invoice 42 has no lines"
 
-    page.click("#retry")  # not signed in: refused, nothing changes
-    assert "sign in" in page.inner_text("#message")
+    # not signed in: the button is greyed (it led to a "Refused" page: issue 28), the hint signs in
+    assert page.is_disabled("#retry") and page.get_attribute("#retry", "title") == "sign in for actions"
+    assert page.is_visible("#sign-in-hint")
+    page.screenshot(path=str(screenshots / "job-signed-out.png"), full_page=True)
+    page.goto(url + "/queues")
+    assert all(page.is_disabled(f"#{b.get_attribute('id')}") for b in page.query_selector_all("#queues button"))
+    page.go_back()
     assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", dead) == [("dead",)]
 
-    page.goto(url + "/login")
+    page.click("#sign-in-hint")
     page.fill("#token", TOKEN)
     page.click("#sign-in")
     page.goto(f"{url}/jobs/{dead}")
@@ -194,3 +199,56 @@ def test_without_a_token_the_browser_cannot_act(queue: Queue, sql: Any, serve: C
     page.goto(f"{url}/queues")
     assert all(page.is_disabled(f"#{b.get_attribute('id')}") for b in page.query_selector_all("#queues button"))
     assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", dead) == [("dead",)]
+
+
+def test_snoozes_read_as_snoozes_folded_and_the_chart_says_its_span(queue: Queue, sql: Any, serve: Callable[..., str],
+                                                                   browser: Any, screenshots: Path) -> None:
+    """Issue 28: snoozes were red like failures, a job at the snooze cap listed every one of them,
+    an empty stdout showed an empty "Result" box, and the chart said "last 3 h" over 30 minutes."""
+    from fleetless.job import Outcome, Run
+
+    job_id = queue.enqueue("poll-upstream", {}, max_attempts=5)
+    (job,) = queue.claim(1)
+    queue.fail(job, "exit code 1: ConnectionError: upstream refused", delay=0)
+    for _ in range(12):
+        (job,) = queue.claim(1)
+        queue.finish_many([(job, Outcome("snooze", error="snoozed for 30 s: upstream not ready", delay=0.0,
+                                         decided="snooze", run=Run(tier="process")))])
+    (job,) = queue.claim(1)
+    queue.finish_many([(job, Outcome("snooze", error="snoozed for 60 s: upstream not ready", delay=60.0,
+                                     decided="snooze", run=Run(tier="process")))])
+    quiet = queue.enqueue("quiet", {})
+    (job,) = queue.claim(1)
+    queue.complete(job, "")
+    url = serve(None)
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+
+    page.goto(f"{url}/jobs/{job_id}")
+    red = "rgb(198, 40, 40)"
+    assert page.locator("#error-head").count() == 0 and "Error" not in page.locator("h2").all_inner_texts()
+    assert page.inner_text("#snooze-note") == "snoozed for 60 s: upstream not ready"
+    assert page.evaluate("() => getComputedStyle(document.querySelector('#snooze-note')).color") != red
+    rows = page.locator("#attempts > tbody > tr")
+    assert rows.count() == 2, page.inner_text("#attempts")  # the failure, then the 13 snoozes as one row
+    assert rows.nth(0).inner_text().startswith("1\tfailed")
+    summary = page.locator("#attempts tr.snoozes summary")
+    assert summary.inner_text().startswith("snoozed 13 times between ")
+    assert page.locator("#attempts tr.snoozes li").first.is_visible() is False
+    summary.click()  # it opens to each snooze, none red
+    snoozes = page.locator("#attempts tr.snoozes li")
+    assert snoozes.count() == 13 and snoozes.first.is_visible()
+    colours = page.evaluate("() => [...document.querySelectorAll('#attempts .snoozed')]"
+                            ".map(x => getComputedStyle(x).color)")
+    assert colours and red not in colours, colours
+    page.screenshot(path=str(screenshots / "snoozed-job.png"), full_page=True)
+
+    page.goto(f"{url}/jobs/{quiet}")  # an empty stdout: no "Result" box
+    assert page.locator("#result").count() == 0 and "Result" not in page.locator("h2").all_inner_texts()
+
+    page.goto(url + "/")
+    title = page.inner_text("#chart-title")
+    labels = page.evaluate("() => [...document.querySelectorAll('#per-minute > text')].map(t => t.textContent)")
+    first, last = (int(t[:2]) * 60 + int(t[3:5]) for t in labels[:2])
+    assert "last 30 min" in title and (last - first) % 1440 == 29, (title, labels)
+    assert "last 3 h" not in title.replace("nothing earlier in the last 3 h", "")
+    page.screenshot(path=str(screenshots / "overview-chart.png"), full_page=True)

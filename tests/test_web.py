@@ -184,7 +184,7 @@ def _links(page: str, ident: str) -> str | None:
 def _first_cells(page: str, table_id: str) -> list[str]:
     table = re.search(rf'<table id="{table_id}">.*?</table>', page, re.S)
     assert table is not None, table_id
-    return re.findall(r"<tr><td[^>]*>(?:<a [^>]*>)?([^<]*)", table.group(0))
+    return re.findall(r"<tr[^>]*><td[^>]*>(?:<a [^>]*>)?([^<]*)", table.group(0))
 
 
 def test_every_long_list_on_the_overview_is_paged(queue: Queue) -> None:
@@ -359,3 +359,85 @@ def test_signing_out_needs_the_sessions_csrf_token(queue: Queue) -> None:
     assert csrf is not None
     out = client.post("/logout", data={"csrf": csrf.group(1)}, follow_redirects=False)
     assert out.status_code == 303 and f"{COOKIE}=" in out.headers["set-cookie"]
+
+
+def _snoozed_job(queue: Queue, snoozes: int, *, fail_first: bool = True, name: str = "upstream") -> int:
+    """A job (alone in queue ``name``) that failed once (if ``fail_first``), then snoozed ``snoozes`` times."""
+    from fleetless.job import Outcome, Run
+
+    job_id = queue.enqueue("poll-upstream", {}, max_attempts=5, queue=name)
+    if fail_first:
+        (job,) = queue.claim(1, queues=[name])
+        queue.fail(job, "exit code 1: ConnectionError: upstream refused", delay=0)
+    for _ in range(snoozes):
+        (job,) = queue.claim(1, queues=[name])
+        queue.finish_many([(job, Outcome("snooze", error="snoozed for 30 s: upstream not ready", delay=0.0,
+                                         decided="snooze", run=Run(tier="process")))])
+    return job_id
+
+
+def test_a_snooze_is_shown_as_a_snooze_not_as_an_error(queue: Queue) -> None:
+    """Issue 28: a snooze's note was red in the error columns and under "Error", as a failure."""
+    dead = _dead_job(queue)  # an error stays one
+    job_id = _snoozed_job(queue, 1, fail_first=False)
+    client = TestClient(create_app(queue))
+    page = client.get(f"/jobs/{job_id}").text
+    assert 'id="error-head"' not in page and "<h2>Error</h2>" not in page
+    assert '<p class="snoozed" id="snooze-note">snoozed for 30 s: upstream not ready</p>' in page
+    assert '<span class="snoozed">snoozed for 30 s: upstream not ready</span>' in page  # its history row
+    assert '<span class="err">snoozed' not in page
+    listed = client.get("/jobs").text
+    assert '<span class="snoozed">snoozed for 30 s: upstream not ready</span>' in listed
+    assert '<span class="err">snoozed' not in listed
+    assert '<p class="err" id="error-head">exit code 1' in client.get(f"/jobs/{dead}").text
+
+
+def test_a_run_of_snoozes_is_one_row_that_opens(queue: Queue) -> None:
+    """Issue 28: a job at the snooze cap listed 100+ history rows, none collapsed."""
+    job_id = _snoozed_job(queue, 7)
+    (job,) = queue.claim(1, queues=["upstream"])
+    queue.fail(job, "exit code 1: ConnectionError: still refused", delay=0)
+    client = TestClient(create_app(queue, page_size=3))
+    page = client.get(f"/jobs/{job_id}").text
+    assert _first_cells(page, "attempts") == ["1", "2 (snoozes 1-7)", "2"]
+    assert page.count('<tr class="snoozes">') == 1 and "<details><summary>snoozed 7 times between " in page
+    assert page.count("<li>") == 7 and "upstream refused" in page and "still refused" in page
+    assert _links(page, "attempts-next") is None  # three rows: one page
+    one = _snoozed_job(queue, 1, name="other")  # a lone snooze is its own row, not a run
+    assert _first_cells(client.get(f"/jobs/{one}").text, "attempts") == ["1", "2 (snooze 1)"]
+
+
+def test_signed_out_with_a_token_the_actions_are_greyed_with_a_way_to_sign_in(queue: Queue) -> None:
+    """Issue 28: signed out, retry and pause were active buttons that led to a "Refused" page."""
+    dead = _dead_job(queue)
+    client = TestClient(create_app(queue, token=TOKEN))
+    page = client.get(f"/jobs/{dead}").text
+    assert re.search(r'<button id="retry" title="sign in for actions" disabled>', page), page
+    assert '<a class="sign-in-hint" id="sign-in-hint" href="/login">' in page
+    queues = client.get("/queues").text
+    assert re.search(r'<button id="pause-default" title="sign in for actions" disabled>', queues)
+    client.post("/login", data={"token": TOKEN})
+    signed_in = client.get(f"/jobs/{dead}").text
+    assert re.search(r'<button id="retry">', signed_in) and "sign-in-hint" not in signed_in
+
+
+def test_an_empty_stdout_shows_no_result_box(queue: Queue) -> None:
+    job_id = queue.enqueue("quiet", {})
+    (job,) = queue.claim(1)
+    queue.complete(job, "")
+    page = TestClient(create_app(queue)).get(f"/jobs/{job_id}").text
+    assert "<h2>Result</h2>" not in page and "id=result" not in page
+
+
+def test_the_charts_title_names_the_span_its_axis_shows(queue: Queue) -> None:
+    """Issue 28: titled "last 3 h" over an axis of 30 minutes (the quiet minutes left out)."""
+    queue.enqueue("k", {})
+    (job,) = queue.claim(1)
+    queue.complete(job, "ok")
+    page = TestClient(create_app(queue, hours=3)).get("/").text
+    title = re.search(r"<h2 id=chart-title>(.*?)</h2>", page)
+    assert title and "Attempts per minute, last 30 min" in title.group(1), title
+    assert "nothing earlier in the last 3 h" in title.group(1)
+    first, last = re.findall(r">(\d\d):(\d\d) UTC</text>", page)
+    span = (int(last[0]) * 60 + int(last[1]) - int(first[0]) * 60 - int(first[1])) % (24 * 60)
+    assert span == 29, (first, last)

@@ -24,6 +24,9 @@ __all__ = ["EXIT_CODES", "from_exit", "from_handle"]
 
 #: The reserved exit codes, and what each decides.
 EXIT_CODES = {EXIT_DISCARD: "discard", EXIT_SNOOZE: "snooze", EXIT_RETRY: "retry"}
+#: How a snooze's note begins (the job's last_error, its history row's error_head): front ends tell
+#: it from an error by it (a snooze is not a failure; issue 28). Snoozes past the cap say otherwise.
+SNOOZE_NOTE = "snoozed for "
 _REASON_CHARS = 500
 
 
@@ -60,7 +63,7 @@ def _outcome(decided: str, seconds: float | None, reason: str, how: str, run: Ru
                        result=result, result_cut=result_cut, run=run)
     if decided == "snooze":
         assert seconds is not None
-        return Outcome("snooze", error=_with_tail(f"snoozed for {seconds:g} s{how}{said}", stderr), delay=seconds,
+        return Outcome("snooze", error=_with_tail(f"{SNOOZE_NOTE}{seconds:g} s{how}{said}", stderr), delay=seconds,
                        decided="snooze", result=result, result_cut=result_cut, run=run)
     if seconds is None:  # Retry(after=None): the retry policy's backoff, as any failure
         return Outcome("fail", error=_with_tail(f"retry requested{how}{said}", stderr), decided="retry",

@@ -10,6 +10,7 @@ is :mod:`fleetless.failure`'s, which the drain writes with each attempt.
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from . import db
 from .attempt_totals import DURATION_BUCKETS, bucket_params
+from .decisions import SNOOZE_NOTE
 from .failure import HEAD_CHARS, error_head, exception_line, summarize_failure
 from .job import Status
 from .queue import JobNotFound, Queue
@@ -35,6 +37,7 @@ __all__ = [
     "error_head",
     "exception_line",
     "html_text",
+    "is_snooze_note",
     "page_of",
     "printable",
     "size",
@@ -97,6 +100,12 @@ def attempt_label(row: Mapping[str, Any]) -> str:
     return f'{row["attempt"]} (snooze{"" if nth is None else f" {nth}"})'
 
 
+def is_snooze_note(text: str | None) -> bool:
+    """Whether a job's ``last_error`` (or ``error_head``) is the note a snooze left, not an error:
+    a snooze gives its attempt back and is not a failure, so front ends show it apart (issue 28)."""
+    return text is not None and text.startswith(SNOOZE_NOTE)
+
+
 def size(n: int | None) -> str:
     """``512 B``, ``1.5 KiB``, ``64.0 MiB``; ``-`` for none."""
     if n is None:
@@ -149,6 +158,11 @@ def page_of(items: Sequence[T], number: int = 1, size: int = PAGE_SIZE) -> Page[
 def _paged(rows: list[T], number: int, size: int) -> Page[T]:
     """A page from a query that read ``size + 1`` rows at ``(number - 1) * size``."""
     return Page(rows[:size], number, size, len(rows) > size)
+
+
+def _timestamp(text: str | None) -> dt.datetime | None:
+    """A timestamptz that came back inside jsonb (ISO 8601 text)."""
+    return None if text is None else dt.datetime.fromisoformat(text)
 
 
 # -- reading -------------------------------------------------------------------------------------
@@ -223,16 +237,19 @@ class Insights:
         before: int | None = None,
     ) -> list[dict[str, Any]]:
         """Jobs newest first, ``limit`` at a time; ``before`` (an id) pages on. Each row has
-        ``error_head``, the first line of its ``last_error``."""
+        ``error_head``, the first line of its ``last_error``, and ``snoozed``: whether that is a
+        snooze's note rather than an error."""
         rows = self.queue.list(status=status, kind=kind, queue=queue, limit=limit, before=before)
         for row in rows:
+            row["snoozed"] = is_snooze_note(row["last_error"])
             row["error_head"] = error_head(row.pop("last_error"))
         return rows
 
     def job(self, job_id: int) -> dict[str, Any]:
-        """Every column of one job, plus ``error_head``."""
+        """Every column of one job, plus ``error_head`` and ``snoozed`` (as in :meth:`jobs`)."""
         row = self.queue.get(job_id)
         row["error_head"] = error_head(row.get("last_error"))
+        row["snoozed"] = is_snooze_note(row.get("last_error"))
         return row
 
     def graph(self, job_id: int, limit: int = 100) -> dict[str, Any]:
@@ -256,6 +273,23 @@ class Insights:
             self.queue.get(job_id)  # JobNotFound when there is no such job
         for row in rows:
             row["error_head"] = error_head(row.get("error_head"))
+        return _paged(rows, number, size)
+
+    def attempt_runs_page(self, job_id: int, number: int = 1, size: int = PAGE_SIZE) -> Page[dict[str, Any]]:
+        """Page ``number`` of one job's attempt history, oldest first, as :meth:`attempts_page` but
+        with each run of consecutive snoozes one row: its first row's columns plus ``n`` (rows in
+        the run, 1 for any other row), ``run_started``, ``run_finished`` and ``run`` (None, or the
+        run's rows: ``snooze``, ``finished_at``, ``error_head``). A page holds ``size`` such rows."""
+        _check_page(number, size)
+        rows = self.queue.query("insight_attempt_runs", {"id": job_id, "limit": size + 1,
+                                                         "offset": (number - 1) * size})
+        if not rows:
+            self.queue.get(job_id)  # JobNotFound when there is no such job
+        for row in rows:
+            row["error_head"] = error_head(row.get("error_head"))
+            for one in row["run"] or ():
+                one["finished_at"] = _timestamp(one["finished_at"])
+                one["error_head"] = error_head(one["error_head"])
         return _paged(rows, number, size)
 
     def schedules(self) -> list[dict[str, Any]]:

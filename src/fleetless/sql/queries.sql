@@ -1435,6 +1435,27 @@ SELECT attempt, CASE outcome WHEN 'retry' THEN 'failed' ELSE outcome END AS outc
 FROM {schema}.job_attempts WHERE job_id = %(id)s ORDER BY id
 LIMIT %(limit)s OFFSET %(offset)s;
 
+-- name: insight_attempt_runs
+-- The job page: a page of one job's attempt history, oldest first, each run of consecutive snoozes
+-- folded into one row (its first row's columns, n, the run's span and its rows for a <details>): a
+-- job at the snooze cap listed 100 snooze rows around the attempts that matter (issue 28). Islands
+-- by the difference of two row numbers; one job's history, through job_attempts_job_idx.
+WITH a AS (
+  SELECT id, attempt, CASE outcome WHEN 'retry' THEN 'failed' ELSE outcome END AS outcome, snooze, host, pid,
+         tier, started_at, finished_at, exit_code, signal, kill_reason, duration_seconds, error_head,
+         row_number() OVER (ORDER BY id) - row_number() OVER (PARTITION BY outcome = 'snoozed' ORDER BY id) AS island
+  FROM {schema}.job_attempts WHERE job_id = %(id)s
+), g AS (
+  SELECT min(id) AS first_id, count(*) AS n, min(started_at) AS run_started, max(finished_at) AS run_finished,
+         CASE WHEN count(*) > 1 THEN jsonb_agg(jsonb_build_object('snooze', snooze, 'finished_at', finished_at,
+                                                                  'error_head', error_head) ORDER BY id) END AS run
+  FROM a GROUP BY outcome = 'snoozed', CASE WHEN outcome = 'snoozed' THEN island ELSE id END
+)
+SELECT a.attempt, a.outcome, a.snooze, a.host, a.pid, a.tier, a.started_at, a.finished_at, a.exit_code, a.signal,
+       a.kill_reason, a.duration_seconds, a.error_head, g.n, g.run_started, g.run_finished, g.run
+FROM g JOIN a ON a.id = g.first_id ORDER BY g.first_id
+LIMIT %(limit)s OFFSET %(offset)s;
+
 -- name: insight_per_minute
 -- Attempts that ended per minute over the last %(minutes)s minutes, every minute present (zeros
 -- too): done, and failed (failed, retried by its handler, dead, or expired with the lease; 'retry'

@@ -128,7 +128,7 @@ def create_app(
         try:
             number = _page_number(request, "attempts_page")
             row = await run_in_threadpool(insights.job, job_id)
-            history = await run_in_threadpool(insights.attempts_page, job_id, number, page_size)
+            history = await run_in_threadpool(insights.attempt_runs_page, job_id, number, page_size)
             graph = await run_in_threadpool(insights.graph, job_id)
         except JobNotFound as exc:
             return html(request, "not found", pages.message_page("Not found", str(exc.args[0])), 404)

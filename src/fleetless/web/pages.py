@@ -30,7 +30,8 @@ th{background:#eceff1;font-weight:600}td.n{text-align:right;font-variant-numeric
 .card b{display:block;font-size:1.6em}.dead b{color:#c62828}.running b{color:#1565c0}.pending b{color:#ef6c00}
 .done b{color:#2e7d32}
 pre{background:#fff;border:1px solid #e0e0e0;padding:.6em;overflow:auto;max-height:30em;white-space:pre-wrap}
-.err{color:#c62828}.pager{margin:.2em 0 .8em}.muted{color:#777}form.inline{display:inline}button{margin-right:.4em}
+.err{color:#c62828}.snoozed{color:#777;font-style:italic}tr.snoozes summary{cursor:pointer}
+.pager{margin:.2em 0 .8em}.muted{color:#777}form.inline{display:inline}button{margin-right:.4em}
 .flash{background:#e8f5e9;border:1px solid #a5d6a7;padding:.4em .8em;margin-bottom:.8em}
 .flash.bad{background:#ffebee;border-color:#ef9a9a}
 code{white-space:nowrap}
@@ -90,13 +91,22 @@ def _pager(page: Page[Any], href: str, query: Mapping[str, str], param: str, ide
 CHART_MIN_MINUTES = 30
 
 
-def _chart(per_minute: Sequence[Mapping[str, Any]]) -> str:
-    """Attempts done (green) and failed (red) per minute as stacked bars in inline SVG. The quiet
-    minutes before the window's first activity are left out (down to CHART_MIN_MINUTES), so that
-    a queue that started a few minutes ago fills the chart instead of a sliver at its right edge."""
+def _charted(per_minute: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    """The minutes the chart draws: the quiet minutes before the window's first activity are left
+    out (down to CHART_MIN_MINUTES), so that a queue that started a few minutes ago fills the chart
+    instead of a sliver at its right edge."""
     busy = [i for i, m in enumerate(per_minute) if m["done"] or m["failed"]]
     start = min(busy[0], max(len(per_minute) - CHART_MIN_MINUTES, 0)) if busy else 0
-    per_minute = per_minute[start:]
+    return per_minute[start:]
+
+
+def _span(minutes: int) -> str:
+    """``30 min``, ``3 h``, ``2.5 h``."""
+    return f"{minutes} min" if minutes < 120 else f"{minutes / 60:g} h"
+
+
+def _chart(per_minute: Sequence[Mapping[str, Any]]) -> str:
+    """Attempts done (green) and failed (red) per minute (:func:`_charted`'s) as stacked bars in inline SVG."""
     if not per_minute:
         return ""
     width, height, bar = 720, 120, 720 / len(per_minute)
@@ -154,12 +164,18 @@ def overview_page(o: Overview, *, root: str, hours: float, query: Mapping[str, s
     running += _pager(o.running, f"{root}/", query, "running_page", "running")
     finished = sum(m["done"] for m in o.per_minute)
     failed = sum(m["failed"] for m in o.per_minute)
+    # titled by the span the axis shows: "last 3 h" over a 30-minute axis misled (issue 28); the
+    # minutes left out are quiet, so the counts are the whole window's
+    shown = _charted(o.per_minute)
+    window = round(hours * 60)
+    quiet = (f' <span class="muted" id=chart-quiet>(nothing earlier in the last {_span(window)})</span>'
+             if len(shown) < len(o.per_minute) else "")
     return (
         f"<h1>Overview</h1><div class=cards>{cards}</div>"
         f"<p>total <b id=total>{o.total}</b> · oldest due job waiting "
         f"<b id=oldest-due>{age(o.oldest_due_age_seconds)}</b> · next due in {age(o.next_due_in_seconds)}</p>"
-        f"<h2>Attempts per minute, last {hours:g} h (<span id=attempts-done>{finished}</span> done, "
-        f"<span id=attempts-failed>{failed}</span> failed)</h2>{_chart(o.per_minute)}"
+        f"<h2 id=chart-title>Attempts per minute, last {_span(len(shown))} (<span id=attempts-done>{finished}</span>"
+        f" done, <span id=attempts-failed>{failed}</span> failed){quiet}</h2>{_chart(shown)}"
         f"<h2>Running now</h2>{running}"
         + _by("By kind", o.by_kind, statuses, root, "kind", "by-kind", query)
         + _by("By queue", o.by_queue, statuses, root, "queue", "by-queue", query)
@@ -173,7 +189,7 @@ def jobs_page(rows: Sequence[Mapping[str, Any]], *, root: str, filters: Mapping[
     table_rows = [
         [f'<a href="{root}/jobs/{r["id"]}">{r["id"]}</a>', e(r["kind"]), e(r["queue"]), e(r["status"]),
          f'{r["attempts"]}/{r["max_attempts"]}', _when(r["run_after"]), _when(r["finished_at"]),
-         f'<span class="err">{e(r["error_head"] or "")}</span>']
+         _error_cell(r["error_head"], snoozed=r["snoozed"])]
         for r in rows
     ]
     body = f"<h1>{e(title)}</h1>"
@@ -185,6 +201,11 @@ def jobs_page(rows: Sequence[Mapping[str, Any]], *, root: str, filters: Mapping[
     return body
 
 
+def _error_cell(head: str | None, *, snoozed: bool) -> str:
+    """An error column's cell: red for an error; a snooze's note muted, as it is not one (issue 28)."""
+    return f'<span class="{"snoozed" if snoozed else "err"}">{e(head or "")}</span>'
+
+
 def _when(value: dt.datetime | None) -> str:
     if value is None:
         return '<span class="muted">-</span>'
@@ -194,9 +215,20 @@ def _when(value: dt.datetime | None) -> str:
 _ACTIONS = {"retry": ("dead", "cancelled"), "cancel": ("pending", "running", "waiting"), "run-now": ("pending",)}
 
 
-#: An action's button on a read-only dashboard (no FLEETLESS_DASHBOARD_TOKEN): shown, greyed, its
-#: title saying why; clicking one led to a refusal page (newcomer review). Signed out: it leads to sign-in.
-_DISABLED = {True: "", False: " disabled"}
+def _unusable(button_id: str, action: str, target: str, *, writable: bool) -> str:
+    """An action's button where it would be refused: greyed, its title saying why. Read-only (no
+    FLEETLESS_DASHBOARD_TOKEN) or signed out alike: an active button led to a refusal page
+    (newcomer review, issue 28); signed out, the sign-in link beside the buttons is the way on."""
+    hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
+    return (f'<form class="inline" method="post" action="{target}">'
+            f'<button id="{button_id}" title="{e(hint)}" disabled>{action}</button></form>')
+
+
+def _sign_in(root: str, writable: bool, csrf: str | None) -> str:
+    """Beside greyed buttons of a signed-out viewer of a dashboard with a token: how to act."""
+    if csrf is not None or not writable:
+        return ""
+    return f'<a class="sign-in-hint" id="sign-in-hint" href="{root}/login">sign in to act</a>'
 
 
 def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: str, csrf: str | None,
@@ -210,9 +242,9 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
                 f'<form class="inline" method="post" action="{root}/jobs/{job["id"]}/{action}">'
                 f'<input type="hidden" name="csrf" value="{e(csrf)}"><button id="{action}">{action}</button></form>')
         else:
-            hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
-            buttons.append(f'<form class="inline" method="post" action="{root}/jobs/{job["id"]}/{action}">'
-                           f'<button id="{action}" title="{e(hint)}"{_DISABLED[writable]}>{action}</button></form>')
+            buttons.append(_unusable(action, action, f'{root}/jobs/{job["id"]}/{action}', writable=writable))
+    if buttons:
+        buttons.append(_sign_in(root, writable, csrf))
     fields = ["status", "kind", "queue", "priority", "attempts", "max_attempts", "snoozes", "run_after", "created_at",
               "started_at", "finished_at", "lease_expires_at", "timeout_seconds", "claimed_by", "tier"]
     if job.get("on_parent_failure") is not None:  # a workflow's child
@@ -226,28 +258,57 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
     body += "".join(buttons)
     body += _table(["field", "value"], rows, (), "fields")
     body += f"<h2>Payload</h2><pre id=payload>{e(json.dumps(job.get('payload'), indent=2, ensure_ascii=False))}</pre>"
-    if job.get("error_head"):
+    if job.get("error_head") and job.get("snoozed"):  # a snooze's note: not an error (issue 28)
+        body += f'<h2>Snoozed</h2><p class="snoozed" id="snooze-note">{e(job["error_head"])}</p>'
+        if (job.get("last_error") or "").strip() != job["error_head"]:
+            body += f"<pre id=snooze-detail>{e(job.get('last_error') or '')}</pre>"
+    elif job.get("error_head"):
         body += f'<h2>Error</h2><p class="err" id="error-head">{e(job["error_head"])}</p>'
         body += f"<pre id=last-error>{e(job.get('last_error') or '')}</pre>"
+    # an empty stdout is no box (an empty "Result" box looked like output lost: issue 28)
     if job.get("result_json") is not None:  # what a handle() returned; what it printed is "result"
         body += (f"<h2>Result</h2><pre id=result-json>"
                  f"{e(json.dumps(job['result_json'], indent=2, ensure_ascii=False))}</pre>")
-        if job.get("result") is not None:
+        if job.get("result"):
             body += f"<h2>Output</h2><pre id=result>{e(job['result'])}</pre>"
-    elif job.get("result") is not None:
+    elif job.get("result"):
         body += f"<h2>Result</h2><pre id=result>{e(job['result'])}</pre>"
-    rows = [
-        [e(attempt_label(a)), e(a["outcome"]), e(f'{a["host"]}:{a["pid"]}' if a.get("host") else "-"),
-         e(a["tier"] or "-"),
-         _when(a["started_at"]), "-" if a["duration_seconds"] is None else f'{a["duration_seconds"]:.1f} s',
-         e(a["signal"] or (a["exit_code"] if a["exit_code"] is not None else "-")), e(a["kill_reason"] or ""),
-         f'<span class="err">{e(a["error_head"] or "")}</span>']
-        for a in attempts.rows
-    ]
-    body += "<h2>Attempts</h2>" + (
-        _table(["#", "outcome", "drainer", "tier", "started", "took", "ended", "kill reason", "error"], rows, (0, 5),
-               "attempts") if rows else '<p class="muted">no attempt has ended yet</p>')
+    body += "<h2>Attempts</h2>" + (_attempts(attempts.rows) if attempts.rows
+                                   else '<p class="muted">no attempt has ended yet</p>')
     return body + _pager(attempts, f"{root}/jobs/{job['id']}", {}, "attempts_page", "attempts") + _graph(graph, root)
+
+
+_ATTEMPT_HEADERS = ["#", "outcome", "drainer", "tier", "started", "took", "ended", "kill reason", "error"]
+
+
+def _attempts(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The attempt history (Insights.attempt_runs_page): a snooze's note muted, not red, and each
+    run of consecutive snoozes one row, ``snoozed N times between T1 and T2``, its rows in a
+    <details> (a job at the snooze cap listed 100 rows around the attempts that matter: issue 28)."""
+    body = []
+    for a in rows:
+        snoozed = a["outcome"] == "snoozed"
+        if a.get("run"):
+            run = a["run"]
+            nths = [r["snooze"] for r in run if r["snooze"] is not None]
+            label = f'{a["attempt"]} (snoozes {nths[0]}-{nths[-1]})' if nths else f'{a["attempt"]} (snoozes)'
+            items = "".join(f'<li>{_when(r["finished_at"])} <span class="snoozed">{e(r["error_head"] or "")}</span>'
+                            f"</li>" for r in run)
+            body.append(
+                f'<tr class="snoozes"><td class="n">{e(label)}</td><td class="snoozed">snoozed</td>'
+                f'<td colspan="{len(_ATTEMPT_HEADERS) - 2}"><details><summary>snoozed {a["n"]} times between '
+                f'{_when(a["run_started"])} and {_when(a["run_finished"])}</summary><ol>{items}</ol>'
+                "</details></td></tr>")
+            continue
+        cells = [e(attempt_label(a)), f'<span class="snoozed">{e(a["outcome"])}</span>' if snoozed else e(a["outcome"]),
+                 e(f'{a["host"]}:{a["pid"]}' if a.get("host") else "-"), e(a["tier"] or "-"), _when(a["started_at"]),
+                 "-" if a["duration_seconds"] is None else f'{a["duration_seconds"]:.1f} s',
+                 e(a["signal"] or (a["exit_code"] if a["exit_code"] is not None else "-")), e(a["kill_reason"] or ""),
+                 _error_cell(a["error_head"], snoozed=snoozed)]
+        body.append("<tr>" + "".join(f'<td class="n">{c}</td>' if i in (0, 5) else f"<td>{c}</td>"
+                                     for i, c in enumerate(cells)) + "</tr>")
+    head = "".join(f"<th>{e(h)}</th>" for h in _ATTEMPT_HEADERS)
+    return f'<table id="attempts"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 def _graph(graph: Mapping[str, Any] | None, root: str) -> str:
@@ -284,16 +345,14 @@ def queues_page(rows: Sequence[Mapping[str, Any]], *, root: str, csrf: str | Non
             button = (f'<form class="inline" method="post" action="{target}"><input type="hidden" name="csrf"'
                       f' value="{e(csrf)}"><button id="{action}-{e(r["queue"])}">{action}</button></form>')
         else:
-            hint = "sign in for actions" if writable else "read-only: FLEETLESS_DASHBOARD_TOKEN is not set"
-            button = (f'<form class="inline" method="post" action="{target}"><button id="{action}-{e(r["queue"])}"'
-                      f' title="{e(hint)}"{_DISABLED[writable]}>{action}</button></form>')
+            button = _unusable(f'{action}-{e(r["queue"])}', action, target, writable=writable)
         state = '<span class="err">paused</span>' if r["paused"] else "running"
         table_rows.append([
             f'<a href="{root}/jobs?{urlencode({"queue": r["queue"]})}">{e(r["queue"])}</a>', state,
             e("-" if r["concurrency"] is None else r["concurrency"]),
             *(str(r[s]) for s in ("pending", "running", "done", "dead", "cancelled", "waiting")), button])
     return body + _table(["queue", "state", "concurrency", "pending", "running", "done", "dead", "cancelled",
-                          "waiting", ""], table_rows, (2, 3, 4, 5, 6, 7, 8), "queues")
+                          "waiting", ""], table_rows, (2, 3, 4, 5, 6, 7, 8), "queues") + _sign_in(root, writable, csrf)
 
 
 def schedules_page(found: Page[dict[str, Any]], *, root: str) -> str:
