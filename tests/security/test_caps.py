@@ -262,15 +262,18 @@ print(f"made {made} files", file=sys.stderr)
 
 @pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
 @pytest.mark.parametrize("folder", ["/tmp", "/dev/shm"])
-def test_a_process_tier_jobs_private_tmpfs_holds_no_more_files_than_its_inode_cap(
-        dsn: str, queue: Queue, sql: Any, shared: Path, folder: str, user: str) -> None:
-    """The process tier's private /tmp, /var/tmp, /dev/shm, /run/lock (and /run) are tmpfs of
+@pytest.mark.parametrize("tier", [*TIERS, "forkserver"])
+def test_a_jobs_private_tmpfs_holds_no_more_files_than_its_inode_cap(
+        dsn: str, queue: Queue, sql: Any, shared: Path, folder: str, user: str, tier: str) -> None:
+    """The process tier's private /tmp, /var/tmp, /dev/shm, /run/lock (and /run), bwrap's /tmp
+    and /dev/shm (tmpfs mounted beside the workspace and bound in) and the fork server's, are tmpfs of
     ``nr_inodes=Limits.inodes`` (16,384): the job stops there with ENOSPC, charged. Before (issue
     25, second round) they had the kernel's default, half the RAM's pages."""
-    need_tier("process")
+    need_tier(tier)
+    need_range(tier, user)
     uid = None if user == "root" else uid_of(user)
     need_user(uid)
-    error, work = _one_dead_job(dsn, queue, sql, shared, "process", uid, "many",
+    error, work = _one_dead_job(dsn, queue, sql, shared, tier, uid, "many",
                                 MANY_TMP_FILES.replace("DIR", folder), "--timeout", "60")
     assert "No space left on device" in error, error
     made = int(error.split("made ", 1)[1].split()[0])

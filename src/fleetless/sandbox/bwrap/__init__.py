@@ -390,6 +390,7 @@ class BwrapSandbox(Sandbox):
                 # (before exec: a launcher's view, :func:`_view`, is made then and so sees it)
                 self._capped = _diskcap.cap(self._workspace, limits.disk_bytes, limits.inodes,
                                             self._lease.uid, self._lease.gid)
+            tmp = {target: self._tmp_cap(name, limits) for name, target in (("tmp", "/tmp"), ("shm", "/dev/shm"))}
         except BaseException:
             self.kill()
             raise
@@ -399,9 +400,12 @@ class BwrapSandbox(Sandbox):
         options += _system_args(limits.network)
         options += ["--ro-bind", str(etc), "/etc"]
         # /tmp first: an interpreter bound from under /tmp (a venv there) must land on top of it
-        options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
-        # and /dev/shm: --dev's is a directory of /dev's own tmpfs, uncapped (red team, issue 25)
-        options += ["--size", str(limits.tmp_bytes), "--tmpfs", "/dev/shm"]
+        # and /dev/shm: --dev's is a directory of /dev's own tmpfs, uncapped (red team, issue 25).
+        # Each a tmpfs made beside the workspace with nr_inodes too where the drainer can mount one
+        # (bwrap's --tmpfs has no nr_inodes: each inode is kernel memory no memory cgroup may hold)
+        for target, capped in tmp.items():
+            options += (["--bind", str(capped), target] if capped
+                        else ["--size", str(limits.tmp_bytes), "--tmpfs", target])
         for path in interp:  # a root drainer's by real path: the launcher's view binds that back
             options += ["--ro-bind", path if not _hostuid.needed() else os.path.realpath(path), path]
         options += ["--ro-bind", str(handlers), HANDLERS]
@@ -688,6 +692,24 @@ class BwrapSandbox(Sandbox):
                     self._lease = None
         except Exception as exc:
             log.warning("bwrap sandbox cleanup: %s", exc)
+
+    def _tmp_cap(self, name: str, limits: Limits) -> Path | None:
+        """``<outer>/name``, a tmpfs of ``limits.tmp_bytes`` and ``limits.inodes`` files, the job's
+        (mounted as the workspace's is: by the holder, the mount holder or a root drainer; detached
+        with ``<outer>``), for the job's /tmp or /dev/shm; None where none is mounted (bwrap's
+        --tmpfs then, no inode cap)."""
+        assert self._outer is not None
+        path = self._outer / name
+        path.mkdir(mode=0o700)
+        if self._holder is not None and self._uid is not None:
+            done = self._holder.cap(path, limits.tmp_bytes, limits.inodes, self._uid)
+        elif self._mounts is not None:
+            done = self._mounts.cap(path, limits.tmp_bytes, limits.inodes, 0)
+        elif self._lease is not None:
+            done = _diskcap.cap(path, limits.tmp_bytes, limits.inodes, self._lease.uid, self._lease.gid)
+        else:
+            done = False
+        return path if done else None
 
     def __repr__(self) -> str:
         cgroup = self._cgroup.name if self._cgroup else None

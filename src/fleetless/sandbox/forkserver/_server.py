@@ -239,6 +239,8 @@ def _mount_job(spec: dict) -> None:  # type: ignore[type-arg]
     if caps:  # its size and how many files it may hold (issue 25, item 8)
         _mount(None, "/workspace", None, MS_REMOUNT | MS_NOSUID | MS_NODEV, ",".join(caps))
     tmp = f"mode=1777,size={int(spec['tmp_bytes'])}"
+    if spec.get("workspace_inodes"):  # each file is kernel memory (issue 25, second round)
+        tmp += f",nr_inodes={int(spec['workspace_inodes'])}"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
     _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, tmp)
     for keep, dst, is_dir in _KEPT:
