@@ -441,3 +441,16 @@ def test_the_charts_title_names_the_span_its_axis_shows(queue: Queue) -> None:
     first, last = re.findall(r">(\d\d):(\d\d) UTC</text>", page)
     span = (int(last[0]) * 60 + int(last[1]) - int(first[0]) * 60 - int(first[1])) % (24 * 60)
     assert span == 29, (first, last)
+
+
+def test_a_job_at_the_snooze_cap_shows_its_runs_folded_and_the_charged_snooze_as_an_error(queue: Queue) -> None:
+    """Issue 28's case: 100 snoozes then one past the cap (charged as a failed attempt): the
+    history is the failure, one folded row of 100 snoozes, and the charged one, which is an error."""
+    from fleetless.outcomes import MAX_SNOOZES
+
+    job_id = _snoozed_job(queue, MAX_SNOOZES + 1)
+    page = TestClient(create_app(queue)).get(f"/jobs/{job_id}").text
+    assert _first_cells(page, "attempts") == ["1", f"2 (snoozes 1-{MAX_SNOOZES})", "2"]
+    assert f"<summary>snoozed {MAX_SNOOZES} times between " in page
+    assert re.search(rf'<span class="err">snoozed {MAX_SNOOZES} times already, the most a job may; charged', page)
+    assert re.search(r'<p class="err" id="error-head">snoozed \d+ times already', page)
