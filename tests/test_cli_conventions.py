@@ -148,7 +148,7 @@ def test_a_drain_on_the_usual_tier_says_nothing_about_it_but_a_misspelt_kind_is_
     r = fleetless("drain", "--handlers", str(h), dsn=dsn, env={"FLEETLESS_SANDBOX": ""})
     assert r.returncode == 0, r.stderr
     assert "(auto: it can create namespaces" not in r.stderr
-    assert "[kinds.reprot] names no handler" in r.stderr and "misspelt" in r.stderr
+    assert "[kinds.reprot] names no handler" in r.stderr and "(misspelt? did you mean report?)" in r.stderr
 
 
 @pytest.mark.parametrize(("base", "most"), [(1.0, 2.5), (60.0, 150.0), (0.0, 0.0)])

@@ -177,6 +177,21 @@ def test_cli_kinds_shows_the_tier_and_interpreter_a_drain_would_use_for_each_kin
     assert (rows["plain"]["interpreter"], rows["own"]["interpreter"]) == ("/usr/bin/python3", "/usr/bin/python3.11")
 
 
+def test_cli_enqueue_of_a_misspelt_kind_says_which_it_may_have_meant_and_enqueues_it(
+        dsn: str, queue: Queue, fleetless, handlers, sql) -> None:
+    """Issue 28: `fleetless enqueue resise` was accepted without a word and the job died ~15
+    minutes later. Where the CLI knows the handlers (--handlers, FLEETLESS_HANDLERS) it names the
+    close ones; the job is still enqueued (a deploy may be adding its handler)."""
+    h = handlers(**{"resize.py": "", "report.py": ""})
+    for how in (["--handlers", str(h)], []):
+        r = fleetless("enqueue", "resise", "{}", *how, env={"FLEETLESS_HANDLERS": str(h)}, dsn=dsn)
+        assert r.returncode == 0 and r.stdout.strip().isdigit(), r
+        assert r.stderr.startswith("fleetless: warning: no handler for kind 'resise' (did you mean resize?): "), r
+    r = fleetless("enqueue", "zzz", "{}", "--handlers", str(h), dsn=dsn)  # nothing close: no guess
+    assert "did you mean" not in r.stderr and "no handler for kind 'zzz': neither" in r.stderr, r.stderr
+    assert sql("SELECT kind FROM fleetless.jobs ORDER BY id") == [("resise",), ("resise",), ("zzz",)]
+
+
 def test_cli_enqueue_warns_about_a_kind_without_handler_and_leaves_max_attempts_to_the_kind(
         dsn: str, queue: Queue, fleetless, handlers, sql) -> None:
     h = settings_file(handlers(**{"a.py": ""}), "[kinds.a]\nmax_attempts = 7\n")

@@ -248,9 +248,10 @@ def _check_kind(handlers_dir: Path, kind: str) -> None:
         return
     kinds.load(folder)
     validate_kind(kind)
-    if handlers.resolve(folder, kind) is None:
-        _say(logging.WARNING, f"no handler for kind {kind!r}: {handlers.missing(folder, kind)}; a drain "
-             "gives the job back until a drainer has one")
+    if handlers.resolve(folder, kind) is None:  # warned, not refused: a deploy may be adding it
+        hint = handlers.did_you_mean(kind, handlers.kinds(folder))
+        _say(logging.WARNING, f"no handler for kind {kind!r}{f' ({hint})' if hint else ''}: "
+             f"{handlers.missing(folder, kind)}; a drain gives the job back until a drainer has one")
 
 
 def drain_options(f: F) -> F:

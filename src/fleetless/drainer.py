@@ -358,8 +358,9 @@ class Drainer:
             self._load_kind_tiers()
             self._had_handler = handlers.kinds(self._handlers_dir)
             for kind in sorted(set(self._kinds) - self._had_handler):
-                log.warning("fleetless.toml: [kinds.%s] names no handler in %s (misspelt?): its settings"
-                            " apply to nothing", kind, self._handlers_dir)
+                hint = handlers.did_you_mean(kind, self._had_handler)
+                log.warning("fleetless.toml: [kinds.%s] names no handler in %s (misspelt?%s): its settings"
+                            " apply to nothing", kind, self._handlers_dir, f" {hint}" if hint else "")
         except (handlers.HandlersDirError, SandboxUnavailable, kinds.SettingsError, OSError) as exc:
             raise DrainError(str(exc)) from None
         self._db(self.queue.check_schema)  # an old schema: "run 'fleetless init'" before anything is claimed

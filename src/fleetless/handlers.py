@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -113,6 +113,15 @@ def _all(handlers_dir: Path) -> list[Handler]:
 def kinds(handlers_dir: Path) -> frozenset[str]:
     """The kinds that have a handler in the directory now (a drain notes them when it starts)."""
     return frozenset(h.kind for h in _all(handlers_dir))
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``did you mean resize?`` when ``name`` looks like a misspelling of known kinds (difflib, as
+    the queue commands' typo warning), else ``""``: for the warnings about a kind with no handler."""
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(set(known) - {name}), n=3)
+    return f"did you mean {' or '.join(close)}?" if close else ""
 
 
 def _shebang(path: Path) -> tuple[str, str] | None:
