@@ -105,16 +105,30 @@ def _subuid_user_and_bwrap() -> Any:
 
 
 def _drain_from_a_private_install(dsn: str, queue: Any, sql: Any, top: Path, pw: Any, verbose: bool,
-                                  *flags: str) -> subprocess.CompletedProcess[str]:
-    """Three echo jobs drained by ``pw``'s user from fleetless installed in a 0700 directory of its
-    own (a venv of /usr/bin/python3 under ``top``), with ``flags`` (and ``-v``); each must be done."""
+                                  *flags: str, done: bool = True) -> subprocess.CompletedProcess[str]:
+    """Three jobs drained by ``pw``'s user from fleetless installed in a 0700 directory of its own (a
+    venv of /usr/bin/python3 under ``top``, holding a package of the app's, ``ncpkg``), with ``flags``
+    (and ``-v``); each must be done, run under that venv (it imports ``ncpkg``) and see nothing else
+    of the 0700 directory (a file beside the venv, readable by anyone who reaches it, is not there)."""
     top.chmod(0o755)
     home = top / "home"
     home.mkdir()
     python = install(home, "/usr/bin/python3")
+    purelib = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                  check=True, capture_output=True, text=True).stdout.strip())
+    (purelib / "ncpkg.py").write_text("WORD = 'from-the-venv'\n")
+    (home / "secret.txt").write_text("the drainer user's own\n")
     h = top / "handlers"
     h.mkdir(mode=0o755)
-    (h / "echo.py").write_text("import json, os, sys\nprint(json.load(open(sys.argv[1]))['n'], os.getcwd())\n")
+    (h / "echo.py").write_text(f"""import json, os, sys
+import ncpkg
+try:
+    seen = open({str(home / 'secret.txt')!r}).read()
+except OSError as exc:
+    seen = type(exc).__name__
+print(json.load(open(sys.argv[1]))['n'], os.getcwd(), ncpkg.WORD, sys.prefix == {str(home / 'venv')!r}, seen,
+      sorted(os.listdir({str(home)!r})))
+""")
     (h / "echo.py").chmod(0o644)
     tmp = top / "tmp"
     tmp.mkdir()
@@ -128,14 +142,20 @@ def _drain_from_a_private_install(dsn: str, queue: Any, sql: Any, top: Path, pw:
                        env=env, capture_output=True, text=True, timeout=300, cwd="/", user=pw.pw_uid,
                        group=pw.pw_gid, extra_groups=[])
     assert r.returncode == 0, r.stderr
+    if not done:
+        return r
     assert sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id") == [
-        ("done", 1, f"{n} /workspace\n") for n in range(3)], r.stderr
+        ("done", 1, f"{n} /workspace from-the-venv True FileNotFoundError ['src', 'venv']\n") for n in range(3)
+    ], r.stderr
+    assert "handlers run under /usr/bin/python3" not in r.stderr, r.stderr
     return r
 
 
 def test_an_unprivileged_drainer_runs_bwrap_from_a_venv_only_it_can_read(dsn: str, queue: Any, sql: Any) -> None:
     """A drainer user with a subordinate range (its jobs run as those uids, bwrap too), installed in a
-    0700 directory of its own: bwrap and its libraries are copied where those uids can run them."""
+    0700 directory of its own: bwrap and its libraries are copied where those uids can run them, and
+    the launcher (ns-root of the holder, before it drops to the job's uid) binds the venv's own paths
+    back into the job's view, so handlers import the app's packages (issue 28)."""
     pw = _subuid_user_and_bwrap()
     top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
     try:
@@ -148,16 +168,69 @@ def test_an_unprivileged_drainer_runs_bwrap_from_a_venv_only_it_can_read(dsn: st
 
 def test_an_unprivileged_drainer_installed_where_only_it_can_read_gets_the_fork_server_by_default(
         dsn: str, queue: Any, sql: Any) -> None:
-    """The same install, no tier flag (issue 27): the fork server, its server and jobs under
-    /usr/bin/python3 (the venv's directory is the drainer user's alone), said in the drain's first line."""
+    """The same install, no tier flag (issue 27): the fork server, said in the drain's first line; its
+    server (ns-root of the holder) binds the venv's paths into its root, so its jobs run under the
+    app's venv although the directory above it is the drainer user's alone (issue 28)."""
     pw = _subuid_user_and_bwrap()
     top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
     try:
         r = _drain_from_a_private_install(dsn, queue, sql, top, pw, True)
-        lines = r.stderr.splitlines()  # (after the one saying the venv is the user's alone: /usr/bin/python3)
-        assert lines[0].startswith("fleetless: handlers run under /usr/bin/python3, not "), r.stderr
-        assert lines[1].startswith(
+        assert r.stderr.splitlines()[0].startswith(
             "fleetless: sandbox: forkserver (auto: a drainer with a subordinate uid range forks each job"), r.stderr
         assert "on forkserver" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(top)], check=False)
+
+
+def test_an_unprivileged_drainers_process_tier_does_not_claim_a_kind_that_needs_its_unreachable_venv(
+        dsn: str, queue: Any, sql: Any) -> None:
+    """The same install on the process tier, which cannot bind the venv back for the subordinate job
+    uids: handlers would run under /usr/bin/python3, which lacks the app's ``ncpkg``. The kind is
+    not claimed, one line saying why and what to do, and no job is charged (issue 25 item 1, issue
+    28); before, every job failed with ModuleNotFoundError, charged, retried, dead."""
+    pw = _subuid_user_and_bwrap()
+    top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
+    try:
+        r = _drain_from_a_private_install(dsn, queue, sql, top, pw, False, "--sandbox", "process", done=False)
+        assert sql("SELECT status, attempts FROM fleetless.jobs ORDER BY id") == [("pending", 0)] * 3, r.stderr
+        venv = top / "home" / "venv" / "bin" / "python"
+        line = (f"fleetless: not claiming kind 'echo': it imports ncpkg, which /usr/bin/python3 lacks: on process its "
+                f"handler would run under /usr/bin/python3, not {venv} (fleetless's own), which the job uids cannot "
+                f"reach ({top / 'home'} is not searchable by others); use --sandbox bwrap or forkserver, move the "
+                "environment, chmod o+x, or pass --python")
+        assert line in r.stderr.splitlines(), r.stderr
+    finally:
+        subprocess.run(["rm", "-rf", "--one-file-system", str(top)], check=False)
+
+
+@pytest.mark.parametrize("tier", ["auto", "process"])
+def test_a_drainer_without_a_range_runs_its_jobs_under_its_venv_in_its_own_0700_directory(
+        tier: str, dsn: str, queue: Any, sql: Any) -> None:
+    """A drainer user without a subordinate range (its jobs are its own uid) installed in its own 0700
+    directory: its jobs can reach the venv, so they run under it and import the app's package, with
+    no line about /usr/bin/python3. On bwrap (what ``auto`` picks for it) the job sees only the venv's
+    paths of that directory; on the process tier it is the drainer's uid on the host's filesystem and
+    so reads the rest too (docs/isolation.md says the process tier does not isolate the filesystem)."""
+    import pwd
+
+    user = os.environ.get("FLEETLESS_TEST_PLAIN_USER", "fleetless-ci2")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        pytest.skip(f"no user {user}")
+    if any(line.startswith(f"{user}:") for line in open("/etc/subuid")):
+        pytest.skip(f"{user} has a subordinate range")
+    top = Path(tempfile.mkdtemp(prefix="fleetless-install-"))
+    try:
+        r = _drain_from_a_private_install(dsn, queue, sql, top, pw, False, "--sandbox", tier, done=False)
+        home = top / "home"
+        seen = ("FileNotFoundError ['src', 'venv']" if tier == "auto"
+                else "the drainer user's own\n ['secret.txt', 'src', 'venv']")
+        rows = sql("SELECT status, attempts, result FROM fleetless.jobs ORDER BY id")
+        # (the second word: the working directory, on the process tier a workspace of the host's)
+        assert [(st, a, res.split(" ", 1)[0] + " " + res.split(" ", 2)[2]) for st, a, res in rows] == [
+            ("done", 1, f"{n} from-the-venv True {seen}\n") for n in range(3)], r.stderr
+        assert "handlers run under /usr/bin/python3" not in r.stderr, r.stderr
+        assert (home.stat().st_mode & 0o777, home.stat().st_uid) == (0o700, pw.pw_uid)
     finally:
         subprocess.run(["rm", "-rf", "--one-file-system", str(top)], check=False)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import handler_imports
 from .job import validate_kind
-from .sandbox import Sandbox, Template
+from .sandbox import Sandbox, Template, passed_over
 
 __all__ = ["Handler", "HandlersDirError", "check_dir", "kinds", "resolve", "unrunnable"]
 
@@ -194,7 +196,7 @@ def _why_not(handler: Handler, handlers_dir: Path, backend: type[Sandbox], templ
             return f"its interpreter {python} (for .py handlers) {denied}"
         if _find(backend, template, python) is None:
             return f"its interpreter {python} (for .py handlers) does not exist {where}"
-        return None
+        return _lacks_the_apps_packages(handler, handlers_dir, backend, template, python)
     shebang = _shebang(handlers_dir / handler.filename)
     if shebang is None:
         return f"{handler.filename} has no #! line and is not a program"
@@ -219,6 +221,23 @@ def _why_not(handler: Handler, handlers_dir: Path, backend: type[Sandbox], templ
     return None
 
 
+def _lacks_the_apps_packages(handler: Handler, handlers_dir: Path, backend: type[Sandbox], template: Template,
+                             python: str) -> str | None:
+    """Where this tier passed fleetless's own interpreter over for the system's (the job uids cannot
+    reach it) and the handler imports a package only the own one has: why its kind is not claimed
+    (every attempt would fail with ModuleNotFoundError, charged; issue 28)."""
+    own = sys.executable
+    blocked = passed_over(own) if template.python is None and python != own else None
+    if blocked is None:
+        return None
+    lacking = handler_imports.missing(handlers_dir / handler.filename, python)
+    if not lacking:
+        return None
+    return (f"it imports {', '.join(lacking)}, which {python} lacks: on {backend.name} its handler would run under "
+            f"{python}, not {own} (fleetless's own), which the job uids cannot reach ({blocked} is not searchable "
+            "by others); use --sandbox bwrap or forkserver, move the environment, chmod o+x, or pass --python")
+
+
 def unrunnable(handlers_dir: Path, backend: type[Sandbox], template: Template,
                interpreters: Mapping[str, str] | None = None) -> dict[str, str]:
     """Kinds whose handler cannot start where the job would run, each with the reason: a ``.py``
@@ -233,6 +252,6 @@ def unrunnable(handlers_dir: Path, backend: type[Sandbox], template: Template,
         reason = _why_not(handler, handlers_dir, backend, kind_template)
         if reason is not None:
             hint = backend.missing_program_hint
-            plain = "not a program" in reason or "cannot execute" in reason
+            plain = "not a program" in reason or "cannot execute" in reason or "cannot reach" in reason
             out[handler.kind] = reason + (f" ({hint})" if hint and not plain else "")
     return out

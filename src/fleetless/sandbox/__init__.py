@@ -336,7 +336,13 @@ def jobs_cannot_reach(path: str) -> str | None:
     return None
 
 
-_passed_over: set[str] = set()
+_passed_over: dict[str, str] = {}  # fleetless's own interpreter -> the directory in the job uids' way
+
+
+def passed_over(own: str) -> str | None:
+    """The directory the job uids cannot search that made :func:`default_python` pass ``own`` over
+    for the system's python3 (said once in a log line), else None."""
+    return _passed_over.get(own)
 
 
 def default_python(binds_blocked: bool = False) -> str:
@@ -344,12 +350,13 @@ def default_python(binds_blocked: bool = False) -> str:
     itself runs under (``sys.executable``: the app's virtual environment, so a handler imports
     what the app imports), else the system's python3. Under a root drainer, an own interpreter
     the unprivileged job uids cannot reach (a virtual environment under /root) is passed over,
-    said once in a log line, unless the tier makes it reachable (``binds_blocked``: bwrap binds
-    it into each job's view however deep under /root it is)."""
+    said once in a log line, unless the tier makes it reachable (``binds_blocked``: bwrap and the
+    fork server bind it into each job's view however deep under /root it is, or under a 0700
+    directory of a non-root drainer whose jobs are subordinate uids)."""
     own = sys.executable
     blocked = jobs_cannot_reach(own) if own and not binds_blocked else None
     if own and blocked is not None and own not in _passed_over:
-        _passed_over.add(own)
+        _passed_over[own] = blocked
         logging.getLogger("fleetless.sandbox").warning(
             "handlers run under /usr/bin/python3, not %s (fleetless's own): the unprivileged job uids "
             "cannot reach it, %s is not searchable by others (move the environment, chmod o+x, or "

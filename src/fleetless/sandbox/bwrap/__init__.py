@@ -362,7 +362,7 @@ class BwrapSandbox(Sandbox):
                 handlers = handlers_snapshot(handlers)  # the original may be the drainer's alone
                 self._lease, self._uid = _job_uid()
                 self._holder = None if _hostuid.needed() else _subuid.holder()
-            self._view = _view([*interp, binary]) if _hostuid.needed() else ""
+            self._view = _view([*interp, binary]) if _leased() else ""
             self._launcher = _pool.take(cgroups.available())
             self._cgroup = self._launcher.cgroup
             if self._cgroup is not None:
@@ -407,7 +407,7 @@ class BwrapSandbox(Sandbox):
             options += (["--bind", str(capped), target] if capped
                         else ["--size", str(limits.tmp_bytes), "--tmpfs", target])
         for path in interp:  # a root drainer's by real path: the launcher's view binds that back
-            options += ["--ro-bind", path if not _hostuid.needed() else os.path.realpath(path), path]
+            options += ["--ro-bind", path if not _leased() else os.path.realpath(path), path]
         options += ["--ro-bind", str(handlers), HANDLERS]
         options += ["--bind", str(self._workspace), WORKSPACE, "--chdir", WORKSPACE]
         self._binary = binary
@@ -425,7 +425,7 @@ class BwrapSandbox(Sandbox):
     def warm(cls, template: Template) -> None:
         """The interpreter's paths (a subprocess, ~20 ms) probed beside the tier's own probe."""
         try:
-            python = template.python or default_python(binds_blocked=_hostuid.needed())
+            python = template.python or default_python(binds_blocked=_leased())
         except SandboxUnavailable:
             return  # no interpreter at all: the check says so, with the tier's own reason
         warm_interpreter_paths(python)
@@ -447,13 +447,13 @@ class BwrapSandbox(Sandbox):
 
     @classmethod
     def handler_python(cls, template: Template) -> str:
-        """``template.python``, else fleetless's own interpreter, also under a root drainer where
-        it lives under a directory the job uids cannot search (``/root``): the launcher's view
-        binds it back (:func:`_view`); else the system's (said once) when its own files are not
-        readable by other users either."""
+        """``template.python``, else fleetless's own interpreter, also where it lives under a
+        directory the job uids cannot search (``/root``, a non-root drainer's 0700 directory where
+        its jobs are subordinate uids): the launcher's view binds it back (:func:`_view`); else the
+        system's (said once) when its own files are not readable by other users either."""
         if template.python:
             return template.python
-        own = default_python(binds_blocked=_hostuid.needed())
+        own = default_python(binds_blocked=_leased())
         if _leased():
             try:
                 _require_job_paths(own)

@@ -235,8 +235,9 @@ def _require_reachable_itself(path: str, what: str) -> None:
 # -- a root drainer's interpreter where the job uids cannot go ---------------------------------
 def _blocked_at(path: str) -> str | None:
     """The first directory above ``path`` (the real one) that other users cannot search, under a
-    root drainer (whose bwrap, as the job's uid, resolves its bind sources by path); else None."""
-    if not _hostuid.needed():
+    root drainer or a non-root one with a subordinate range (whose bwrap, as the job's uid, resolves
+    its bind sources by path); else None."""
+    if not _leased():
         return None
     current = "/"
     for part in Path(os.path.realpath(path)).parts[1:-1]:
@@ -259,9 +260,10 @@ def blocked_paths(paths: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _view(paths: Sequence[str]) -> str:
-    """Shell commands that, run as root at a launcher's start in a mount namespace of its own, make
-    each of ``paths`` (a root drainer's interpreter under ``/root``, mode 0700) reachable there by
-    the job's uid: each path is opened first, then every directory in the way is covered by a
+    """Shell commands that, run as root (or ns-root of a non-root drainer's holder, :mod:`.._subuid`:
+    the drainer's own uid on the host) at a launcher's start in a mount namespace of its own, make
+    each of ``paths`` (an interpreter under ``/root``, or under a 0700 directory of the drainer
+    user's) reachable there by the job's uid: each path is opened first, then every directory in the way is covered by a
     small tmpfs (mode 0755) holding only the path, bound back from the open descriptor (the magic
     link reaches it without searching the directory in the way). bwrap, now the job's uid, then
     binds it read-only as any other; nothing changes on the host, and the namespace goes with the
