@@ -377,3 +377,20 @@ def test_doctor_with_handlers_says_per_tier_which_kinds_a_drain_would_not_claim(
     for t in tiers:
         assert t["kinds"]["ok"] is None, t
         assert "/nonexistent/python3" in t["kinds"]["bad"], t
+
+
+def test_the_imports_asked_of_a_fallback_interpreter_are_the_apps_packages_only(tmp_path: Path) -> None:
+    """What a drain asks of the interpreter a tier fell back to (issue 28): the handler's absolute
+    imports that the drainer's interpreter finds; not the standard library, not a module beside the
+    handler, not ``fleetless`` (the batch runner serves ``fleetless.outcomes``), not a relative one."""
+    from fleetless import handler_imports
+
+    if not os.path.exists("/usr/bin/python3"):
+        pytest.skip("no /usr/bin/python3")
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    handler = tmp_path / "job.py"
+    handler.write_text("import json, os.path\nimport helper\nfrom fleetless.outcomes import Snooze\n"
+                       "def handle(payload):\n    import psycopg\n    from cronsim import CronSim\n"
+                       "    import no_such_package_anywhere\n    return 1\n")
+    assert handler_imports.missing(handler, "/usr/bin/python3") == ["cronsim", "psycopg"]
+    assert handler_imports.missing(handler, sys.executable) == []

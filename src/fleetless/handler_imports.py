@@ -6,7 +6,8 @@ imports one of the app's packages would fail every attempt with ``ModuleNotFound
 charged. A drain asks this before it claims: the absolute imports at the handler's top level (read
 with :mod:`ast`, never run) that the drainer's own interpreter finds and the one jobs get does not,
 asked of that interpreter once per drain (one subprocess, isolated: no user site, no environment).
-A module beside the handler (the handlers directory is on the job's ``sys.path``) is not asked.
+A module beside the handler (the handlers directory is on the job's ``sys.path``) is not asked, nor
+``fleetless`` (the batch runner serves ``fleetless.outcomes`` where the job's python has none).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def missing(path: Path, python: str) -> list[str]:
     """The packages the handler at ``path`` imports that this (the drainer's) interpreter has and
     ``python`` has not; [] when ``python`` cannot be asked (its own check says why)."""
     handlers_dir = path.parent
-    names = tuple(n for n in top_level_imports(path)
-                  if not (handlers_dir / f"{n}.py").exists() and not (handlers_dir / n).is_dir() and _own_finds(n))
+    names = tuple(n for n in top_level_imports(path) if n != "fleetless" and not (handlers_dir / f"{n}.py").exists()
+                  and not (handlers_dir / n).is_dir() and _own_finds(n))
     if not names:
         return []
     key = (python, names)
