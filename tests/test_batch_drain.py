@@ -71,7 +71,7 @@ def test_a_batch_drain_stores_each_jobs_own_outcome(tier: str, queue: Queue, han
     assert len(set(same)) == 1
     assert [rows[i][:2] + rows[i][3:4] for i in scripts] == [
         ("done", 1, "script 0\n"), ("done", 1, "script 1\n"), ("pending", 1, ""), ("done", 1, "script 3\n")]
-    assert (summary.done, summary.retried, summary.dead, summary.fenced_out) == (7, 2, 1, 0)
+    assert (summary.done, summary.failed, summary.dead, summary.fenced_out) == (7, 2, 1, 0)
 
 
 def test_batch_claims_take_one_kind_and_every_kind_progresses(queue: Queue, handlers, sql: SQL) -> None:
@@ -338,7 +338,7 @@ def test_a_forged_result_line_fails_only_its_own_job_and_changes_no_other_row(qu
     assert rows[ids[1]][0] == "pending" and rows[ids[1]][2].startswith("exit code 0 (handle() did not return)")
     assert [rows[i][:2] for i in ids[2:]] == [("done", 2), ("done", 3)]
     assert sql("SELECT * FROM fleetless.jobs WHERE id = %s", other) == before
-    assert (summary.done, summary.retried, summary.fenced_out) == (3, 1, 0)
+    assert (summary.done, summary.failed, summary.fenced_out) == (3, 1, 0)
 
 
 @contextmanager

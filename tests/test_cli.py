@@ -154,7 +154,7 @@ def test_drain_prints_a_one_line_summary(dsn: str, queue: Queue, fleetless, hand
     queue.enqueue("bad", {}, max_attempts=1)
     r = fleetless("drain", "--handlers", str(h), dsn=dsn)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().startswith("drained: claimed 2, done 1, retried 0, dead 1 in ")
+    assert r.stdout.strip().startswith("drained: claimed 2, done 1, failed 0, dead 1 in ")
 
 
 def test_drain_defaults_to_auto_and_says_which_tier_it_chose_and_why(dsn: str, queue: Queue, fleetless,

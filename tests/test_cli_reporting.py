@@ -48,13 +48,15 @@ def test_json_logs_are_one_object_per_event(dsn: str, queue: Queue, fleetless: A
     assert len(finished) == 1, events
     e = finished[0]
     assert (e["id"], e["kind"], e["attempt"], e["outcome"], e["tier"], e["error_head"], e["queue"]) == \
-        (bad, "bad", 1, "retried", "process", HEAD, "default")
+        (bad, "bad", 1, "failed", "process", HEAD, "default")  # the history's word (it said 'retried')
+    assert 60 <= e["retry_in"] <= 150  # the default policy's first backoff: 2 min (+ jitter)
     assert e["duration"] > 0 and e["level"] == "info"
     import datetime as dt  # the time is UTC and says so: a shipper elsewhere reads it unambiguously
     logged = dt.datetime.fromisoformat(e["time"].replace("Z", "+00:00"))
     assert e["time"].endswith("Z") and abs((dt.datetime.now(dt.UTC) - logged).total_seconds()) < 600
     summary = json.loads(r.stdout)
-    assert (summary["claimed"], summary["retried"], summary["done"], summary["dead"]) == (1, 1, 0, 0)
+    assert (summary["claimed"], summary["failed"], summary["retried"], summary["done"], summary["dead"]) == \
+        (1, 1, 0, 0, 0)
     assert set(summary) >= {"released", "fenced_out", "reaped", "seconds"}
 
 
@@ -226,7 +228,7 @@ def test_a_drain_on_a_terminal_shows_live_progress(dsn: str, queue: Queue, handl
     text = b"".join(chunks).decode(errors="replace")
     assert "claimed" in text and "running" in text and "jobs/min" in text, text  # the live view
     assert "(bad) attempt 1: dead in" in text and HEAD in text  # failed jobs printed above it
-    assert out.decode().startswith("drained: claimed 2, done 1, retried 0, dead 1")
+    assert out.decode().startswith("drained: claimed 2, done 1, failed 0, dead 1")
 
 
 def test_jobs_and_show_cannot_let_job_output_drive_the_terminal(dsn: str, queue: Queue, fleetless: Any) -> None:

@@ -72,7 +72,7 @@ def test_one_flush_writes_mixed_outcomes_in_one_statement(queue: Queue, sql: Cal
     assert rows[ids[4]] == ("pending", 0, None, None, "released: stopping", False, False, False)  # token kept
     assert rows[6] == ("dead", 1, None, None, "last try", False, True, False)
     counts = c.counts
-    assert (counts.done, counts.retried, counts.dead, counts.released, counts.fenced_out) == (2, 1, 2, 1, 0)
+    assert (counts.done, counts.failed, counts.dead, counts.released, counts.fenced_out) == (2, 1, 2, 1, 0)
 
 
 def test_a_reaped_claims_late_outcome_is_fenced_out(queue: Queue, sql: Callable[..., list[Any]]) -> None:
@@ -139,7 +139,7 @@ def test_a_failed_flush_keeps_its_outcomes_and_retries(queue: Queue, sql: Callab
     wait_for(lambda: c.buffered == 0, what="the retried flush")
     c.close()
     assert sorted(r[0] for r in sql("SELECT status FROM fleetless.jobs")) == ["done", "done", "pending"]
-    assert (c.counts.done, c.counts.retried, c.counts.fenced_out) == (2, 1, 0)  # each acknowledged once
+    assert (c.counts.done, c.counts.failed, c.counts.fenced_out) == (2, 1, 0)  # each acknowledged once
 
 
 def test_one_outcome_the_database_refuses_fails_that_job_alone_and_the_flush_writes_the_rest(
@@ -164,7 +164,7 @@ def test_one_outcome_the_database_refuses_fails_that_job_alone_and_the_flush_wri
         ids[2]: ("pending", 1, "try again"),
         ids[3]: ("pending", 0, "stopping")}
     counts = c.counts
-    assert (counts.done, counts.dead, counts.retried, counts.released, c.buffered) == (1, 1, 1, 1, 0)
+    assert (counts.done, counts.dead, counts.failed, counts.released, c.buffered) == (1, 1, 1, 1, 0)
 
 
 def test_a_row_refused_for_no_known_reason_stops_the_flush_there_and_keeps_the_rest(
@@ -278,7 +278,7 @@ def test_close_writes_half_of_what_is_left_on_a_second_connection_each_outcome_o
     for job in jobs[20:]:
         again.add(job, Outcome("fail", error="x"))
     again.close(beside=beside)
-    assert (again.counts.retried, again.buffered) == (20, 0)
+    assert (again.counts.failed, again.buffered) == (20, 0)
     beside.close()
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY 1 ORDER BY 1") == [("done", 20), ("pending", 20)]
     assert sql("SELECT count(*) FROM fleetless.job_attempts") == [(40,)]  # one history row each

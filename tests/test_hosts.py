@@ -171,7 +171,7 @@ def test_a_cut_off_hosts_jobs_are_rerun_elsewhere_after_the_lease_and_its_late_o
     site.net.restore(site.hosts["h1"])
     code, out, err = h1.wait()
     assert code == 0, err
-    assert "claimed 2, done 0, retried 0, dead 0" in out and "2 fenced out" in out, out
+    assert "claimed 2, done 0, failed 0, dead 0" in out and "2 fenced out" in out, out
     for job_id in cut_off:
         assert f"job {job_id}: finished, but its claim had expired and was taken over" in err
     reaped = "".join(t.err.read_text() for t in ticks)
@@ -213,7 +213,7 @@ def test_a_host_whose_link_comes_back_before_its_lease_ends_finishes_normally(si
     site.net.restore(site.hosts["h1"])
     code, out, err = h1.wait()
     assert code == 0, err
-    assert "claimed 2, done 2, retried 0, dead 0" in out and "fenced out" not in out, out
+    assert "claimed 2, done 2, failed 0, dead 0" in out and "fenced out" not in out, out
     assert cluster.sql("SELECT status, attempts, result FROM fleetless.jobs") == [
         ("done", 1, f"{site.host_id('h1')} 1\n")] * 2
     assert cluster.sql("SELECT attempt, outcome, pid FROM fleetless.job_attempts") == [(1, "done", h1.proc.pid)] * 2

@@ -256,14 +256,15 @@ def test_the_drainer_reports_each_claim_and_outcome(queue: Queue, handlers: Any,
     })
     ok = queue.enqueue("ok", {})
     bad = queue.enqueue("bad", {}, max_attempts=1)
-    retried = queue.enqueue("bad", {}, max_attempts=2)
+    failed = queue.enqueue("bad", {}, max_attempts=2)
     recorder = Recorder()
     Drainer(queue, DrainConfig(handlers_dir=Path(h), concurrency=2), reporter=recorder).run()
-    assert sorted(recorder.claimed_ids) == [ok, bad, retried]
+    assert sorted(recorder.claimed_ids) == [ok, bad, failed]
     got = {e.id: (e.outcome, e.attempt, e.tier, e.error_head) for e in recorder.events}
+    # a plain failure with attempts left is 'failed', as the attempt history says (it was 'retried')
     head = "exit code 1: ValueError: invoice 42 has no lines"
     assert got == {ok: ("done", 1, "process", None), bad: ("dead", 1, "process", head),
-                   retried: ("retried", 1, "process", head)}
+                   failed: ("failed", 1, "process", head)}
     assert all(e.duration > 0 for e in recorder.events)
     assert json.loads(json.dumps(recorder.events[0].as_dict()))["kind"] in ("ok", "bad")
     stored = sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", bad)[0][0]

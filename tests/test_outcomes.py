@@ -137,8 +137,35 @@ def test_each_decision_on_each_tier(queue: Queue, dsn: str, sql: SQL, handlers: 
     summary = _drain(dsn, h, tier, per_sandbox)
     for (kind, case), job_id in ids.items():
         _check(case, _row(sql, job_id), script=kind == "scr")
-    assert (summary.snoozed, summary.done, summary.dead, summary.retried) == (2, 2, 2, 6), summary
-    assert "2 snoozed" in summary.line()
+    # the history's words: 'retried' is a handler's Retry alone, a plain failure 'failed' (issue 28:
+    # the summary said 'retried 6' for both)
+    assert (summary.snoozed, summary.done, summary.dead, summary.retried, summary.failed) == (2, 2, 2, 2, 4), summary
+    assert ", failed 4, dead 2, 2 retried, 2 snoozed" in summary.line(), summary.line()
+
+
+def test_the_drain_log_says_failed_or_retried_as_the_history_does(dsn: str, queue: Queue, fleetless: Any,
+                                                                   handlers: Callable[..., Path]) -> None:
+    """Issue 28: `job 96 (resize) attempt 1: retried in 0.1 s …` for a plain failure, while show and
+    /metrics said 'failed'. Now the line, --log-format json's outcome and the summary use the
+    history's words, and say when the job is due again."""
+    h = handlers(**{"mod.py": MODULE})
+    retry, bad, done = (queue.enqueue("mod", {"do": do}) for do in ("retry", "bad", "done"))
+    r = fleetless("-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    lines = {int(m.group(1)): m.group(2) for m in re.finditer(r"^fleetless: job (\d+) \(mod\) attempt 1: (.*)$",
+                                                               r.stderr, re.MULTILINE)}
+    assert re.fullmatch(r"retried in [\d.]+ s on process, retry in 16\.7m: retry requested in 1000 s: "
+                        r"429 from upstream", lines[retry]), lines
+    assert re.fullmatch(r"failed in [\d.]+ s on process, retry in (1\.\d|2\.\d)m: handle\(\) raised Snooze with "
+                        r"a bad delay: .*", lines[bad]), lines
+    assert re.fullmatch(r"done in [\d.]+ s on process", lines[done]), lines
+    assert r.stdout.startswith("drained: claimed 3, done 1, failed 1, dead 0, 1 retried in "), r.stdout
+    queue.run_now(retry)
+    queue.run_now(bad)
+    r = fleetless("--log-format", "json", "-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    events = {e["id"]: e for e in map(json.loads, r.stderr.splitlines()) if e.get("event") == "job_finished"}
+    assert (events[retry]["outcome"], events[bad]["outcome"]) == ("retried", "failed"), events
+    assert events[retry]["retry_in"] == 1000 and 100 < events[bad]["retry_in"] < 300, events  # 2nd backoff: 4 min
 
 
 def test_a_snooze_is_fenced_by_its_claim_and_a_cancel_wins(queue: Queue, sql: SQL) -> None:

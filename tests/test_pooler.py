@@ -86,7 +86,7 @@ def test_every_command_works_through_the_pooler(pooled: str, fleetless, handlers
     r = fleetless("drain", "--handlers", str(h), "--sandbox", "process", "--concurrency", "2", "--batch", "3",
                   dsn=pooled)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("drained: claimed 8, done 7, retried 0, dead 1 in "), r.stdout
+    assert r.stdout.startswith("drained: claimed 8, done 7, failed 0, dead 1 in "), r.stdout
     done = sql("SELECT id, result FROM fleetless.jobs WHERE status = 'done' ORDER BY id")
     assert [i for i, _ in done] == sorted([*ok, *many, kept])
     assert all(result == f"ran {i}\n" for i, result in done)

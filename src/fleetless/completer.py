@@ -58,7 +58,8 @@ class Counts:
     """What the completer has written so far."""
 
     done: int = 0
-    retried: int = 0
+    failed: int = 0  # failed with attempts left
+    retried: int = 0  # the same, asked by the handler (Retry)
     dead: int = 0
     released: int = 0  # claims given back without charging an attempt
     snoozed: int = 0  # jobs whose handler asked to come back later (not charged)
@@ -277,8 +278,10 @@ class Completer:
                 c.done += 1
             elif status is Status.DEAD:
                 c.dead += 1  # the drain's reporter says so (fleetless -v drain)
-            else:
+            elif outcome.decided == "retry":
                 c.retried += 1
+            else:
+                c.failed += 1
 
     # -- batched mode -------------------------------------------------------------------------
 

@@ -147,7 +147,8 @@ class DrainConfig:
 class Summary:
     claimed: int = 0
     done: int = 0
-    retried: int = 0
+    failed: int = 0  # attempts that failed with attempts left (pending again after the backoff)
+    retried: int = 0  # attempts whose handler raised Retry with attempts left (fleetless.outcomes, exit 92)
     dead: int = 0
     released: int = 0  # claims given back without charging an attempt
     snoozed: int = 0  # jobs whose handler asked to come back later (fleetless.outcomes.Snooze, exit 91)
@@ -164,13 +165,14 @@ class Summary:
             return "a watcher is already draining these queues; nothing to do"
         extra = "".join(
             f", {n} {what}"
-            for n, what in ((self.released, "released"), (self.snoozed, "snoozed"), (self.cancelled, "cancelled"),
-                            (self.fenced_out, "fenced out"), (self.reaped, "reaped"), (self.pruned, "pruned"),
+            for n, what in ((self.retried, "retried"), (self.released, "released"), (self.snoozed, "snoozed"),
+                            (self.cancelled, "cancelled"), (self.fenced_out, "fenced out"), (self.reaped, "reaped"),
+                            (self.pruned, "pruned"),
                             (self.scheduled, "scheduled"))
             if n
         )
         return (
-            f"drained: claimed {self.claimed}, done {self.done}, retried {self.retried}, "
+            f"drained: claimed {self.claimed}, done {self.done}, failed {self.failed}, "
             f"dead {self.dead}{extra} in {self.seconds:.1f} s"
         )
 
@@ -731,8 +733,8 @@ class Drainer:
             what = "done"
         elif status is Status.DEAD:
             what = "dead"
-        else:
-            what = "retried"
+        else:  # pending again, charged: the history's words (a handler's Retry, or a plain failure)
+            what = "retried" if outcome.decided == "retry" else "failed"
         started = self._claimed_at.pop(_claim_of(job), None)
         self._cancelled.discard(_claim_of(job))
         error = outcome.error
@@ -741,7 +743,8 @@ class Drainer:
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,
-            tier=self._tier_of(job.kind), error_head=error_head(error)))
+            tier=self._tier_of(job.kind), error_head=error_head(error),
+            retry_in=outcome.delay if what in ("failed", "retried") else None))
 
     @property
     def _grace(self) -> float:
@@ -789,7 +792,7 @@ class Drainer:
 
     def _take_counts(self) -> None:
         counts, s = self._completer.counts, self.summary
-        s.done, s.retried, s.dead = counts.done, counts.retried, counts.dead
+        s.done, s.failed, s.retried, s.dead = counts.done, counts.failed, counts.retried, counts.dead
         s.released, s.fenced_out, s.cancelled = counts.released, counts.fenced_out, counts.cancelled
         s.snoozed = counts.snoozed
 

@@ -16,10 +16,12 @@ from .job import Job
 
 __all__ = ["FinishedAs", "JobFinished", "NullReporter", "Reporter"]
 
-#: What became of one claim: ``done``, ``retried`` (failed, attempts left), ``dead``, ``released``
-#: (given back without charging an attempt), ``snoozed`` (its handler asked to come back later,
-#: uncharged) or ``fenced_out`` (the claim had been taken over).
-FinishedAs = Literal["done", "retried", "dead", "released", "snoozed", "fenced_out", "cancelled"]
+#: What became of one claim, in the attempt history's words: ``done``, ``failed`` (an error, attempts
+#: left), ``retried`` (its handler raised Retry, attempts left), ``dead``, ``released`` (given back
+#: without charging an attempt), ``snoozed`` (its handler asked to come back later, uncharged),
+#: ``cancelled``, or ``fenced_out`` (the claim had been taken over). Before issue 28 a plain failure
+#: was reported ``retried`` too.
+FinishedAs = Literal["done", "failed", "retried", "dead", "released", "snoozed", "fenced_out", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class JobFinished:
     duration: float  # seconds from claim to the outcome written
     tier: str
     error_head: str | None = None  # the first line of last_error, when the attempt failed
+    retry_in: float | None = None  # failed or retried: seconds until the job is due again
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

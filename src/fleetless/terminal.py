@@ -73,8 +73,13 @@ def configure_logging(*, verbose: bool, log_format: str, stream: IO[str] | None 
 
 
 def job_line(e: JobFinished) -> str:
-    """``job 12 (render-invoice) attempt 1: dead in 0.8 s on bwrap: exit code 1: ValueError: …``"""
+    """``job 12 (render-invoice) attempt 1: dead in 0.8 s on bwrap: exit code 1: ValueError: …``;
+    an attempt that failed with attempts left says when it is due again:
+    ``job 12 (render-invoice) attempt 1: failed in 0.8 s on bwrap, retry in 2.1m: exit code 1: …``
+    (``retried``, in the history's words, only when its handler raised Retry)."""
     line = f"job {e.id} ({e.kind}) attempt {e.attempt}: {e.outcome.replace('_', ' ')} in {e.duration:.1f} s on {e.tier}"
+    if e.retry_in is not None:
+        line += f", retry in {age(e.retry_in)}"
     if e.error_head:
         line += f": {e.error_head}"
     return printable(line)
@@ -115,8 +120,8 @@ class LiveReporter:
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._running: dict[int, tuple[str, float]] = {}  # id -> (kind, monotonic start)
-        self._counts = {"claimed": 0, "done": 0, "retried": 0, "dead": 0, "released": 0, "fenced_out": 0,
-                        "cancelled": 0, "snoozed": 0}
+        self._counts = {"claimed": 0, "done": 0, "failed": 0, "retried": 0, "dead": 0, "released": 0,
+                        "fenced_out": 0, "cancelled": 0, "snoozed": 0}
         self._live = Live(self, console=self.console, refresh_per_second=4, transient=True)
         stderr = sys.stderr  # before the view starts: it redirects sys.stderr through itself
         self._live.start()
@@ -168,10 +173,11 @@ class LiveReporter:
             running = sorted(self._running.items(), key=lambda item: item[1][1])
         now = time.monotonic()
         elapsed = max(now - self._started, 1e-9)
-        finished = counts["done"] + counts["retried"] + counts["dead"]
+        finished = counts["done"] + counts["failed"] + counts["retried"] + counts["dead"]
+        retried = f"retried {counts['retried']}  " if counts["retried"] else ""
         head = Text(
             f"claimed {counts['claimed']}  running {len(running)}  done {counts['done']}  "
-            f"retried {counts['retried']}  dead {counts['dead']}  "
+            f"failed {counts['failed']}  {retried}dead {counts['dead']}  "
             f"{finished / elapsed * 60:.1f} jobs/min  ({age(elapsed)}{' on ' + self.tier if self.tier else ''})"
         )
         table = Table(box=None, show_header=bool(running), pad_edge=False)

@@ -130,7 +130,7 @@ def test_an_outcome_written_after_reconnect_is_fenced_when_the_claim_was_reaped_
     allow_connections(dsn, True)
     assert drain.wait(timeout=60) == 0, drain.stderr
     # Its late outcome was not written; the reaped job, due again, was claimed anew and finished.
-    assert "drained: claimed 2, done 1, retried 0, dead 0, 1 fenced out" in drain.stdout
+    assert "drained: claimed 2, done 1, failed 0, dead 0, 1 fenced out" in drain.stdout
     assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "attempt 2\n")]
     assert executions(log) == {job_id: [1, 2]}
 

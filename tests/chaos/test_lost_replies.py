@@ -45,8 +45,8 @@ def test_a_claim_whose_reply_is_lost_runs_every_job_it_claimed(dsn: str, queue: 
 @pytest.mark.parametrize("per_sandbox", [1, 3], ids=["per-job", "batch"])
 @pytest.mark.parametrize(("source", "status", "counted"), [
     ("print('ok')", "done", "done"),
-    ("import sys; sys.exit(1)", "pending", "retried"),
-], ids=["done", "retried"])
+    ("import sys; sys.exit(1)", "pending", "failed"),
+], ids=["done", "failed"])
 def test_a_finish_whose_reply_is_lost_is_recognised_as_the_drainers_own(
         dsn: str, queue: Queue, handlers, sql, source: str, status: str, counted: str, per_sandbox: int) -> None:
     h = handlers(**{"job.py": source})
@@ -156,7 +156,7 @@ def test_a_lost_finish_whose_job_the_same_statement_claimed_again_is_counted_as_
         completer.flush()  # the old claim's write, found by its token in the attempt history
         through.close()
     assert proxy.dropped == [EXECUTED_FINISH]
-    assert (completer.counts.retried, completer.counts.fenced_out) == (1, 0)
+    assert (completer.counts.failed, completer.counts.fenced_out) == (1, 0)
     assert seen == [Status.PENDING] and completer.buffered == 0
     assert sql("SELECT status, attempts, claim_token FROM fleetless.jobs") == [("running", 2, token)]
     assert sql("SELECT attempt, outcome FROM fleetless.job_attempts") == [(1, "failed")]
@@ -185,7 +185,7 @@ def test_a_drain_counts_its_lost_finish_as_written_when_its_claim_took_the_job_a
     assert proxy.dropped == [EXECUTED_FINISH]
     assert sql("SELECT status, attempts, result FROM fleetless.jobs") == [("done", 2, "ok\n")]
     assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "failed"), (2, "done")]
-    assert (summary.retried, summary.done, summary.fenced_out) == (1, 1, 0), summary
+    assert (summary.failed, summary.done, summary.fenced_out) == (1, 1, 0), summary
 
 
 #: A handle() module for the batch drain below: "s" decides Snooze(0) or Retry(after=0) on its first
