@@ -247,3 +247,47 @@ def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job(which: str, ti
     else:
         assert [rows[i] for i in ids] == ["cancelled", "done", "done", "done"]
     assert all(attempts[i] == 1 for i in ids)
+
+
+def test_the_drain_log_of_a_job_cancelled_as_it_snoozed_gives_the_cancel(queue: Queue, handlers,
+                                                                          tmp_path: Path) -> None:
+    """Issue 28: 'job 99 (nap) attempt 1: cancelled in 0.9 s …: snoozed for 2 s'. The handler
+    snoozes right after the cancel lands; whichever ends the attempt first (the snooze, or the
+    drainer's kill on its next poll), the log's error says it was cancelled."""
+    from fleetless.events import JobFinished, NullReporter
+
+    started, go = tmp_path / "started", tmp_path / "go"
+    h = handlers(**{"nap.py": f"""
+        import os, sys, time
+        open({str(started)!r}, "w").close()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.005)
+        print("2 napping", file=sys.stderr)
+        sys.exit(91)
+    """})
+
+    class Recorder(NullReporter):
+        def __init__(self) -> None:
+            self.events: list[JobFinished] = []
+
+        def finished(self, event: JobFinished) -> None:
+            self.events.append(event)
+
+    job_id = queue.enqueue("nap", {})
+    recorder = Recorder()
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h), reporter=recorder)
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(started.exists, timeout=30, what="the job to start")
+        assert queue.cancel(job_id) is Status.RUNNING
+        go.touch()
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+    finally:
+        drainer.stop(grace=0)
+        thread.join(timeout=60)
+    (event,) = recorder.events
+    assert event.outcome == "cancelled" and event.error_head is not None, event
+    assert event.error_head.startswith("cancelled: an operator cancelled the job while it ran"), event
+    assert queue.get(job_id)["last_error"].startswith("cancelled: an operator cancelled the job while it ran")
