@@ -329,3 +329,41 @@ def test_a_job_that_kills_its_template_ends_its_batch_and_the_rest_run_in_a_fres
     rows = dict(sql("SELECT id, result_json FROM fleetless.jobs WHERE status = 'done' AND id = ANY(%s)", ids))
     assert [rows.get(i) for i in ids] == [{"n": n, "parent": True} for n in range(4)], r.stderr
     assert sql("SELECT max(attempts) FROM fleetless.jobs WHERE id = ANY(%s)", ids) == [(1,)]
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_job_that_leaves_its_process_group_is_still_killed_at_its_timeout_alone(
+        tier: str, dsn: str, shared: Path, sql) -> None:
+    """A job of a batch moves itself into the group of a child it made, then outlives its
+    timeout: the runner's kill of the job's group found no group (ProcessLookupError ended the
+    runner: the job read 'exit code 1: ProcessLookupError'). Now the job is killed through its
+    pidfd as well and ends 'killed: timeout'; the job after it runs."""
+    need_tier(tier)
+    need_user(None)
+    h = handlers_dir(shared, **{"escape.py": """
+        import os, time
+        def handle(payload):
+            if payload.get("escape"):
+                r, w = os.pipe()
+                child = os.fork()
+                if child == 0:
+                    os.setpgid(0, 0)
+                    os.write(w, b"x")
+                    time.sleep(99)
+                    os._exit(0)
+                os.read(r, 1)
+                os.setpgid(0, child)
+                time.sleep(99)
+            return payload["n"]
+    """})
+    work = work_dir(shared, None)
+    from fleetless import Queue
+
+    q = Queue(dsn)
+    q.init()
+    ids = [q.enqueue("escape", {"n": n, "escape": n == 0}, max_attempts=1) for n in range(2)]
+    r = drain(dsn, h, work, "--per-sandbox", "10", "--concurrency", "1", "--timeout", "3", tier=tier)
+    assert r.returncode == 0, r.stderr
+    rows = sql("SELECT status, last_error, result_json FROM fleetless.jobs WHERE id = ANY(%s) ORDER BY id", ids)
+    assert rows[0][0] == "dead" and rows[0][1].startswith("killed: timeout after 3 s"), rows
+    assert rows[1][:1] == ("done",) and rows[1][2] == 1, rows

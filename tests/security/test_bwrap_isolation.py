@@ -45,7 +45,7 @@ DENIED_CALLS = {
     "settimeofday": (164, 0, 0), "clock_settime": (227, 0, 0),
     "open_by_handle_at": (304, -1, 0, 0), "name_to_handle_at": (303, -100, 0, 0, 0, 0),
     "iopl": (172, 0), "ioperm": (173, 0, 0, 0), "quotactl": (179, 0, 0, 0, 0),
-    "io_uring_setup": (425, 0, 0), "x32 unshare": (0x40000000 | 272, 0),
+    "io_uring_setup": (425, 0, 0), "x32 unshare": (0x40000000 | 272, 0), "memfd_secret": (447, 0),
 }
 
 PROBE = textwrap.dedent(r'''

@@ -91,6 +91,7 @@ def syscall(number, *args):
 out["keyctl"] = err(lambda: syscall(KEYCTL, ctypes.c_long(0), ctypes.c_long(-3), ctypes.c_long(0)))
 out["add_key"] = err(lambda: syscall(ADD_KEY, ctypes.c_char_p(b"user"), ctypes.c_char_p(b"fleetless-probe"),
                                      ctypes.c_char_p(b"v"), ctypes.c_size_t(1), ctypes.c_long(-3)))
+out["memfd_secret"] = err(lambda: syscall(447, ctypes.c_long(0)))  # pages no memory watch counts
 pid = os.fork()
 if pid == 0:
     os._exit(7)
@@ -128,7 +129,7 @@ def test_a_process_tier_job_runs_under_the_seccomp_filter_and_makes_no_namespace
     assert (out["seccomp"], out["nnp"]) == ("2", "1"), out
     assert out["os_unshare"] == "EPERM" and out["c_unshare_net"] == "EPERM", out
     assert out["unshare_cli"][0] != 0 and out["unshare_urn"] != 0, out
-    assert out["keyctl"] == "EPERM" and out["add_key"] == "EPERM", out
+    assert out["keyctl"] == "EPERM" and out["add_key"] == "EPERM" and out["memfd_secret"] == "EPERM", out
     assert out["fork"] == 7 and out["threads"] == [0, 1, 2, 3] and out["subprocess"] == ["hi", "there"], out
     assert "NO seccomp filter" not in r.stderr, r.stderr
 

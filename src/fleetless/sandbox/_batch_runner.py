@@ -337,7 +337,8 @@ class Runner:
         self.import_error: str | None = None
         self.desc: dict[str, Any] = {}
         self.subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        self.stop = False  # file mode: SIGUSR1 came, start no other job
+        self.stop = False  # SIGUSR1 came (file mode), or a job's leftovers outlived it: start no other job
+        self.forked = 0  # jobs whose process the template forked
         self.jobs_usr1: Any = signal.SIG_DFL  # SIGUSR1 as the jobs get it (what the module set, if it did)
         self.header = True  # the next line read is the header
         self.template: socket.socket | None = None  # the runner's end of the template's socket
@@ -619,9 +620,12 @@ class Runner:
             if not msg:
                 self._template_gone(0)
                 return None
+            if self.forked:  # e.g. EAGAIN: an earlier job's leftovers hold the pids cap. Not this
+                return None  # job's doing: it and the rest run in a fresh sandbox, uncharged
             return json.dumps({"tag": tag, "ok": False, "duration": 0.0,
                                "error": "cannot start the job: " + msg[1:].decode("utf-8", "replace")})
         pid = int(msg[1:])
+        self.forked += 1
         try:
             _write_all(job_w, line)
         except OSError:  # it died before it read it
@@ -651,8 +655,9 @@ class Runner:
             except OSError:
                 pass
         _remove(home)
-        if not clean:
+        if not clean:  # they may be at work on the next job's directory: this sandbox runs no other
             stderr += "\n(fleetless: processes of this job could not all be killed)"
+            self.stop = True
         code = os.waitstatus_to_exitcode(status)
         if not module:
             if killed is None and data.startswith(b"E"):
@@ -712,7 +717,7 @@ class Runner:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    os.killpg(pid, signal.SIGKILL)
+                    _kill_job(pid, ended)
                     return f"killed: timeout after {_fmt(timeout)} s", b""
                 ready = select.select(watch, [], [], left)[0]
                 for fd in ready:
@@ -735,10 +740,10 @@ class Runner:
                 if self.channel and self.inp in ready:
                     line = self.read_line(block=False)
                     if line == b"":  # the drainer is gone: so is the job
-                        os.killpg(pid, signal.SIGKILL)
+                        _kill_job(pid, ended)
                         return "killed: sandbox destroyed", b""
                     if line and json.loads(line).get("cancel") == tag:
-                        os.killpg(pid, signal.SIGKILL)
+                        _kill_job(pid, ended)
                         return "cancelled", b""
         finally:
             if ended is not None:
@@ -796,6 +801,24 @@ class Runner:
                 pass
         _write_all(w, report)
         os._exit(0)
+
+
+def _kill_job(pid: int, ended: int | None) -> None:
+    """SIGKILL the job's process group and its process (through its pidfd where there is one: no pid
+    reuse). A job may have left its group (setpgid into a child's), so the group may be gone while
+    the job runs on (red team: ProcessLookupError ended the runner's wait at a timeout); what it
+    left is the template's to kill once the job has ended (:func:`end_leftovers`)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        if ended is not None:
+            signal.pidfd_send_signal(ended, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _not_json(value: Any, exc: BaseException) -> str:

@@ -44,6 +44,9 @@ DENIED: dict[str, tuple[str, ...]] = {
     "kernel code, tracing and memory tricks with a history of privilege escalations":
         ("bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter",
          "io_uring_register", "lookup_dcookie"),
+    "secret memory is in no RSS and no memfd the drainer's memory watch counts (where no memory cgroup "
+    "holds a job, up to RLIMIT_MEMLOCK per process went uncounted: red team, issue 25)":
+        ("memfd_secret",),
     "kernel modules and kexec":
         ("init_module", "finit_module", "delete_module", "create_module", "query_module",
          "get_kernel_syms", "kexec_load", "kexec_file_load"),
