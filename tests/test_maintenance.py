@@ -97,12 +97,18 @@ def test_retention_keeps_dead_jobs_longer_than_done_ones_by_default(queue: Queue
     assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("dead", 2)]
 
 
-def test_retention_deletes_at_most_one_batch_per_pass(queue: Queue, sql) -> None:
+def test_retention_deletes_at_most_its_batches_per_pass(queue: Queue, sql) -> None:
+    """Bounded: at most ``batches`` statements of ``batch_size`` rows a pass (20 x 500 by default:
+    with one batch a pass, once a minute, a database finishing more than 8 jobs a second grew
+    without bound: audit, issue 26)."""
     finished(queue, sql, "done", 30, days_ago=8)
-    result = retention.run_once(queue, retention.Settings(batch_size=12))
-    assert (result.deleted, result.more) == (12, True)
+    result = retention.run_once(queue, retention.Settings(batch_size=12, batches=2, every=None))
+    assert (result.deleted, result.more) == (24, True)
     assert retention.run_once(queue, retention.Settings(done=None, cancelled=None, dead=None)).deleted == 0
-    assert sql("SELECT count(*) FROM fleetless.jobs") == [(18,)]
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(6,)]
+    assert retention.Settings().batches * retention.Settings().batch_size == 10_000
+    result = retention.run_once(queue, retention.Settings(batch_size=4, every=None))  # stops at a short batch
+    assert (result.deleted, result.more) == (6, False)
 
 
 def test_a_drain_reaps_sweeps_and_applies_retention_before_it_claims(queue: Queue, sql, handlers) -> None:
@@ -114,8 +120,8 @@ def test_a_drain_reaps_sweeps_and_applies_retention_before_it_claims(queue: Queu
     config = DrainConfig(handlers_dir=h, concurrency=1,
                          maintenance=Settings(retention=retention.Settings(batch_size=5)))
     summary = Drainer(queue, config).run()
-    assert (summary.reaped, summary.pruned, summary.done) == (1, 5, 1)
-    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("done", 3)]
+    assert (summary.reaped, summary.pruned, summary.done) == (1, 7, 1)  # two batches of 5
+    assert sql("SELECT status, count(*) FROM fleetless.jobs GROUP BY status") == [("done", 1)]
 
 
 def test_a_long_drain_repeats_maintenance_on_its_timer(queue: Queue, sql, handlers, tmp_path: Path) -> None:
@@ -214,11 +220,11 @@ def test_retention_runs_at_most_once_a_minute_per_database(queue: Queue, sql, ds
     finished(queue, sql, "done", 30, days_ago=8)
     other = Queue(dsn)  # another drain, on another connection
     try:
-        assert retention.run_once(queue, retention.Settings(batch_size=10)).deleted == 10
-        assert retention.run_once(other, retention.Settings(batch_size=10)).deleted == 0  # not its turn
-        assert retention.run_once(other, retention.Settings(batch_size=10, every=None)).deleted == 10
+        assert retention.run_once(queue, retention.Settings(batch_size=10, batches=1)).deleted == 10
+        assert retention.run_once(other, retention.Settings(batch_size=10, batches=1)).deleted == 0  # not its turn
+        assert retention.run_once(other, retention.Settings(batch_size=10, batches=1, every=None)).deleted == 10
         sql("UPDATE fleetless.maintenance_runs SET last_at = now() - interval '61 seconds'")
-        assert retention.run_once(other, retention.Settings(batch_size=10)).deleted == 10
+        assert retention.run_once(other, retention.Settings(batch_size=10, batches=1)).deleted == 10
     finally:
         other.close()
 

@@ -305,7 +305,7 @@ def drain_options(f: F) -> F:
         click.option("--keep-dead", callback=_keep, default="30d", show_default=True,
                      help="Retention for dead jobs ('forever': keep)."),
         click.option("--retention-batch", type=int, default=500, show_default=True,
-                     help="Most finished jobs one retention pass deletes."),
+                     help="Most finished jobs one retention statement deletes (a pass: up to 20 of them)."),
         click.option("--maintenance-interval", callback=_duration, default="60", show_default=True,
                      help="A drain running longer repeats reap, sweep and retention this often."),
         click.option("--job-uids", callback=_uid_range, envvar=hostuid.ENV, metavar="FIRST-LAST",

@@ -1,6 +1,7 @@
 """Retention: every drain's bounded share of pruning, so the jobs table stays small by itself.
 
-What it does: one pruner batch per run (at most ``batch_size`` rows) with the retention ages:
+What it does: up to ``batches`` pruner batches per run (each at most ``batch_size`` rows, its own
+short statement; 20 x 500 by default, 10,000 rows a run) with the retention ages:
 ``done`` and ``cancelled`` jobs 7 days after they finished, ``dead`` ones after 30 (they are the
 evidence of what went wrong, so they are kept longer). A drain that finds more due leaves the rest
 to the next run; a long-running drain runs it again on its maintenance timer. At most one run per
@@ -12,8 +13,10 @@ totals of ``/metrics`` on by at most ``fold_batch`` attempts (``Insights.fold_st
 up with the history even when only a role that may not write scrapes the metrics.
 
 When it can go wrong: set an age to None to keep that status forever (then prune by hand with
-``fleetless prune``). With drains rarer than jobs finish, a backlog shrinks only ``batch_size``
-rows per drain: raise it, or run ``fleetless prune`` once.
+``fleetless prune``). A run at most once a minute per database deletes at most ``batches`` x
+``batch_size`` rows: 10,000 a minute (about 160 finished jobs a second) by default; with one batch
+a run, as before, a database finishing more than 8 jobs a second grew without bound (audit, issue
+26). Past that, raise them, or run ``fleetless prune`` from a timer.
 
 Reports: the pruner's counts.
 """
@@ -39,8 +42,10 @@ class Settings:
     cancelled: float | None = 7 * DAY
     #: Seconds a dead job is kept; None: forever. Longer: dead jobs are evidence.
     dead: float | None = 30 * DAY
-    #: Most rows one run deletes (one statement).
+    #: Most rows one statement deletes (one short transaction each).
     batch_size: int = 500
+    #: Most statements one run makes (it stops at the first that is not full).
+    batches: int = 20
     #: Seconds between two runs in one database, whichever drains run them; None: every call.
     every: float | None = 60.0
     #: Most attempts one run folds into /metrics' running totals (a bounded step).
@@ -50,7 +55,7 @@ class Settings:
         ages = tuple((status, age) for status, age in
                      (("done", self.done), ("cancelled", self.cancelled), ("dead", self.dead))
                      if age is not None)
-        return pruner.Settings(ages=ages, batch_size=self.batch_size, max_batches=1, wait=False)
+        return pruner.Settings(ages=ages, batch_size=self.batch_size, max_batches=self.batches, wait=False)
 
     def __post_init__(self) -> None:
         self.pruner_settings()  # validates
