@@ -416,6 +416,7 @@ class Runner:
     def run(self, started: float) -> None:
         if not self.channel:  # after the template's fork: the jobs get what the module set
             signal.signal(signal.SIGUSR1, self._stop)
+            self.stop = self.stop or bool(_EARLY_STOP)
         desc = self.desc
         budget = float(desc.get("budget", 1e9))
         grace = float(desc.get("grace", 2.0))
@@ -461,7 +462,7 @@ class Runner:
         writes). The template is the job's parent and a child subreaper: it waits for the job,
         kills what the job left, then says the job's wait status. It dies with the runner."""
         before = signal.getsignal(signal.SIGUSR1)  # what the module set, if it did: the jobs' own
-        self.jobs_usr1 = signal.SIG_DFL if before is None else before
+        self.jobs_usr1 = signal.SIG_DFL if before is None or before is _early_stop else before
         if self.import_error is not None:  # no job runs: each gets the import's error
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -862,9 +863,21 @@ def _open_channel(args: list[str]) -> tuple[int, int, bool]:
     return inp, os.dup(1), False
 
 
+#: SIGUSR1 came before the runner's own handler was set (file mode: stop after the first job)
+_EARLY_STOP: list[bool] = []
+
+
+def _early_stop(signum: int, frame: object) -> None:
+    _EARLY_STOP.append(True)
+
+
 def main() -> None:
     started = time.monotonic()  # a spare's waiting counts against its budget (the sandbox's TTL)
     _prctl(PR_SET_NAME, NAME)
+    # caught from the start (the drainer signals once /proc shows it caught): a stop during a slow
+    # import is kept, not lost to a drainer that waited for the import and signalled after the
+    # runner had started every job (CI, under load: the cancelled 4th job ran and ended done)
+    signal.signal(signal.SIGUSR1, _early_stop)
     inp, out, channel = _open_channel(sys.argv[1:])
     _prctl(PR_SET_DUMPABLE, 0)  # /proc/<this>/fd is then out of the jobs' reach, even as its uid
     os.dup2(2, 1)  # the runner's own prints cannot reach the channel
