@@ -266,27 +266,27 @@ class Insights:
 
     def attempts_page(self, job_id: int, number: int = 1, size: int = PAGE_SIZE) -> Page[dict[str, Any]]:
         """Page ``number`` of one job's attempt history, oldest first (a job may have thousands)."""
+        rows = self._attempt_rows("insight_attempts", job_id, number, size)
+        return _paged(rows, number, size)
+
+    def _attempt_rows(self, query: str, job_id: int, number: int, size: int) -> list[dict[str, Any]]:
+        """One page's rows of ``query`` (``size`` and one more, to tell a next page), each row's
+        ``error_head`` its first line; JobNotFound when there is no such job."""
         _check_page(number, size)
-        rows = self.queue.query("insight_attempts", {"id": job_id, "limit": size + 1,
-                                                     "offset": (number - 1) * size})
+        rows = self.queue.query(query, {"id": job_id, "limit": size + 1, "offset": (number - 1) * size})
         if not rows:
             self.queue.get(job_id)  # JobNotFound when there is no such job
         for row in rows:
             row["error_head"] = error_head(row.get("error_head"))
-        return _paged(rows, number, size)
+        return rows
 
     def attempt_runs_page(self, job_id: int, number: int = 1, size: int = PAGE_SIZE) -> Page[dict[str, Any]]:
         """Page ``number`` of one job's attempt history, oldest first, as :meth:`attempts_page` but
         with each run of consecutive snoozes one row: its first row's columns plus ``n`` (rows in
         the run, 1 for any other row), ``run_started``, ``run_finished`` and ``run`` (None, or the
         run's rows: ``snooze``, ``finished_at``, ``error_head``). A page holds ``size`` such rows."""
-        _check_page(number, size)
-        rows = self.queue.query("insight_attempt_runs", {"id": job_id, "limit": size + 1,
-                                                         "offset": (number - 1) * size})
-        if not rows:
-            self.queue.get(job_id)  # JobNotFound when there is no such job
+        rows = self._attempt_rows("insight_attempt_runs", job_id, number, size)
         for row in rows:
-            row["error_head"] = error_head(row.get("error_head"))
             for one in row["run"] or ():
                 one["finished_at"] = _timestamp(one["finished_at"])
                 one["error_head"] = error_head(one["error_head"])

@@ -37,16 +37,21 @@ GATED = """
 """
 
 
-def _gated() -> list[int]:
-    """This process's descendants that are the gated job, waiting for its signal."""
+def _named(comm: bytes) -> list[int]:
+    """This process's descendants whose name (``/proc/<pid>/comm``) is ``comm``."""
     found = []
     for pid in descendants(os.getpid()):
         try:
-            if Path(f"/proc/{pid}/comm").read_bytes().strip() == b"fl-gated-job":
+            if Path(f"/proc/{pid}/comm").read_bytes().strip() == comm:
                 found.append(pid)
         except OSError:
             continue
     return found
+
+
+def _gated() -> list[int]:
+    """This process's descendants that are the gated job, waiting for its signal."""
+    return _named(b"fl-gated-job")
 
 
 #: The same, from a module that sets SIGUSR1's action when imported (in the runner's process).
@@ -205,14 +210,7 @@ SLOW_IMPORT = """
 
 def _runners() -> list[int]:
     """This process's descendants named as the batch runner names itself (the runner, its template)."""
-    found = []
-    for pid in descendants(os.getpid()):
-        try:
-            if Path(f"/proc/{pid}/comm").read_bytes().strip() == b"fleetless-batch":
-                found.append(pid)
-        except OSError:
-            continue
-    return found
+    return _named(b"fleetless-batch")
 
 
 @pytest.mark.parametrize("tier", ["forkserver"])  # file mode as root (process and bwrap: channel mode)
