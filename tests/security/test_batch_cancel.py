@@ -58,16 +58,10 @@ def _gated() -> list[int]:
 GATED_OWN_USR1 = "import signal\nsignal.signal(signal.SIGUSR1, signal.SIG_DFL)\n" + textwrap.dedent(GATED)
 
 
-@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
-@pytest.mark.parametrize("which", ["waiting", "running", "waiting-own-usr1"])
-def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
-        which: str, tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    require_tier(tier)
-    h = handlers(**{"gated.py": GATED_OWN_USR1 if which.endswith("own-usr1") else GATED})
-    which = which.removesuffix("-own-usr1")
-    ids = [queue.enqueue("gated", {"n": 0, "gated": True}, max_attempts=3)]
-    ids += [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
+def _start_batch_drain(queue: Queue, h: Any, tier: str,
+                       monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Thread, threading.Event]:
+    """A drain of batches of 4 in a thread, started, and an event set once it acts on a cancel
+    (its slot's kill_current)."""
     seen = threading.Event()
     original = batch_module.Slot.kill_current
 
@@ -79,6 +73,20 @@ def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
     drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=4, concurrency=1))
     thread = threading.Thread(target=drainer.run)
     thread.start()
+    return thread, seen
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+@pytest.mark.parametrize("which", ["waiting", "running", "waiting-own-usr1"])
+def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
+        which: str, tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    require_tier(tier)
+    h = handlers(**{"gated.py": GATED_OWN_USR1 if which.endswith("own-usr1") else GATED})
+    which = which.removesuffix("-own-usr1")
+    ids = [queue.enqueue("gated", {"n": 0, "gated": True}, max_attempts=3)]
+    ids += [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
+    thread, seen = _start_batch_drain(queue, h, tier, monkeypatch)
     try:
         wait_for(_gated, timeout=120, what="the batch's first job to run")
         victim = ids[3] if which == "waiting" else ids[0]
@@ -225,17 +233,7 @@ def test_a_cancel_while_the_batch_runner_imports_its_handler_waits_for_it_to_cat
         pytest.skip("the fork server needs a root drainer")
     h = handlers(**{"slow.py": SLOW_IMPORT})
     ids = [queue.enqueue("slow", {"n": n}, max_attempts=3) for n in range(4)]
-    seen = threading.Event()
-    original = batch_module.Slot.kill_current
-
-    def kill_current(self: batch_module.Slot) -> None:  # the drainer acted on the cancel
-        original(self)
-        seen.set()
-
-    monkeypatch.setattr(batch_module.Slot, "kill_current", kill_current)
-    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=4, concurrency=1))
-    thread = threading.Thread(target=drainer.run)
-    thread.start()
+    thread, seen = _start_batch_drain(queue, h, tier, monkeypatch)
     try:
         wait_for(_runners, timeout=60, what="the batch runner to start")
         assert queue.cancel(ids[3]) is Status.RUNNING  # claimed with its batch

@@ -14,6 +14,7 @@ import json
 import os
 import pwd
 import subprocess
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -172,20 +173,7 @@ ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0
 
 #: A handle() job of a batch (forked from the runner's template, non-dumpable before issue 25's
 #: second round) hoarding as MEMFD_HOARD does.
-BATCH_HOARD = """
-import os, sys, time
-
-def handle(payload):
-    chunk = b"\\1" * (1 << 20)
-    fds = []
-    for i in range(4):
-        fd = os.memfd_create(f"hoard{i}")
-        for _ in range(64):
-            os.write(fd, chunk)
-        fds.append(fd)
-    print("hoarded", file=sys.stderr, flush=True)
-    time.sleep(120)
-"""
+BATCH_HOARD = "def handle(payload):\n" + textwrap.indent(MEMFD_HOARD, "    ")
 
 
 @pytest.mark.parametrize("user", [pytest.param("root", id="root"), *USERS])
