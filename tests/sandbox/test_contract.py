@@ -443,6 +443,53 @@ def test_kill_returns_only_once_the_jobs_tree_and_workspace_are_gone(tier: Tier)
     assert (r.killed, r.exit_code) == ("killed: sandbox destroyed", -signal.SIGKILL), r
 
 
+@contract(microvm=True)
+def test_kills_from_several_threads_at_once_each_return_once_everything_is_gone(
+        tier: Tier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A drainer's cancel kills a batch's sandbox from its poll while the batch's own end kills it:
+    two kill() calls at once on the fork server closed the workspace's descriptor twice ("Bad file
+    descriptor" ended the drain, CI test_batch_cancel). Every call returns without raising, and
+    only once the job's tree and workspace are gone (not while another call still tears down)."""
+    marker = f"fleetless-kills-{uuid.uuid4().hex}"
+    tier.handler("daemon.py", DAEMON)
+    sbx = tier.create()
+    mark = f"mark-{uuid.uuid4().hex}"
+    sbx.write(mark, "the job's")
+    close = os.close
+
+    def slow_close(fd: int) -> None:  # widens every check-then-close window of a teardown
+        threading.Event().wait(0.05)
+        close(fd)
+
+    job = threading.Thread(target=lambda: tier.run(
+        sbx, "daemon.py", payload={"marker": marker, "then_sleep": 600}, timeout=600))
+    job.start()
+    wait_for(lambda: tier.processes(marker), 120, what="the job's daemon (or its VM) to run")
+    monkeypatch.setattr(os, "close", slow_close)
+    start = threading.Barrier(4)
+    seen: list[tuple[list[int], list[str]] | BaseException] = []
+
+    def kill() -> None:
+        start.wait()
+        try:
+            sbx.kill()
+            seen.append((tier.processes(marker) if tier.promises.kill_waits else [], tier.left_on_host(mark)))
+        except BaseException as exc:  # the contract: never
+            seen.append(exc)
+
+    killers = [threading.Thread(target=kill) for _ in range(4)]
+    for t in killers:
+        t.start()
+    for t in killers:
+        t.join(120)
+    monkeypatch.undo()
+    job.join(60)
+    assert not job.is_alive()
+    assert seen == [([], [])] * 4, seen
+    if not tier.promises.kill_waits:
+        wait_for(lambda: not tier.processes(marker), 30, what="the job's machine to be gone")
+
+
 PARENT = """
 import json, sys
 from pathlib import Path

@@ -19,12 +19,13 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar
+from typing import Any, ClassVar
 
 __all__ = [
     "AUTO",
@@ -107,6 +108,7 @@ class Sandbox(ABC):
     """One isolated environment. Create it, write files into its workspace, exec, kill."""
 
     name: ClassVar[str]
+    _kill_lock: threading.RLock
     #: Seconds a sandbox may take beyond its job's timeout before the timeout even starts (a VM's
     #: boot). The drainer adds it to every lease, so a live drainer's lease never expires under a
     #: running job; the teardown after a kill (a second or two) is what --lease-grace covers.
@@ -235,9 +237,22 @@ class Sandbox(ABC):
         if seen is not None:
             seen(chunk)
 
-    @abstractmethod
+    def __new__(cls, *args: Any, **kwargs: Any) -> Sandbox:
+        self = super().__new__(cls)
+        self._kill_lock = threading.RLock()
+        return self
+
     def kill(self) -> None:
-        """Destroy everything: processes, workspace, cgroups. Idempotent, never raises."""
+        """Destroy everything: processes, workspace, cgroups. Idempotent, never raises, and safe
+        from several threads at once: every call returns only once the sandbox is destroyed (a
+        drainer's cancel kills a batch's sandbox from its poll while the batch's end kills it too;
+        two kills at once once closed one descriptor twice and ended the drain, CI)."""
+        with self._kill_lock:
+            self._destroy()
+
+    @abstractmethod
+    def _destroy(self) -> None:
+        """:meth:`kill`'s work, one call at a time; idempotent."""
 
     def __enter__(self) -> Sandbox:
         return self

@@ -660,7 +660,7 @@ class BwrapSandbox(Sandbox):
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
 
-    def kill(self) -> None:
+    def _destroy(self) -> None:
         try:
             with self._lock:
                 self._destroyed = True

@@ -420,7 +420,7 @@ class ForkServerSandbox(Sandbox):
         if cgroup is not None:
             cgroup.kill()
 
-    def kill(self) -> None:
+    def _destroy(self) -> None:
         dead = True
         try:
             with self._lock:

@@ -735,7 +735,7 @@ class MicroVMSandbox(Sandbox):
         self._control.stop()
         return True
 
-    def kill(self) -> None:
+    def _destroy(self) -> None:
         self._killed = True
         self._cancel.set()
         with self._lock:

@@ -474,7 +474,7 @@ class ProcessSandbox(Sandbox):
                 proc.wait()
                 self._kill_leftovers()
 
-    def kill(self) -> None:
+    def _destroy(self) -> None:
         with self._lock:
             self._killed = True
         self._stop()
