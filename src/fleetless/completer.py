@@ -61,6 +61,7 @@ class Counts:
     failed: int = 0  # failed with attempts left
     retried: int = 0  # the same, asked by the handler (Retry)
     dead: int = 0
+    discarded: int = 0  # of the dead: their handler raised Discard
     released: int = 0  # claims given back without charging an attempt
     snoozed: int = 0  # jobs whose handler asked to come back later (not charged)
     cancelled: int = 0  # jobs an operator cancelled while they ran
@@ -278,6 +279,7 @@ class Completer:
                 c.done += 1
             elif status is Status.DEAD:
                 c.dead += 1  # the drain's reporter says so (fleetless -v drain)
+                c.discarded += outcome.decided == "discard"
             elif outcome.decided == "retry":
                 c.retried += 1
             else:

@@ -150,6 +150,7 @@ class Summary:
     failed: int = 0  # attempts that failed with attempts left (pending again after the backoff)
     retried: int = 0  # attempts whose handler raised Retry with attempts left (fleetless.outcomes, exit 92)
     dead: int = 0
+    discarded: int = 0  # of the dead: their handler raised Discard (the history says ``discarded``)
     released: int = 0  # claims given back without charging an attempt
     snoozed: int = 0  # jobs whose handler asked to come back later (fleetless.outcomes.Snooze, exit 91)
     cancelled: int = 0  # running jobs an operator cancelled (fleetless cancel)
@@ -171,9 +172,10 @@ class Summary:
                             (self.scheduled, "scheduled"))
             if n
         )
+        discarded = f" ({self.discarded} discarded)" if self.discarded else ""
         return (
             f"drained: claimed {self.claimed}, done {self.done}, failed {self.failed}, "
-            f"dead {self.dead}{extra} in {self.seconds:.1f} s"
+            f"dead {self.dead}{discarded}{extra} in {self.seconds:.1f} s"
         )
 
 
@@ -731,8 +733,8 @@ class Drainer:
             what = "snoozed"
         elif status is Status.DONE:
             what = "done"
-        elif status is Status.DEAD:
-            what = "dead"
+        elif status is Status.DEAD:  # the history's word for a handler's Discard
+            what = "discarded" if outcome.decided == "discard" else "dead"
         else:  # pending again, charged: the history's words (a handler's Retry, or a plain failure)
             what = "retried" if outcome.decided == "retry" else "failed"
         started = self._claimed_at.pop(_claim_of(job), None)
@@ -794,7 +796,7 @@ class Drainer:
         counts, s = self._completer.counts, self.summary
         s.done, s.failed, s.retried, s.dead = counts.done, counts.failed, counts.retried, counts.dead
         s.released, s.fenced_out, s.cancelled = counts.released, counts.fenced_out, counts.cancelled
-        s.snoozed = counts.snoozed
+        s.snoozed, s.discarded = counts.snoozed, counts.discarded
 
     def _maintenance(self) -> None:
         """The housekeeping units: at the start of the drain, then every maintenance interval."""

@@ -21,7 +21,7 @@ __all__ = ["FinishedAs", "JobFinished", "NullReporter", "Reporter"]
 #: without charging an attempt), ``snoozed`` (its handler asked to come back later, uncharged),
 #: ``cancelled``, or ``fenced_out`` (the claim had been taken over). Before issue 28 a plain failure
 #: was reported ``retried`` too.
-FinishedAs = Literal["done", "failed", "retried", "dead", "released", "snoozed", "fenced_out", "cancelled"]
+FinishedAs = Literal["done", "failed", "retried", "dead", "discarded", "released", "snoozed", "fenced_out", "cancelled"]
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ class LiveReporter:
         self._lock = threading.Lock()
         self._started = time.monotonic()
         self._running: dict[int, tuple[str, float]] = {}  # id -> (kind, monotonic start)
-        self._counts = {"claimed": 0, "done": 0, "failed": 0, "retried": 0, "dead": 0, "released": 0,
+        self._counts = {"claimed": 0, "done": 0, "failed": 0, "retried": 0, "dead": 0, "discarded": 0, "released": 0,
                         "fenced_out": 0, "cancelled": 0, "snoozed": 0}
         self._live = Live(self, console=self.console, refresh_per_second=4, transient=True)
         stderr = sys.stderr  # before the view starts: it redirects sys.stderr through itself
@@ -173,11 +173,13 @@ class LiveReporter:
             running = sorted(self._running.items(), key=lambda item: item[1][1])
         now = time.monotonic()
         elapsed = max(now - self._started, 1e-9)
-        finished = counts["done"] + counts["failed"] + counts["retried"] + counts["dead"]
+        dead = counts["dead"] + counts["discarded"]
+        finished = counts["done"] + counts["failed"] + counts["retried"] + dead
         retried = f"retried {counts['retried']}  " if counts["retried"] else ""
+        discarded = f" ({counts['discarded']} discarded)" if counts["discarded"] else ""
         head = Text(
             f"claimed {counts['claimed']}  running {len(running)}  done {counts['done']}  "
-            f"failed {counts['failed']}  {retried}dead {counts['dead']}  "
+            f"failed {counts['failed']}  {retried}dead {dead}{discarded}  "
             f"{finished / elapsed * 60:.1f} jobs/min  ({age(elapsed)}{' on ' + self.tier if self.tier else ''})"
         )
         table = Table(box=None, show_header=bool(running), pad_edge=False)
