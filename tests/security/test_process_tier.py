@@ -377,3 +377,72 @@ def test_a_jobs_temporary_files_and_dev_shm_are_its_own(
     assert out["shm"] == "FileNotFoundError", out
     assert out["tmp"] == ("PermissionError" if user is None else "read"), out
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+SNOOP = """
+    import json, os, sys
+    args = json.load(open(sys.argv[1]))
+    me = os.getpid()
+    seen = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        for what in ("cmdline", "environ"):
+            try:
+                seen[f"{name}/{what}"] = open(f"/proc/{name}/{what}", "rb").read().decode(errors="replace")
+            except OSError as exc:
+                seen[f"{name}/{what}"] = type(exc).__name__
+    print(json.dumps(seen))
+"""
+
+#: The drainer users of issue 25: root (its jobs: leased uids), one with a subordinate uid range
+#: (each job a uid of it) and one without (every job the drainer's own uid in a user namespace).
+DRAINER_USERS = [pytest.param(None, id="root-drainer"), pytest.param("fleetless-ci", id="subuid-drainer"),
+                 pytest.param("fleetless-ci2", id="no-range-drainer")]
+
+
+def _uid_of(name: str | None) -> int | None:
+    import pwd
+
+    if name is None:
+        return None
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        pytest.skip(f"no user {name} here")
+
+
+@pytest.mark.parametrize("user", DRAINER_USERS)
+def test_a_job_reads_no_supervisor_configuration_in_any_cmdline_or_environ(
+        user: str | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+    """A job reads every ``/proc/<pid>/cmdline`` and ``environ`` it can see but its own: none names
+    the drainer's pid, the work directory (its workspace among it) or the handlers directory, nor
+    any of the supervisor's settings (its rlimits, uid, deadline, mounts). The job sees its
+    namespace's init (a fork of its supervisor) as ``/proc/1``: its command line is
+    ``python -I -S <fleetless>/_supervisor.py N``, its settings come on a pipe, and its environment
+    (the job's own) is not readable. Before, ``/proc/1/cmdline`` held all of the supervisor's
+    arguments: the workspace's path, the work directory's, the rlimits, the job's uid and the
+    handlers' path."""
+    uid = _uid_of(user)
+    if uid is not None and uid == os.getuid():
+        uid = None  # run by that very user (.ci/unprivileged): its own drain
+    else:
+        need_user(uid)
+    h = handlers_dir(shared, **{"snoop.py": SNOOP})
+    work = work_dir(shared, uid)
+    queue.enqueue("snoop", {}, max_attempts=1)
+    d = drain(dsn, h, work, user=uid, start=True)
+    assert isinstance(d, subprocess.Popen)
+    _, err = d.communicate(timeout=180)
+    assert d.returncode == 0, err
+    [(status, result, error)] = sql("SELECT status, result, last_error FROM fleetless.jobs")
+    assert status == "done", (error, err)
+    seen: dict[str, str] = json.loads(result)
+    assert "1/cmdline" in seen, seen  # the job's namespace's init, at least
+    for where, text in seen.items():
+        words = text.split("\0")
+        assert str(d.pid) not in words, (where, words)
+        for secret in (str(work), str(h), str(shared), "RLIMIT_", "--"):
+            assert secret not in text, (where, secret, words)
+        if where.endswith("/environ"):
+            assert text in ("PermissionError", ""), (where, text)

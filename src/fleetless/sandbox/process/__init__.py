@@ -326,27 +326,31 @@ class ProcessSandbox(Sandbox):
         seccomp = _filter_fd()
         status_r, status_w = os.pipe()
         limits_arg = ",".join(f"{k}={v}" for k, v in rlimits.items()) or "-"
+        config = -1
         try:
+            config = self._config_pipe(
+                [str(status_w), self.workspace_path, limits_arg, self._creds, "wait" if cgroup is not None else "-",
+                 f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}", self._contain(),
+                 "-" if seccomp is None else str(seccomp), "--", *argv])
             # Its own session: signals aimed at the drainer's process group (Ctrl-C, kill -- -PGID,
             # systemd's KillMode=control-group aside) do not reach the job's supervisor.
             # A non-root drainer's subordinate uid: the supervisor starts as ns-root of the holder
             # (nsenter also enters the workspace, which the drainer itself may no longer search).
             enter = [] if self._holder is None else [*self._holder.enter()[:-1], f"--wdns={self.workspace_path}", "--"]
             proc = subprocess.Popen(
-                [*enter, sys.executable, "-I", "-S", _SUPERVISOR, str(status_w), self.workspace_path, limits_arg,
-                 self._creds,
-                 "wait" if cgroup is not None else "-", f"{max(budget, 0) + OWN_DEADLINE_SLACK:.3f}",
-                 self._contain(), "-" if seccomp is None else str(seccomp), "--", *argv],
+                [*enter, sys.executable, "-I", "-S", _SUPERVISOR, str(config)],
                 stdin=subprocess.PIPE if cgroup is not None else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(status_w,) if seccomp is None else (status_w, seccomp),
+                pass_fds=(status_w, config) if seccomp is None else (status_w, config, seccomp),
                 cwd=self.workspace_path if self._holder is None else "/",
                 env={"HOME": self.workspace_path, "TMPDIR": self._tmpdir, **self._template.env},
                 start_new_session=True,
             )
         finally:
             os.close(status_w)
+            if config >= 0:
+                os.close(config)
             if seccomp is not None:
                 os.close(seccomp)
         with self._lock:
@@ -421,6 +425,26 @@ class ProcessSandbox(Sandbox):
             killed = rlimit_kill_reason(exit_code, rlimits)
         return ExecResult(exit_code, captured.stdout, captured.stderr, time.monotonic() - started, killed,
                           stdout_cut=captured.stdout_cut)
+
+    @staticmethod
+    def _config_pipe(args: list[str]) -> int:
+        """The read end of a pipe holding the supervisor's arguments (each ended by a NUL), written
+        whole and closed: its command line says nothing of them, as a job reads it as its
+        ``/proc/1/cmdline`` (issue 25). The pipe grows to fit (a long job argv)."""
+        data = b"".join(os.fsencode(arg) + b"\0" for arg in args)
+        r, w = os.pipe()
+        try:
+            if len(data) > 65536:
+                import fcntl
+
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, len(data))  # (OSError past pipe-max-size)
+            os.write(w, data)  # (whole: the pipe holds it all, and no one reads it yet)
+        except BaseException:
+            os.close(r)
+            raise
+        finally:
+            os.close(w)
+        return r
 
     def _contain(self) -> str:
         """The supervisor's CONTAIN argument: the size of each of the job's private temporary

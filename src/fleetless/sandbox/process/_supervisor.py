@@ -29,11 +29,16 @@ when that did not complete (0 otherwise). The supervisor and the init make thems
 dumpable, so that what they hold (the status pipe) is not reachable through /proc even by the same
 uid.
 
-Usage (kept to argv and the inherited environment and cwd, so start-up imports almost nothing):
-    python -I -S _supervisor.py STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN SECCOMP_FD -- ARGV...
-where RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-"; RLIMIT_NPROC: see :func:`_nproc`; NICE=n: the
-job's nice value, never below the supervisor's), CREDS is
-"UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
+Usage (start-up imports almost nothing): ``python -I -S _supervisor.py CONFIG_FD``, where CONFIG_FD
+is an inherited descriptor (a pipe the drainer filled and closed) holding the arguments below, each
+ended by a NUL byte:
+    STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN SECCOMP_FD -- ARGV...
+Never on the command line: the job's namespace's init is a fork of this process, and every job reads
+its ``/proc/1/cmdline`` (issue 25: it showed the workspace's and the work directory's paths, the
+rlimits, the job's uid and deadline, the handlers' path); the configuration is read and its
+descriptor closed before the job exists. RLIMITS is "RLIMIT_AS=n,RLIMIT_CPU=n,..." (or "-";
+RLIMIT_NPROC: see :func:`_nproc`; NICE=n: the job's nice value, never below the supervisor's), CREDS
+is "UID:GID" for the job to run as (or "-": the supervisor's own), WAIT is "wait" when the supervisor
 must first read one byte on its stdin (the drainer puts it into the job's cgroups meanwhile) or
 "-", DEADLINE a number of seconds, and CONTAIN "-" (run the job uncontained) or newline-separated
 lines: TMP_BYTES (each private directory's size), then "I N" for each one's most files (its
@@ -534,8 +539,18 @@ def _init(alive: int, report: int, contain: list[str], argv: list[str], uid: int
     os._exit(0)
 
 
+def _config(fd: int) -> list[str]:
+    """The arguments on ``fd`` (NUL-ended, read to its end; the descriptor closed: the job does not
+    inherit it)."""
+    with open(fd, "rb") as f:
+        data = f.read()
+    return [os.fsdecode(arg) for arg in data.split(b"\0")[:-1]]
+
+
 def main() -> None:
-    status_fd, workspace, rlimits_arg, creds, wait, deadline, contain_arg, seccomp_fd, sep, *argv = sys.argv[1:]
+    [config_fd] = sys.argv[1:]
+    args = _config(int(config_fd))
+    status_fd, workspace, rlimits_arg, creds, wait, deadline, contain_arg, seccomp_fd, sep, *argv = args
     assert sep == "--" and argv, "usage: STATUS_FD WORKSPACE RLIMITS CREDS WAIT DEADLINE CONTAIN SECCOMP_FD -- ARGV..."
     bpf = b""
     if seccomp_fd != "-":
