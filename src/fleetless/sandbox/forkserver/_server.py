@@ -44,6 +44,7 @@ and the job's pipes to the job's ns-uid (``spec["own"]``) and nices it (``spec["
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import platform
@@ -59,6 +60,7 @@ CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
+CLONE_NEWCGROUP = 0x02000000
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
@@ -212,12 +214,16 @@ def _loopback_up() -> None:
 
 
 def _prepare(network: bool) -> None:
-    """What every job of this server gets, done before its job is known: fresh mount, IPC, UTS and
-    (without network) network namespaces, the hostname, loopback, a fresh ``/proc``."""
+    """What every job of this server gets, done before its job is known: fresh mount, IPC, UTS,
+    cgroup and (without network) network namespaces, the hostname, loopback, a fresh ``/proc``."""
     flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS
     if not network:
         flags |= CLONE_NEWNET
     _unshare(flags)
+    # its cgroups (joined before this) as the job's whole view: /proc/self/cgroup reads "/", not
+    # the host's fleetless-<drainer pid>-… (only a kernel without cgroup namespaces goes without)
+    if _libc.unshare(CLONE_NEWCGROUP) != 0 and ctypes.get_errno() != errno.EINVAL:
+        _check(-1, "unshare the cgroup namespace")
     _check(_libc.sethostname(b"fleetless", 9), "sethostname")
     if not network:
         _loopback_up()

@@ -17,8 +17,9 @@ job's daemon cannot outlive its supervisor even where no cgroup can be made; the
 its supervisor or the drainer (they are outside its pid namespace), and init ignores every signal
 from inside. The init also gives the job a mount namespace with a fresh /proc (of its pid
 namespace: no host process is visible), a private tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock,
-an IPC namespace and (unless ``limits.network``) a network namespace with only loopback, up: the
-job's 127.0.0.1 is its own, so it cannot reach the host's database or any other host service.
+an IPC namespace, a cgroup namespace (its /proc/self/cgroup reads "/") and (unless
+``limits.network``) a network namespace with only loopback, up: the job's 127.0.0.1 is its own, so
+it cannot reach the host's database or any other host service.
 Before it detaches every other workspace mount (:func:`_hide_other_workspaces`: the job's mount
 table names no other job's workspace). Every job gets TMPDIR in its workspace, no_new_privs, a fresh
 session keyring and, right before exec, the seccomp filter of bwrap and the fork server (the drainer
@@ -66,7 +67,7 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID = 0x00020000, 0x08000000, 0x10000000, 0x20000000
-CLONE_NEWNET = 0x40000000
+CLONE_NEWNET, CLONE_NEWCGROUP = 0x40000000, 0x02000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 MS_RDONLY = 1
@@ -349,10 +350,22 @@ def _hide_other_workspaces(base: str, own: str) -> None:
             return
 
 
+def _own_cgroup_namespace() -> None:
+    """A cgroup namespace rooted where this process is (the job's cgroups, which the drainer put the
+    supervisor in before the init was forked): the job's ``/proc/self/cgroup`` then reads ``/`` for
+    every hierarchy, not the host's paths (``fleetless-<drainer pid>-…``, a container's own). Only a
+    kernel without cgroup namespaces (EINVAL) goes without."""
+    try:
+        _unshare(CLONE_NEWCGROUP)
+    except OSError as exc:
+        if exc.errno != 22:  # EINVAL
+            raise
+
+
 def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tuple[str, str]], net: bool,
                     base: str, own: str) -> None:
-    """In a new mount and IPC namespace (the init's, inherited by the job) and, unless ``net`` (the
-    kind's ``limits.network``), a new network namespace with only loopback, up: a fresh /proc of the
+    """In a new mount, IPC and cgroup namespace (the init's, inherited by the job) and, unless ``net``
+    (the kind's ``limits.network``), a new network namespace with only loopback, up: a fresh /proc of the
     job's pid namespace (and /sys of its network namespace, read-only) and a private tmpfs on each
     of PRIVATE_DIRS (the host paths of ``keep`` under them bound back), and the ``view`` of
     :func:`_bind_back`. A job therefore leaves nothing in the host's shared temporary directories (a
@@ -364,6 +377,7 @@ def _private_mounts(size: int, keep: list[str], tops: list[str], view: list[tupl
     are required; only a /proc or /sys the kernel will not mount here (a
     container that masks parts of its own) stays the host's."""
     _unshare(CLONE_NEWNS | CLONE_NEWIPC | (0 if net else CLONE_NEWNET))
+    _own_cgroup_namespace()
     if not net:
         _loopback_up()
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing of this reaches the host's mounts
