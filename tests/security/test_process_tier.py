@@ -349,25 +349,65 @@ TMP_READER = """
 """
 
 
-@pytest.mark.parametrize("user", AS_ROOT_AND_NOT)
+#: The drainer users of issue 25: root (its jobs: leased uids), one with a subordinate uid range
+#: (each job a uid of it) and one without (every job the drainer's own uid in a user namespace).
+DRAINER_USERS = [pytest.param(None, id="root-drainer"), pytest.param("fleetless-ci", id="subuid-drainer"),
+                 pytest.param("fleetless-ci2", id="no-range-drainer")]
+
+
+def _uid_of(name: str | None) -> int | None:
+    import pwd
+
+    if name is None:
+        return None
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        pytest.skip(f"no user {name} here")
+
+
+def _drainer(user: str | None) -> int | None:
+    """The uid to start the drain as (None: this test's own, root's or, under .ci/unprivileged,
+    ``user``'s own), else skip."""
+    uid = _uid_of(user)
+    if uid is not None and uid == os.getuid():
+        return None
+    need_user(uid)
+    return uid
+
+
+def _shares_its_uid(uid: int | None) -> bool:
+    """Whether that drainer's process-tier jobs run as its own uid (a non-root drainer's user
+    without a subordinate range)."""
+    import pwd
+
+    from fleetless.sandbox import _subuid
+
+    if uid is None:
+        return os.getuid() != 0 and _subuid.delegation() is None
+    return not any(line.split(":")[0] in (pwd.getpwuid(uid).pw_name, str(uid))
+                   for line in Path("/etc/subuid").read_text().splitlines() if line.strip())
+
+
+@pytest.mark.parametrize("user", DRAINER_USERS)
 def test_a_jobs_temporary_files_and_dev_shm_are_its_own(
-        user: int | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
+        user: str | None, dsn: str, queue: Queue, sql: Any, shared: Path) -> None:
     """Two jobs at once: one writes a world-readable temporary file (``tempfile``, which follows
     TMPDIR: the job's own workspace) and a file in /dev/shm (a tmpfs of its own mount namespace);
-    the other tries to read both. Under a root drainer it can read neither (its uid cannot enter
-    the other's workspace; the other's /dev/shm is not its own); under a non-root drainer, whose
-    jobs share its uid, it reads the temporary file (as it could read the workspace) but not the
-    /dev/shm one. Nothing is left in the host's /dev/shm. Before, both were in the host's /tmp and
-    /dev/shm, readable by every job."""
-    need_user(user)
+    the other tries to read both. Under a root drainer, or one with a subordinate range, it can
+    read neither (its uid cannot enter the other's workspace; the other's /dev/shm is not its own);
+    under a non-root drainer without a range, whose jobs share its uid, it reads the temporary file
+    (as it could read the workspace) but not the /dev/shm one. Nothing is left in the host's
+    /dev/shm. Before, both were in the host's /tmp and /dev/shm, readable by every job."""
+    uid = _drainer(user)
     h = handlers_dir(shared, **{"writer.py": TMP_WRITER, "reader.py": TMP_READER})
-    work = work_dir(shared, user)
+    work = work_dir(shared, uid)
     seen = open_to_jobs(shared / "seen")
     name = f"fleetless-shm-{uuid.uuid4().hex}"
     payload = {"seen": str(seen), "secret": uuid.uuid4().hex, "name": name}
     writer = queue.enqueue("writer", payload, max_attempts=1)
     reader = queue.enqueue("reader", payload, max_attempts=1)
-    r = drain(dsn, h, work, "--concurrency", "2", user=user)
+    r = drain(dsn, h, work, "--concurrency", "2", user=uid)
     assert r.returncode == 0, r.stderr
     [(ws, wr)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", writer)
     [(rs, rr)] = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", reader)
@@ -375,7 +415,7 @@ def test_a_jobs_temporary_files_and_dev_shm_are_its_own(
     info, out = json.loads(wr), json.loads(rr)
     assert info["tmpdir"] == f"{info['cwd']}/.tmp" and info["tmp"].startswith(info["tmpdir"] + "/"), info
     assert out["shm"] == "FileNotFoundError", out
-    assert out["tmp"] == ("PermissionError" if user is None else "read"), out
+    assert out["tmp"] == ("read" if _shares_its_uid(uid) else "PermissionError"), out
     assert not os.path.exists(f"/dev/shm/{name}")
 
 
@@ -395,23 +435,6 @@ SNOOP = """
     print(json.dumps(seen))
 """
 
-#: The drainer users of issue 25: root (its jobs: leased uids), one with a subordinate uid range
-#: (each job a uid of it) and one without (every job the drainer's own uid in a user namespace).
-DRAINER_USERS = [pytest.param(None, id="root-drainer"), pytest.param("fleetless-ci", id="subuid-drainer"),
-                 pytest.param("fleetless-ci2", id="no-range-drainer")]
-
-
-def _uid_of(name: str | None) -> int | None:
-    import pwd
-
-    if name is None:
-        return None
-    try:
-        return pwd.getpwnam(name).pw_uid
-    except KeyError:
-        pytest.skip(f"no user {name} here")
-
-
 @pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
 @pytest.mark.parametrize("user", DRAINER_USERS)
 def test_a_job_reads_no_supervisor_configuration_in_any_cmdline_or_environ(
@@ -427,11 +450,7 @@ def test_a_job_reads_no_supervisor_configuration_in_any_cmdline_or_environ(
     handlers' path. bwrap's init shows ``bwrap --args N -- <the job's argv>`` (its options come on
     a pipe), the fork server's ``python -s -``."""
     need_tier(tier)
-    uid = _uid_of(user)
-    if uid is not None and uid == os.getuid():
-        uid = None  # run by that very user (.ci/unprivileged): its own drain
-    else:
-        need_user(uid)
+    uid = _drainer(user)
     if tier == "forkserver" and user == "fleetless-ci2":
         pytest.skip("the fork server needs a root drainer or a subordinate uid range")
     h = handlers_dir(shared, **{"snoop.py": SNOOP})
