@@ -367,3 +367,49 @@ def test_a_job_that_leaves_its_process_group_is_still_killed_at_its_timeout_alon
     rows = sql("SELECT status, last_error, result_json FROM fleetless.jobs WHERE id = ANY(%s) ORDER BY id", ids)
     assert rows[0][0] == "dead" and rows[0][1].startswith("killed: timeout after 3 s"), rows
     assert rows[1][:1] == ("done",) and rows[1][2] == 1, rows
+
+
+SPOOF = """
+import os
+
+
+def handle(payload):
+    if payload["n"] == 0:  # the batch's runner file, beside its own workspace: its text forged
+        runner = os.path.join(os.path.dirname(os.getcwd()), "_fleetless_batch.py")
+        try:
+            with open(runner, "w") as f:
+                f.write("\\n".join(f"FORGED-BY-AN-EARLIER-JOB line {i}" for i in range(1, 3000)))
+        except OSError:
+            pass
+        return "forged"
+    raise ValueError("genuine")
+"""
+
+
+@pytest.mark.parametrize("user", [None, USER], ids=["root-drainer", "subuid-drainer"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_a_job_of_a_batch_cannot_write_the_error_text_of_a_later_job(
+        tier: str, user: str | None, dsn: str, shared: Path, sql) -> None:
+    """Red team, 4th pass: a later job's traceback began with the runner's own frame, whose source
+    line Python reads from the runner's file in the batch's workspace, which an earlier job of the
+    batch could rewrite: the later job's last_error showed the earlier job's text. Now a job's error
+    holds its own frames only (the runner's are cut, as runpy's are)."""
+    need_tier(tier)
+    if tier == "forkserver" and user is not None:
+        pytest.skip("the fork server needs a root drainer")
+    uid = _uid(user)
+    need_user(uid)
+    h = handlers_dir(shared, **{"spoof.py": SPOOF})
+    work = work_dir(shared, uid)
+    from fleetless import Queue
+
+    q = Queue(dsn)
+    q.init()
+    ids = [q.enqueue("spoof", {"n": n}, max_attempts=1) for n in range(3)]
+    r = drain(dsn, h, work, "--per-sandbox", "10", "--concurrency", "1", tier=tier, user=uid)
+    assert r.returncode == 0, r.stderr
+    for later in ids[1:]:
+        ((status, error),) = sql("SELECT status, last_error FROM fleetless.jobs WHERE id = %s", later)
+        assert status == "dead" and error.startswith("ValueError: genuine"), (status, error)
+        assert "FORGED" not in error and "_fleetless_batch.py" not in error, error
+        assert 'spoof.py", line' in error, error  # the job's own frame is kept

@@ -154,7 +154,12 @@ def describe_exception(exc: BaseException) -> str:
 
     head = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
     first = (head[-1] if head else type(exc).__name__)[:500]
-    tail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+    # The runner's own frames are cut (as runpy's are): Python would print their lines from this
+    # file in the batch's workspace, which an earlier job of the batch may have rewritten (red team)
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == describe_exception.__code__.co_filename:
+        tb = tb.tb_next
+    tail = "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
     room = ERROR_CHARS - len(first) - 1
     return f"{first}\n{tail[-room:]}" if room > 0 else first
 
