@@ -128,3 +128,25 @@ def test_a_range_of_exactly_concurrency_uids_is_enough_while_sandboxes_are_destr
     summary = Drainer(queue, DrainConfig(handlers_dir=h, concurrency=2, sandbox=tier)).run()
     assert summary.done == 12
     assert sql("SELECT status, attempts, count(*) FROM fleetless.jobs GROUP BY 1, 2") == [("done", 1, 12)]
+
+
+def test_leases_kept_in_two_lease_directories_never_share_a_uid(tmp_path: Path) -> None:
+    """Red team, 4th pass: drainers whose lease files are in different directories (a non-root
+    drainer's follows $XDG_RUNTIME_DIR and $TMPDIR; a user's range may overlap root's) each handed
+    out the range's first uid. The host-wide claim of every lease makes the second skip it until
+    the first is released."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    a = _hostuid.lease(RANGE, folder=one)
+    b = _hostuid.lease(RANGE, folder=two)
+    assert a.uid != b.uid
+    first = a.uid
+    a.release()
+    c = _hostuid.lease(RANGE, folder=two)  # two's cursor is past b; round the range it finds first free again
+    held = [c]
+    while c.uid != first:
+        c = _hostuid.lease(RANGE, folder=two)
+        held.append(c)
+    for x in (b, *held):
+        x.release()

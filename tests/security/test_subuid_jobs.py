@@ -415,3 +415,52 @@ def test_auto_picks_the_fork_server_for_a_subordinate_range_drainer_and_bwrap_wi
                    "server is ns-root over those uids, each job one of them); here: add a line "
                    f"{plain.pw_name}:FIRST:65536 in /etc/subuid and a line {plain.pw_name}:FIRST:65536 in "
                    "/etc/subgid"), why
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_drainers_of_one_user_with_lease_files_in_different_places_never_share_a_job_uid(
+        dsn: str, queue: Queue, sql: Any, shared: Path, tier: str) -> None:
+    """Red team, 4th pass: a non-root drainer keeps its uid leases under ``$XDG_RUNTIME_DIR`` (or
+    its ``$TMPDIR``), so a cron drain and a session's drain of one user leased the same host uid,
+    and the process tier's uid sweep after one job SIGKILLed the other drainer's running job (dead,
+    "killed by SIGKILL"). Every lease is now also claimed host-wide: the second drainer's job gets
+    another uid, and the first runs on to done."""
+    need_tier(tier)
+    uid, subuids = subuid_user()
+    h = hdir(shared, who="print('ran')\n")
+    runtime = []
+    for name in ("session", "cron"):
+        d = shared / f"runtime-{name}-{tier}"
+        d.mkdir(mode=0o700, exist_ok=True)
+        os.chown(d, uid, pwd.getpwuid(uid).pw_gid)
+        runtime.append(d)
+    queue.enqueue("who", {"wait": 120}, queue="long")
+    short = queue.enqueue("who", {"wait": 120}, queue="short")
+    work = work_dir(shared, uid)
+    long_drain = drain(dsn, h, work, "--queue", "long", tier=tier, user=uid, start=True,
+                       env={"XDG_RUNTIME_DIR": str(runtime[0])})
+    assert isinstance(long_drain, subprocess.Popen)
+    short_drain = None
+    try:
+        (marker,) = wait_for("the long job to wait", lambda: markers(work, tier, long_drain), proc=long_drain)
+        long_uid = marker.stat().st_uid
+        short_drain = drain(dsn, h, work, "--queue", "short", tier=tier, user=uid, start=True,
+                            env={"XDG_RUNTIME_DIR": str(runtime[1])})
+        assert isinstance(short_drain, subprocess.Popen)
+        (other,) = wait_for("the short job to wait", lambda: [m for m in markers(work, tier, short_drain)
+                                                               if m != marker], proc=short_drain)
+        assert other.stat().st_uid != long_uid  # both run at once, each as a uid of its own
+        touch_as_owner(other.parent, "go")
+        _, err = short_drain.communicate(timeout=180)
+        assert short_drain.returncode == 0, err
+        assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", short) == [("done",)]
+        assert uids_of_processes({long_uid}), "the long job was killed by the other drainer's sweep"
+        touch_as_owner(marker.parent, "go")
+        _, err = long_drain.communicate(timeout=180)
+    finally:
+        for p in (long_drain, short_drain):
+            if p is not None:
+                p.kill()
+    assert long_drain.returncode == 0, err
+    assert long_uid in subuids
+    assert [s for s, _ in results(sql)] == ["done", "done"], results(sql)

@@ -10,7 +10,7 @@ The range is ``$FLEETLESS_JOB_UIDS`` (``FIRST-LAST``; ``fleetless drain --job-ui
 :data:`DEFAULT_RANGE`: 2000000000-2000065535, inside the block systemd documents as unused
 (1879048192-2147352575: above container ranges, below the "negative" 32-bit uids), so no user,
 file or ``/etc/subuid`` delegation of a normal host has it. Reserve it explicitly with a line
-``fleetless:2000000000:65536`` in ``/etc/subuid`` and ``/etc/subgid`` (``useradd`` then never
+``fleetless-jobs:2000000000:65536`` in ``/etc/subuid`` and ``/etc/subgid`` (``useradd`` then never
 hands it out) and in a container make sure it is inside the container's uid map.
 
 Leases are ``flock``-ed files ``<uid>`` under ``$FLEETLESS_RUN_DIR/job-uids`` (default
@@ -18,7 +18,9 @@ Leases are ``flock``-ed files ``<uid>`` under ``$FLEETLESS_RUN_DIR/job-uids`` (d
 when its holder dies, even by SIGKILL; the job of such a holder may still be running for a moment
 (its drainer's watchdog is killing it). So a lease writes its pid into the file and :meth:`Lease.release`
 (called once the job is dead) empties it: a uid whose file is not empty is handed out again only
-after ``/proc`` shows no process running as it.
+after ``/proc`` shows no process running as it. Each lease is also claimed host-wide (an
+abstract Unix socket name per uid, :func:`_claim`), so drainers whose lease files are elsewhere (a
+non-root drainer's directory follows its environment) or whose ranges overlap never share a uid.
 
     with _hostuid.lease() as job:          # SandboxUnavailable if the range is exhausted
         subprocess.Popen(argv, **job.popen_kwargs())
@@ -30,6 +32,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -147,10 +150,11 @@ class Lease:
     """One uid (and gid) of the range, held until :meth:`release`. Release it only once every process
     that ran as it is dead; releasing twice is harmless."""
 
-    def __init__(self, uid: int, fd: int) -> None:
+    def __init__(self, uid: int, fd: int, claim: socket.socket | None = None) -> None:
         self.uid = uid
         self.gid = uid
         self._fd: int | None = fd
+        self._claim = claim
 
     def popen_kwargs(self) -> dict[str, object]:
         """``subprocess.Popen`` arguments that start the child as this uid and gid, no other groups."""
@@ -167,6 +171,9 @@ class Lease:
                 os.ftruncate(fd, 0)  # the next holder need not look for stragglers
         finally:
             os.close(fd)  # drops the flock
+            if self._claim is not None:
+                self._claim.close()  # and the host-wide name
+                self._claim = None
 
     def __enter__(self) -> Lease:
         return self
@@ -225,6 +232,26 @@ def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
     raise SandboxUnavailable(f"all {len(ids)} job uids of {ids} are in use (widen {ENV} or --job-uids)")
 
 
+def _claim(uid: int) -> socket.socket | None:
+    """The host-wide claim on ``uid``: a Unix socket bound to the abstract name
+    ``fleetless-job-uid-<uid>`` (one namespace per network namespace, whatever a drainer's
+    environment, ``/tmp`` or lease directory; dropped by the kernel when its holder dies). None when
+    another process holds it: a drainer whose lease files are elsewhere (a non-root drainer's
+    directory follows ``$XDG_RUNTIME_DIR`` and ``$TMPDIR``; a user's subordinate range may overlap
+    root's) leases that uid now, and sharing it would let one job's uid sweep kill the other (red
+    team, 4th pass). Anyone may bind such a name first: that makes leasing skip the uid (a denial
+    of service, said in docs/isolation.md), never share it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(f"\0fleetless-job-uid-{uid}")
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
+    return sock
+
+
 def _lease_from(ids: UidRange, folder: Path, start: int) -> Lease | None:
     """The first free uid of ``ids`` from ``start`` on, round the range; None if every one is held."""
     for uid in (*range(start, ids.last + 1), *range(ids.first, start)):
@@ -236,15 +263,22 @@ def _lease_from(ids: UidRange, folder: Path, start: int) -> Lease | None:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 continue
             raise
+        claim = None
         try:
             stale = os.pread(fd, 32, 0)
             if stale and _in_use(uid):  # its last holder died holding it and the job still runs
+                os.close(fd)
+                continue
+            claim = _claim(uid)
+            if claim is None:  # leased by a drainer whose lease files are elsewhere
                 os.close(fd)
                 continue
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         except BaseException:
             os.close(fd)
+            if claim is not None:
+                claim.close()
             raise
-        return Lease(uid, fd)
+        return Lease(uid, fd, claim)
     return None
