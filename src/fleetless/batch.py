@@ -634,7 +634,7 @@ class Runner:
             head = header(sbx)[:-1] + f',"sizes":{json.dumps([len(x) for x in lines])}}}'
             body = b"\n".join([head.encode(), *lines])
             sbx.write("batch.json", body + b"\n")
-            if len(jobs) > 1 and sbx.streams_stdout:
+            if len(jobs) > 1:
                 pacer = paced[0] = _Pacer(sbx, timeouts)
             live.set()
             if any(self.cancelled(j) for j in jobs):  # cancelled while its sandbox was made: the
@@ -661,18 +661,20 @@ class Runner:
         it is the one cancelled, the sandbox is destroyed (the jobs after it run on in a fresh one).
         When a job after it was, the runner is told to start no other job (SIGUSR1,
         :func:`_stop_runner`): the job running finishes, and the rest go to a fresh sandbox without
-        the cancelled ones. A microVM's guest runner passes it on (``Sandbox.stop_batch_runner``).
+        the cancelled ones. A microVM's guest runner passes it on (``Sandbox.stop_batch_runner``),
+        and its guest streams the runner's records as they come (a pacer), as every tier does.
         Where the runner cannot be reached at all, the sandbox is destroyed as before, and the job
-        running is released, not charged (Runner.run). A microVM's output comes back only when it
-        ends, so which job runs is not known there: a cancel of its first job destroys the VM, of
-        a later one stops the runner (if that one is running already, it ends as it would have)."""
+        running is released, not charged (Runner.run). A cancel of a job that has ended (its record
+        is in) changes nothing: the job running goes on, and the ended one keeps its outcome."""
 
         def cancel() -> None:
             if not live.is_set():  # not started: the check before the exec runs none of them
                 return
             sbx, pacer = made[0], paced[0]
             at = pacer.records() if pacer is not None else 0
-            if at >= len(jobs) or self.cancelled(jobs[at]) or not any(self.cancelled(j) for j in jobs[at + 1:]):
+            if not any(self.cancelled(j) for j in jobs[at:]):
+                return  # the cancelled jobs have written their records: ended already
+            if self.cancelled(jobs[at]):
                 sbx.kill()
             elif not _stop_runner(sbx):
                 log.warning("cannot reach the batch runner of a %s sandbox: destroying it for a cancel", sbx.name)
@@ -825,14 +827,15 @@ class _Pacer:
     destroyed; the run's result then names the timeout (:func:`_timed_out`) and the jobs after it
     go on in a fresh sandbox, uncharged. A record's newline is all it counts: a job that writes
     newlines on the channel gains at most its batch's later jobs' time (the blast radius of a
-    batch), never the run's bound."""
+    batch), never the run's bound. The first job is also given the sandbox's own start
+    (``overhead_seconds``: a microVM's boot), which the exec's start does not wait for."""
 
     def __init__(self, sbx: Sandbox, timeouts: Sequence[float]) -> None:
         self._sbx = sbx
         self._timeouts = timeouts
         self._cond = threading.Condition()
         self._records = 0
-        self._since = time.monotonic()
+        self._since = time.monotonic() + sbx.overhead_seconds
         self._stopped = False
         self.overdue: int | None = None  # the job killed at its deadline
         self._thread = threading.Thread(target=self._watch, name="pacer", daemon=True)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import json
 import os
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 from fleetless.sandbox import ExecResult, Limits, SandboxUnavailable, Template
 from fleetless.sandbox.microvm import MicroVMSandbox, accel, network_mode
+
+from proctools import wait_for
 
 MiB = 1024 * 1024
 
@@ -168,6 +171,52 @@ def test_job_cannot_forge_frames(tmp_path: Path) -> None:
     _sbx, res = _run_py(h, "forge", b"{}")
     assert res.exit_code == 3 and res.killed is None, res
     assert fake in res.stdout and fake in res.stderr
+
+
+def test_a_watched_jobs_stdout_comes_as_it_is_written_and_survives_the_vms_destruction(tmp_path: Path) -> None:
+    """With ``on_stdout`` set (a batch's pacer), the guest sends the job's stdout as it comes: the
+    host sees the first line while the job still runs, and what came before the VM was destroyed
+    is the exec's stdout (a batch's records of the jobs that ended). Before, a microVM's output
+    came back only with its result, and a destroyed VM's exec had none (issue 26)."""
+    h = _handlers(tmp_path, talk_py="""
+        import sys, time
+        print('{"first": 1}', flush=True)
+        time.sleep(120)
+        print("never")
+    """)
+    sbx = MicroVMSandbox.create(Template(h, Limits(memory_bytes=128 * MiB), {}), ttl_seconds=300)
+    chunks: list[bytes] = []
+    sbx.on_stdout = chunks.append
+    done: list[ExecResult] = []
+    thread = threading.Thread(target=lambda: done.append(
+        sbx.exec([sbx.python, f"{sbx.handlers_path}/talk.py"], 200)))
+    thread.start()
+    try:
+        wait_for(lambda: b"\n" in b"".join(chunks), timeout=180, what="the job's first line on the host")
+        assert not done  # the job still runs
+    finally:
+        sbx.kill()
+        thread.join(60)
+    (res,) = done
+    assert res.killed == "killed: sandbox destroyed", res
+    assert res.stdout == '{"first": 1}\n' == b"".join(chunks).decode()
+
+
+def test_a_watched_jobs_streamed_stdout_is_its_result_s_stdout(tmp_path: Path) -> None:
+    """A job that ends: its stdout, streamed, is its result's, the cap kept (no copy sent twice)."""
+    h = _handlers(tmp_path, many_py="""
+        for i in range(2000):
+            print(f"line {i}", flush=i % 100 == 0)
+    """)
+    sbx = MicroVMSandbox.create(Template(h, Limits(memory_bytes=128 * MiB, stdout_bytes=4096), {}),
+                                ttl_seconds=300)
+    chunks: list[bytes] = []
+    sbx.on_stdout = chunks.append
+    with sbx:
+        res = sbx.exec([sbx.python, f"{sbx.handlers_path}/many.py"], 60)
+    assert res.exit_code == 0 and res.killed is None, res
+    assert res.stdout_cut and len(res.stdout) == 4096 and res.stdout.startswith("line 0\nline 1\n"), res
+    assert b"".join(chunks).decode() == res.stdout
 
 
 def test_network_limit_gives_a_restricted_interface(tmp_path: Path) -> None:

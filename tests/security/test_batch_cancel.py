@@ -206,6 +206,58 @@ def test_a_cancel_of_a_job_waiting_in_a_running_microvm_batch_leaves_the_job_run
     assert rows[ids[3]][2].startswith("cancelled: an operator cancelled the job before its turn"), rows
 
 
+@pytest.mark.parametrize("which", ["running", "ended"])
+def test_a_cancel_in_a_running_microvm_batch_after_its_first_job_ends_stops_only_the_cancelled_job(
+        which: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26 on the microVM tier, once the batch's first job has ended and its 2nd runs (120 s, or
+    20 s when it is not the one cancelled). ``running``: the 2nd is cancelled; it ends cancelled
+    at once, alone, and the 3rd and 4th run (they used to wait for it, and it ended done).
+    ``ended``: the 1st, ended already, is cancelled; nothing is stopped and nothing runs twice
+    (the VM used to be destroyed: the 1st ended cancelled, and the 2nd ran again). The drainer
+    knows which job runs from the batch runner's records, which the guest now streams; the test
+    waits for the first of them to reach the drainer."""
+    require_tier("microvm")
+    h = handlers(**{"slow.py": SLEEPER})
+    ids = [queue.enqueue("slow", {"n": 0}, max_attempts=3),
+           queue.enqueue("slow", {"n": 1, "sleep": 120 if which == "running" else 20}, max_attempts=3)]
+    ids += [queue.enqueue("slow", {"n": n}, max_attempts=3) for n in (2, 3)]
+    seen, first_ended = threading.Event(), threading.Event()
+    original, seen_stdout = batch_module.Slot.kill_current, batch_module._Pacer._seen
+
+    def kill_current(self: batch_module.Slot) -> None:  # the drainer acted on the cancel
+        original(self)
+        seen.set()
+
+    def records(self: batch_module._Pacer, chunk: bytes) -> None:  # the drainer saw a job's record
+        seen_stdout(self, chunk)
+        if self.records() >= 1:
+            first_ended.set()
+
+    monkeypatch.setattr(batch_module.Slot, "kill_current", kill_current)
+    monkeypatch.setattr(batch_module._Pacer, "_seen", records)
+    drainer = Drainer(queue, DrainConfig(handlers_dir=h, sandbox="microvm", per_sandbox=4, concurrency=1,
+                                         timeout=300))
+    thread = threading.Thread(target=drainer.run)
+    thread.start()
+    try:
+        wait_for(first_ended.is_set, timeout=240, what="the batch's first job's record to reach the drainer")
+        victim = ids[1] if which == "running" else ids[0]
+        assert queue.cancel(victim) is Status.RUNNING  # claimed with its batch
+        wait_for(seen.is_set, timeout=60, what="the drainer to act on the cancel")
+    finally:
+        thread.join(timeout=600)
+    assert not thread.is_alive()
+    rows = {i: (s, a, e) for i, s, a, e in sql(
+        "SELECT id, status, attempts, last_error FROM fleetless.jobs WHERE id = ANY(%s)", ids)}
+    want = ["done", "cancelled", "done", "done"] if which == "running" else ["done"] * 4
+    assert [rows[i][0] for i in ids] == want, rows
+    assert all(rows[i][1] == 1 for i in ids), rows
+    for i in ids:  # one attempt each: none given back, none run twice
+        assert len(sql("SELECT attempt FROM fleetless.job_attempts WHERE job_id = %s", i)) == 1, i
+    if which == "running":
+        assert rows[ids[1]][2].startswith("cancelled: an operator cancelled the job while it ran"), rows
+
+
 #: A handler whose import takes a while (a heavy module): the runner has named itself, and catches
 #: SIGUSR1 only once the import is over.
 SLOW_IMPORT = """

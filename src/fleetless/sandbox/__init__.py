@@ -116,9 +116,8 @@ class Sandbox(ABC):
     #: Called with each chunk of the job's stdout as it arrives (on the exec's thread), when set,
     #: also after the exec started (a watch-mode spare): the batch runner's one record per job, from
     #: which the drainer kills a batch's job that outlives its deadline (``batch._Pacer``). The
-    #: microVM tier returns the guest's output at the end and never calls it (``streams_stdout``).
+    #: microVM tier's guest streams it only when it is set as the exec starts (not a spare's).
     on_stdout: Callable[[bytes], None] | None = None
-    streams_stdout: ClassVar[bool] = True
     #: The job's processes read the host's ``time.monotonic()`` clock (not a VM's own).
     host_clock: ClassVar[bool] = True
     #: Paths as the job sees them.

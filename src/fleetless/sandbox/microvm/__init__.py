@@ -41,7 +41,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -116,6 +116,8 @@ class GuestJob:
     stderr_bytes: int = 64 * 1024
     rlimits: dict[str, int] = field(default_factory=dict)
     workspace: str = GUEST_WORKSPACE
+    #: Its stdout comes back as it is written (``out`` records), not only with its result.
+    stream: bool = False
 
 
 @dataclass
@@ -143,6 +145,7 @@ class BootOutcome:
     pid: int = 0  # of the VMM process (gone when boot() returns)
     guest_uptime: float | None = None  # guest clock when the runner started (kernel boot time)
     restored: bool = False  # True: a copy of the snapshot ran the jobs (False: a cold boot)
+    partial: bytes = b""  # what the first job without a result streamed before the VM ended
 
 
 class Control:
@@ -212,7 +215,7 @@ def _job_archive(jobs: Sequence[GuestJob], handlers_dir: Path, nonce: str,
         desc["jobs"].append({
             "id": str(i), "argv": list(job.argv), "env": dict(job.env), "cwd": job.workspace,
             "timeout": job.timeout, "stdout_bytes": job.stdout_bytes,
-            "stderr_bytes": job.stderr_bytes, "rlimits": job.rlimits,
+            "stderr_bytes": job.stderr_bytes, "rlimits": job.rlimits, "stream": job.stream,
         })
     cpio.file("fleetless/jobs.json", json.dumps(desc).encode(), 0o600)
     return cpio.finish()
@@ -304,12 +307,14 @@ def _pdeathsig_preexec(parent: int) -> None:
 def boot(image: ImageInfo, jobs: Sequence[GuestJob], handlers_dir: Path, *, accel: str,
          memory_mib: int, cpus: int, tmp_bytes: int = 64 * MiB, network: bool = False,
          hard_deadline: float | None = None, on_spawn: Any = None,
-         cancelled: threading.Event | None = None, control: Control | None = None) -> BootOutcome:
+         cancelled: threading.Event | None = None, control: Control | None = None,
+         on_stdout: Callable[[bytes], None] | None = None) -> BootOutcome:
     """Boot one VM that runs ``jobs`` in order and return their outcomes.
 
     ``hard_deadline`` (``time.monotonic()`` based) is when the VM is killed whatever happens
     (the sandbox's TTL). Each job's own timeout is enforced by the runner, with the host as a
-    backstop ``REPORT_GRACE`` seconds later.
+    backstop ``REPORT_GRACE`` seconds later. ``on_stdout`` is called with each chunk a job marked
+    ``stream`` writes to its stdout, as it arrives.
     """
     binary = _qemu_binary()
     if binary is None:
@@ -348,7 +353,7 @@ def boot(image: ImageInfo, jobs: Sequence[GuestJob], handlers_dir: Path, *, acce
         if control is not None:
             control.bind(in_w, nonce)
         return _collect(proc, jobs, con_r, chan_r, nonce, accel, started, hard_deadline,
-                        cancelled, control)
+                        cancelled, control, on_stdout)
     finally:
         if control is not None:
             control.unbind()
@@ -382,9 +387,11 @@ _RECORD = re.compile(rb"^FLEETLESS1 ([0-9a-f]+) (\w+) (.*)$")
 
 def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int, chan_r: int,
              nonce: str, accel: str, started: float, hard_deadline: float | None,
-             cancelled: threading.Event | None, control: Control | None = None) -> BootOutcome:
+             cancelled: threading.Event | None, control: Control | None = None,
+             on_stdout: Callable[[bytes], None] | None = None) -> BootOutcome:
     assert proc.stderr is not None
     results: list[JobOutcome | None] = [None] * len(jobs)
+    streamed = [bytearray() for _ in jobs]  # the stdout of jobs marked stream, so far
     outcome = BootOutcome(results, accel, 0.0, pid=proc.pid)
     console = bytearray()
     qemu_err = bytearray()
@@ -425,11 +432,11 @@ def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int
                     qemu_err += chunk
                     del qemu_err[:-8192]
                 else:
-                    # A long result is still arriving: that is not the job overrunning.
-                    job_deadline = max(job_deadline, time.monotonic() + REPORT_GRACE)
                     chan += chunk
                     *lines, rest = chan.split(b"\n")
                     chan = bytearray(rest)
+                    if rest:  # a long record is still arriving: that is not the job overrunning
+                        job_deadline = max(job_deadline, time.monotonic() + REPORT_GRACE)
                     for raw in lines:
                         m = _RECORD.match(raw.strip())
                         if not m or m.group(1).decode() != nonce:
@@ -446,9 +453,16 @@ def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int
                         elif kind == "start":
                             job = jobs[int(body["id"])]
                             job_deadline = now + job.timeout + REPORT_GRACE
+                        elif kind == "out":
+                            data = base64.b64decode(body["data"])
+                            streamed[int(body["id"])] += data
+                            if on_stdout is not None:
+                                on_stdout(data)
                         elif kind == "result":
-                            results[int(body["id"])] = JobOutcome(
-                                int(body["exit_code"]), base64.b64decode(body["stdout"]),
+                            i = int(body["id"])
+                            results[i] = JobOutcome(
+                                int(body["exit_code"]),
+                                bytes(streamed[i]) if body.get("streamed") else base64.b64decode(body["stdout"]),
                                 base64.b64decode(body["stderr"]), float(body["duration"]),
                                 bool(body["timed_out"]), bool(body["oom"]),
                                 bool(body.get("stdout_cut", False)))
@@ -466,6 +480,9 @@ def _collect(proc: subprocess.Popen[bytes], jobs: Sequence[GuestJob], con_r: int
         outcome.failure = "killed"  # kill() took the VM down under us: that is why it ended
     if outcome.failure is None and any(r is None for r in results):
         outcome.failure = "vm exited"
+    cut = next((i for i, r in enumerate(results) if r is None), None)
+    if cut is not None:
+        outcome.partial = bytes(streamed[cut])
     outcome.wall = time.monotonic() - started
     outcome.console = console.decode(errors="replace")
     if outcome.failure:
@@ -545,7 +562,6 @@ class MicroVMSandbox(Sandbox):
     """One job, one VM. ``create``/``write`` stage in memory, ``exec`` boots."""
 
     name: ClassVar[str] = "microvm"
-    streams_stdout: ClassVar[bool] = False  # the guest's output comes back when the VM ends
     host_clock: ClassVar[bool] = False
     workspace_path = GUEST_WORKSPACE
     overhead_seconds: ClassVar[float] = BOOT_TIMEOUT + REPORT_GRACE  # a boot, then the report
@@ -634,7 +650,8 @@ class MicroVMSandbox(Sandbox):
         cpu = limits.cpu_seconds if limits.cpu_seconds is not None else math.ceil(timeout) + 5
         rlimits["CPU"] = cpu
         return GuestJob(list(argv), {"HOME": self.workspace_path, **self.template.env}, timeout, dict(self.files),
-                        limits.stdout_bytes, limits.stderr_bytes, rlimits)
+                        limits.stdout_bytes, limits.stderr_bytes, rlimits,
+                        stream=self.on_stdout is not None)  # watched (a batch's pacer): streamed
 
     def memory_mib(self) -> int:
         mem = self.template.limits.memory_bytes
@@ -666,7 +683,7 @@ class MicroVMSandbox(Sandbox):
             out = boot(self.image, [job], self.template.handlers_dir, accel=accel(self.image),
                        memory_mib=mem, cpus=self.cpus(), tmp_bytes=limits.tmp_bytes,
                        network=limits.network, hard_deadline=ttl_deadline, on_spawn=on_spawn,
-                       cancelled=self._cancel, control=self._control)
+                       cancelled=self._cancel, control=self._control, on_stdout=self.stdout_seen)
         with self._lock:
             self._proc = None
         self.last_boot = out
@@ -692,13 +709,14 @@ class MicroVMSandbox(Sandbox):
             killed = "killed: sandbox destroyed"
         else:
             killed = f"killed: vm failed: {out.failure}"
+        partial = out.partial.decode(errors="replace")  # what a streamed job wrote before the end
         if out.failure in ("ttl", "killed") or (out.failure == "deadline" and out.boot is not None):
             # The host stopped the VM on purpose: the reason is all there is to say (the kernel
             # console's tail, e.g. "PCI: Fatal: No config space access function found", is noise
             # here; it stays in sbx.last_boot for diagnostics).
-            return ExecResult(-signal.SIGKILL, "", "", wall, killed)
+            return ExecResult(-signal.SIGKILL, partial, "", wall, killed)
         detail = f"fleetless microvm: {killed}" + (f" ({out.detail})" if out.detail else "")
-        return ExecResult(-signal.SIGKILL, "", detail[-limits.stderr_bytes:], wall, killed)
+        return ExecResult(-signal.SIGKILL, partial, detail[-limits.stderr_bytes:], wall, killed)
 
     def _restore(self, job: GuestJob, mem: int, ttl_deadline: float,
                  on_spawn: Any) -> BootOutcome | None:
@@ -716,7 +734,8 @@ class MicroVMSandbox(Sandbox):
             return None
         out = microvm_snapshot.restore(snap, self.image, [job], self.template.handlers_dir,
                                        tmp_bytes=limits.tmp_bytes, hard_deadline=ttl_deadline,
-                                       on_spawn=on_spawn, cancelled=self._cancel, control=self._control)
+                                       on_spawn=on_spawn, cancelled=self._cancel, control=self._control,
+                                       on_stdout=self.stdout_seen)
         if isinstance(out, str):
             microvm_snapshot.say_once(out)
             return None

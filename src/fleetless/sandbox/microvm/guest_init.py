@@ -16,7 +16,9 @@ unprivileged user in its own process group, killing every leftover process betwe
 Results go to the host over the second serial port (``/dev/ttyS1``), which only this runner
 holds: it opens the device, then removes its node, and the jobs run as another uid anyway.
 Every record is one line ``FLEETLESS1 <nonce> <kind> <json>``; kinds: ``hello`` (booted),
-``start`` (job id), ``result`` (id, exit_code, stdout/stderr base64, duration, timed_out,
+``start`` (job id), ``out`` (id, a chunk of the job's stdout, base64: only for a job whose
+entry says ``"stream": true``, as it comes; its result's ``stdout`` is then empty, with
+``"streamed": true``), ``result`` (id, exit_code, stdout/stderr base64, duration, timed_out,
 oom), ``error`` (the runner failed) and ``done`` (all jobs ran; the host may stop the VM).
 The job's stdout/stderr are pipes read by the runner; it never writes to the channel.
 
@@ -128,8 +130,11 @@ def catches_usr1(pid: int) -> bool:
 
 
 def run_job(job: dict[str, Any], uid: int, gid: int, control: int | None = None,
-            nonce: str = "") -> dict[str, Any]:
-    """``control``: the channel, read for the host's ``<nonce> stop`` while the job runs."""
+            nonce: str = "", channel: Channel | None = None) -> dict[str, Any]:
+    """``control``: the channel, read for the host's ``<nonce> stop`` while the job runs.
+    ``channel``: where a job marked ``stream`` sends its stdout as it comes (``out`` records: a
+    batch runner's one record per job, which tells the host which of its jobs runs)."""
+    stream = channel if job.get("stream") else None
     stdout_cap = int(job.get("stdout_bytes", 65536))
     stderr_cap = int(job.get("stderr_bytes", 65536))
     timeout = float(job["timeout"])
@@ -241,6 +246,9 @@ def run_job(job: dict[str, Any], uid: int, gid: int, control: int | None = None,
                 out_cut = out_cut or len(chunk) > room
                 if room > 0:
                     out += chunk[:room]
+                    if stream is not None:
+                        stream.send("out", {"id": job["id"],
+                                            "data": base64.b64encode(chunk[:room]).decode()})
             else:
                 err += chunk
                 if len(err) > stderr_cap:
@@ -253,7 +261,9 @@ def run_job(job: dict[str, Any], uid: int, gid: int, control: int | None = None,
     duration = time.monotonic() - started
     kill_all_jobs()
     oom = code == -signal.SIGKILL and not timed_out and oom_kills() > oom_before
-    return {"id": job["id"], "exit_code": code, "stdout": base64.b64encode(bytes(out)).decode(),
+    return {"id": job["id"], "exit_code": code,
+            "stdout": "" if stream is not None else base64.b64encode(bytes(out)).decode(),
+            "streamed": stream is not None,
             "stderr": base64.b64encode(bytes(err)).decode(), "duration": round(duration, 4),
             "timed_out": timed_out, "oom": oom, "stdout_cut": out_cut}
 
@@ -584,7 +594,7 @@ def agent_main(desc: dict[str, Any]) -> None:
         gid = int(header.get("gid", 65534))
         for job in header["jobs"]:
             channel.send("start", {"id": job["id"]})
-            channel.send("result", run_job(job, uid, gid, fd, channel.nonce))
+            channel.send("result", run_job(job, uid, gid, fd, channel.nonce, channel))
         channel.send("done", {})
     except BaseException as exc:
         channel.send("error", {"error": f"{type(exc).__name__}: {exc}"})
@@ -615,7 +625,7 @@ def main() -> None:
         gid = int(desc.get("gid", 65534))
         for job in desc["jobs"]:
             channel.send("start", {"id": job["id"]})
-            channel.send("result", run_job(job, uid, gid, fd, channel.nonce))
+            channel.send("result", run_job(job, uid, gid, fd, channel.nonce, channel))
         channel.send("done", {})
     except BaseException as exc:
         channel.send("error", {"error": f"{type(exc).__name__}: {exc}"})

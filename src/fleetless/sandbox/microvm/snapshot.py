@@ -39,7 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -465,7 +465,8 @@ def _channel_payload(jobs: Sequence[Any], handlers_dir: Path, nonce: str,
             add(f"{ws}/{rel}", "f", 0o644, JOB_UID, len(data), data)
         descs.append({"id": str(i), "argv": list(job.argv), "env": dict(job.env), "cwd": ws,
                       "timeout": job.timeout, "stdout_bytes": job.stdout_bytes,
-                      "stderr_bytes": job.stderr_bytes, "rlimits": job.rlimits})
+                      "stderr_bytes": job.stderr_bytes, "rlimits": job.rlimits,
+                      "stream": job.stream})
     if size > MAX_CHANNEL_BYTES:
         return (f"the job's handlers and files are more than the {MAX_CHANNEL_BYTES >> 20} MiB a "
                 "restored guest takes over its channel")
@@ -533,7 +534,8 @@ def _writer(fd: int, data: bytes) -> None:
 
 def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir: Path, *,
             tmp_bytes: int, hard_deadline: float | None = None, on_spawn: Any = None,
-            cancelled: threading.Event | None = None, control: Control | None = None) -> BootOutcome | str:
+            cancelled: threading.Event | None = None, control: Control | None = None,
+            on_stdout: Callable[[bytes], None] | None = None) -> BootOutcome | str:
     """Run ``jobs`` in a fresh copy of the snapshot; a :class:`~microvm.BootOutcome`, or a str
     saying why the snapshot cannot take these jobs (then nothing was started)."""
     from fleetless.sandbox import microvm
@@ -611,7 +613,7 @@ def restore(snap: Snapshot, image: ImageInfo, jobs: Sequence[Any], handlers_dir:
         else:
             proc.kill()
         out = microvm._collect(proc, jobs, con_r, chan_r, nonce, str(snap.key["accel"]), started,
-                               hard_deadline, cancelled, control)
+                               hard_deadline, cancelled, control, on_stdout)
         out.restored = out.boot is not None
         if not out.restored and out.failure == "vm exited":
             out.failure = "restore failed"
