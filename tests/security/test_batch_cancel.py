@@ -4,7 +4,8 @@ alone, and the jobs after it run. Channel mode (process and bwrap, as root and a
 users .ci/unprivileged runs this file as) sends a cancelled job nothing; file mode (the fork server,
 and, before 648ecd2, process and bwrap under a drainer with a subordinate range) tells the runner
 to start no other job (SIGUSR1) and runs the rest, the cancelled one left out, in a fresh sandbox.
-The first job runs until the test signals it, found among this
+A cancel of a job that has ended stops nothing (file mode destroyed the sandbox, and the job
+running then was charged a failed attempt and ran again). The gated job runs until the test signals it, found among this
 process's own descendants by the name it gives itself."""
 
 from __future__ import annotations
@@ -77,22 +78,23 @@ def _start_batch_drain(queue: Queue, h: Any, tier: str,
 
 
 @pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
-@pytest.mark.parametrize("which", ["waiting", "running", "waiting-own-usr1"])
+@pytest.mark.parametrize("which", ["waiting", "running", "waiting-own-usr1", "ended"])
 def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
         which: str, tier: str, queue: Queue, sql: Any, handlers: Any, require_tier: Any,
         monkeypatch: pytest.MonkeyPatch) -> None:
     require_tier(tier)
     h = handlers(**{"gated.py": GATED_OWN_USR1 if which.endswith("own-usr1") else GATED})
     which = which.removesuffix("-own-usr1")
-    ids = [queue.enqueue("gated", {"n": 0, "gated": True}, max_attempts=3)]
-    ids += [queue.enqueue("gated", {"n": n}, max_attempts=3) for n in (1, 2, 3)]
+    # ended: the 2nd job is the gated one, and the 1st, ended already, is cancelled
+    ids = [queue.enqueue("gated", {"n": n, "gated": n == (1 if which == "ended" else 0)}, max_attempts=3)
+           for n in (0, 1, 2, 3)]
     thread, seen = _start_batch_drain(queue, h, tier, monkeypatch)
     try:
-        wait_for(_gated, timeout=120, what="the batch's first job to run")
+        wait_for(_gated, timeout=120, what="the batch's gated job to run")
         victim = ids[3] if which == "waiting" else ids[0]
         assert queue.cancel(victim) is Status.RUNNING  # claimed with its batch
         wait_for(seen.is_set, timeout=60, what="the drainer to act on the cancel")
-        if which == "waiting":
+        if which in ("waiting", "ended"):
             for pid in _gated():  # the running job ends on its own: done
                 os.kill(pid, signal.SIGUSR2)
         thread.join(timeout=180)
@@ -103,7 +105,8 @@ def test_a_cancel_in_a_running_batch_stops_only_the_cancelled_job_in_every_mode(
     assert not thread.is_alive()
     rows = {i: (s, a, e) for i, s, a, e in sql(
         "SELECT id, status, attempts, last_error FROM fleetless.jobs WHERE id = ANY(%s)", ids)}
-    want = ["done", "done", "done", "cancelled"] if which == "waiting" else ["cancelled", "done", "done", "done"]
+    want = {"waiting": ["done", "done", "done", "cancelled"], "running": ["cancelled", "done", "done", "done"],
+            "ended": ["done"] * 4}[which]
     assert [rows[i][0] for i in ids] == want, rows
     assert all(rows[i][1] == 1 for i in ids), rows
     if which == "waiting":  # never started
