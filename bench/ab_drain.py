@@ -2,6 +2,10 @@
 ceiling and PgQueuer, whole processes.
 
     .venv/bin/python bench/ab_drain.py --jobs 15000 --reps 3 --tree before=/work/main/src --tree after=src
+
+``--isolation process,shared`` runs each tree twice a rep: the no-op kind with its default batch
+isolation (a fork per job) and with ``batch_isolation = "shared"`` in fleetless.toml (every job of a
+batch in the runner's own process); the labels get ``-process`` and ``-shared``.
 """
 
 from __future__ import annotations
@@ -83,16 +87,25 @@ def main() -> None:
     ap.add_argument("--per-sandbox", default="2000")
     ap.add_argument("--tree", action="append", default=[], help="label=path/to/src")
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--sandbox", default="process", help="the tier fleetless drains with")
+    ap.add_argument("--sandbox", default="process", help="the tier fleetless drains with (auto: the default's)")
+    ap.add_argument("--isolation", default="process",
+                    help="comma list of the no-op kind's batch_isolation to run each tree with: process, shared")
     a = ap.parse_args()
     n = a.jobs
     trees = [t.split("=", 1) for t in a.tree] or [["tree", "src"]]
     for _, src in trees:  # as an installed package is
         compile_tree(Path(src))
     rates: dict[str, list[float]] = {}
-    with scratch_db() as dsn, tempfile.TemporaryDirectory() as folder:
-        Path(folder, "noop.py").write_text("def handle(payload):\n    return None\n")
-        os.chmod(folder, 0o755)
+    modes = [m.strip() for m in a.isolation.split(",") if m.strip()]
+    with scratch_db() as dsn, tempfile.TemporaryDirectory() as top:
+        folders = {}
+        for mode in modes:  # a handlers directory per mode: the no-op kind, and its fleetless.toml
+            folders[mode] = folder = os.path.join(top, mode)
+            os.mkdir(folder)
+            Path(folder, "noop.py").write_text("def handle(payload):\n    return None\n")
+            Path(folder, "fleetless.toml").write_text(f'[kinds.noop]\nbatch_isolation = "{mode}"\n')
+            os.chmod(folder, 0o755)
+        os.chmod(top, 0o755)
         Queue(dsn).init()
         for _ in range(a.reps):
             if not a.no_peers:
@@ -103,7 +116,9 @@ def main() -> None:
                                stdout=subprocess.DEVNULL)
                 w = timed([PEERS_PY, str(PEERS / "pgqueuer_drain.py"), "drain", _url(dsn), "200"], {}, "pgqueuer")
                 rates.setdefault("pgqueuer", []).append(n / w)
-            for label, src in trees:
+            for (tree, src), mode in [(t, m) for t in trees for m in modes]:
+                label = tree if len(modes) == 1 else f"{tree}-{mode}"
+                folder = folders[mode]
                 _fill_fleetless(dsn, n)
                 w = timed([sys.executable, "-c", SELF_CPU, "drain", "--handlers", folder, "--sandbox",
                            a.sandbox, "--per-sandbox", a.per_sandbox, "--concurrency", "2", "--lease-grace", "60"],

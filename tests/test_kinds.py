@@ -46,6 +46,7 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
         max_attempts = 5
         tier = "bwrap"
         batch_size = 50
+        batch_isolation = "shared"
         concurrency = 5
         rate = "100/min"
         [kinds.b]
@@ -56,7 +57,7 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
     assert load(h) == {"render-invoice": KindSettings(
         timeout=120.0, ttl=1800.0, backoff_base=30.0, backoff_cap=3600.0, jitter=0.0, memory=1024**3, cpus=2.0,
         pids=256, network=True, interpreter="/usr/bin/python3", max_attempts=5, tier="bwrap", batch_size=50,
-        concurrency=5, rate=Rate(100, 60.0)),
+        batch_isolation="shared", concurrency=5, rate=Rate(100, 60.0)),
         "b": KindSettings(rate=Rate(20, 10.0)), "c": KindSettings(rate=Rate(5, 1.0))}
     assert load(tmp_path) == {}  # no file: no settings
 
@@ -73,6 +74,9 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
     ("[kinds.a]\nrate = \"0/min\"\n", "[kinds.a] rate: from 1 to 1000000 jobs per window"),
     ("[kinds.a]\ntier = \"docker\"\n", "[kinds.a] tier: one of bwrap, "),
     ("[kinds.a]\nbatch_size = 1.5\n", "[kinds.a] batch_size: an integer from 1 to 100000, not 1.5"),
+    ("[kinds.a]\nbatch_isolation = \"none\"\n", "[kinds.a] batch_isolation: \"process\" (each job a process"
+     " of its own) or \"shared\" (the batch's jobs in one process: trusted code only), not 'none'"),
+    ("[kinds.a]\nbatch_isolation = true\n", "[kinds.a] batch_isolation: \"process\" "),
     ("[kinds.A]\ntimeout = 1\n", "[kinds.A]: invalid job kind 'A'"),
     ("[drain]\nbatch = 5\n", "unknown table or key 'drain'"),
     ("[kinds.a\n", "not valid TOML"),
@@ -143,7 +147,7 @@ def test_a_kinds_interpreter_and_longer_timeout_are_used_and_its_lease_covers_it
 def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -> None:
     h = settings_file(handlers(**{"a.py": "", "b": "#!/bin/sh\n"}),
                       "[kinds.a]\ntimeout = '2m'\n[kinds.ghost]\npids = 9\nconcurrency = 3\nrate = '10/min'\n"
-                      "tier = 'process'\nbatch_size = 20\n")
+                      "tier = 'process'\nbatch_size = 20\nbatch_isolation = 'shared'\n")
     r = fleetless("kinds", "--handlers", str(h), "--json")
     assert r.returncode == 0, r.stderr
     rows = {row["kind"]: row for row in json.loads(r.stdout)}
@@ -154,9 +158,11 @@ def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -
     assert (rows["ghost"]["handler"], rows["ghost"]["pids"]) == (False, 9)
     assert [rows["ghost"][k] for k in ("concurrency", "rate", "tier", "batch_size")] == [3, "10/60s", "process", 20]
     assert [rows["a"][k] for k in ("concurrency", "rate", "batch_size")] == [None] * 3  # the drain's
+    assert (rows["ghost"]["batch_isolation"], rows["a"]["batch_isolation"]) == ("shared", "process")
     assert rows["a"]["tier"] == choose_tier(os.environ["FLEETLESS_SANDBOX"])[0]  # the drain's, resolved as it does
     text = fleetless("kinds", "--handlers", str(h)).stdout.splitlines()
     assert text[0].split()[:3] == ["kind", "handler", "timeout"] and "MISSING" in text[3]
+    assert "batch_isolation" in text[0].split() and "shared" in text[3].split()
 
 
 def test_cli_kinds_shows_the_tier_and_interpreter_a_drain_would_use_for_each_kind(fleetless, handlers) -> None:

@@ -21,6 +21,7 @@ the completer writes them. How a batch runs:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -68,6 +69,8 @@ HARD_GRACE = 2.0
 #: HARD_GRACE as the exec's own deadline instead, which every tier enforces by itself (also while
 #: the drainer is stopped, inside the lease's grace).
 HOST_GRACE = HARD_GRACE + 3.0
+#: A shared batch's jobs sent to its runner ahead of the one running (``_converse_shared``).
+SHARED_AHEAD = 64
 #: Room for one job's record on the runner's stdout, beyond the job's own stdout.
 RECORD_OVERHEAD = 8 * 1024
 _NUL_ESCAPE = re.compile(r"(?<!\\)((?:\\\\)*)\\u0000")
@@ -581,19 +584,21 @@ class Runner:
         kind = jobs[0].kind
         base = self.template_of(kind)
         limits = base.limits
+        # batch_isolation = "shared": its handle() jobs one after another in the runner's own process
+        shared = handler.module and self._kind(kind).shared
 
         def header(sbx: Sandbox) -> str:
             return json.dumps({
                 "handler": f"{sbx.handlers_path}/{handler.filename}", "module": handler.module,
                 "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
                 "budget": self.ttl_of(kind), "grace": HARD_GRACE, "kind": kind,
-                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS})
+                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS, "shared": shared})
 
         timeouts = [self.timeout_of(j) for j in jobs]
         spare = self._take_spare(jobs)
         if spare is not None:
             try:
-                return self._converse(jobs, spare[0], spare[1], header(spare[0]), slot)
+                return self._converse(jobs, spare[0], spare[1], header(spare[0]), slot, shared)
             finally:
                 spare[0].kill()
                 spare[1].close()
@@ -626,7 +631,7 @@ class Runner:
             if chan is not None:
                 chan.start(sbx, [sbx.python, f"{ws}/{RUNNER_NAME}", f"{ws}/{CHANNEL_IN}", f"{ws}/{CHANNEL_OUT}"],
                            bound)
-                return self._converse(jobs, sbx, chan, header(sbx), slot)
+                return self._converse(jobs, sbx, chan, header(sbx), slot, shared)
             # a copied workspace (microvm, forkserver): every job in a file the runner removes first
             # (or a drainer that cannot make pipes in its jobs' workspaces: a non-root one's subordinate uids)
             tags = [secrets.token_hex(16) for _ in jobs]
@@ -694,7 +699,9 @@ class Runner:
                 f'"tag":"{tag}","payload":{job.payload_json}}}')
 
     def _converse(self, jobs: Sequence[Job], sbx: Sandbox, chan: _Channel, header: str,
-                  slot: Slot) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
+                  slot: Slot, shared: bool = False) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
+        if shared:
+            return self._converse_shared(jobs, sbx, chan, header, slot)
         """Run ``jobs`` one at a time through a runner's channel: each job is sent when the one
         before it has ended (so no job sees another's payload), one cancelled before its turn is
         never sent, and a cancel of the job running stops it alone."""
@@ -736,6 +743,11 @@ class Runner:
                     sbx.kill()
                     break
                 out.append((job, outcome))
+        return self._ended(out, chan, slot, overdue, late)
+
+    def _ended(self, out: list[tuple[Job, Outcome]], chan: _Channel, slot: Slot, overdue: float | None,
+               late: str) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
+        """A conversation's end: the runner told no more jobs come, and its run's result."""
         chan.finish()
         try:
             r = chan.result.result()
@@ -748,6 +760,78 @@ class Runner:
         if late:  # the caller reads it where file mode's runner writes it
             r = replace(r, stdout=late)
         return out, r
+
+    def _converse_shared(self, jobs: Sequence[Job], sbx: Sandbox, chan: _Channel, header: str,
+                         slot: Slot) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
+        """A shared batch (``batch_isolation = "shared"``) through the runner's channel: up to
+        SHARED_AHEAD jobs are sent ahead of the one running, so the runner never waits for the
+        drainer between jobs (their lines are in the runner's process before their turn: what a job
+        of a shared batch can reach anyway). Each record is still taken in order, by its job's tag,
+        each job held to its own deadline from its predecessor's record. A job cancelled before it
+        is sent is never sent; one cancelled once sent gets a cancel line, which the runner honours
+        when it reads it before the job's turn (``{"tag": T, "cancelled": true}``); the job running,
+        cancelled, takes the sandbox down (the runner reads no line while ``handle()`` runs), the
+        jobs after it run on in a fresh one. The runner starts no job after one stopped at its
+        timeout: those run on in a fresh sandbox too."""
+        flight: collections.deque[tuple[Job, str | None]] = collections.deque()  # in order; None: never sent
+        lock = threading.Lock()
+
+        def cancel() -> None:
+            with lock:
+                sent = [(j, t) for j, t in flight if t is not None]
+            if sent and self.cancelled(sent[0][0]):  # the job running: the first sent without a record
+                sbx.kill()
+                return
+            for j, t in sent[1:]:
+                if self.cancelled(j):
+                    chan.send(json.dumps({"cancel": t}))
+
+        if not slot.attach(sbx, cancel):
+            return [(j, self._stopped(None)) for j in jobs], None
+        out: list[tuple[Job, Outcome]] = []
+        overdue: float | None = None
+        late = ""
+        ahead = 0  # jobs[:ahead] are in flight or have their outcome
+        broken = not chan.send(header)
+        since = time.monotonic()  # when the job at the front started (about: its predecessor's record)
+        while not broken:
+            while ahead < len(jobs) and len(flight) < SHARED_AHEAD and not slot.aborted:
+                job = jobs[ahead]
+                ahead += 1
+                tag = None if self.cancelled(job) else secrets.token_hex(16)
+                with lock:
+                    flight.append((job, tag))
+                if tag is not None and not chan.send(self._job_line(job, tag), drain=True):
+                    broken = True
+                    break
+            while flight and flight[0][1] is None:  # cancelled while it waited: it never starts
+                with lock:
+                    out.append((flight.popleft()[0], self._cancelled_waiting()))
+            if broken or not flight or slot.aborted:
+                break
+            job, tag = flight[0]
+            assert tag is not None
+            line = chan.recv(since + self.timeout_of(job) + HOST_GRACE)
+            since = time.monotonic()
+            if line is not None and _said_late(line):  # not started: too late for its lease
+                late = line
+                break
+            if line is None:
+                if not chan.result.done():  # past its deadline without a result: stopped from here
+                    overdue = self.timeout_of(job)
+                    sbx.kill()
+                break
+            outcome = self._record(job, tag, line)
+            if outcome is None:
+                log.warning("job %d: the batch runner sent a malformed result; its sandbox is destroyed", job.id)
+                sbx.kill()
+                break
+            with lock:
+                flight.popleft()
+            out.append((job, outcome))
+            if _timed_out_in_place(outcome):
+                break  # a shared runner starts no job after a timeout: the rest in a fresh sandbox
+        return self._ended(out, chan, slot, overdue, late)
 
     def _record(self, job: Job, tag: str, line: str) -> Outcome | None:
         """One job's result line, which must carry its tag (None when it is not well formed).
@@ -766,6 +850,8 @@ class Runner:
             rec = json.loads(line)
             if rec["tag"] != tag:
                 return None
+            if rec.get("cancelled") is True:  # a shared runner's: cancelled before its turn, never started
+                return self._cancelled_waiting() if self.cancelled(job) and set(rec) == {"tag", "cancelled"} else None
             outcome = _outcome(self.backend.name, rec)
         except (ValueError, KeyError, TypeError):
             return None
@@ -876,6 +962,11 @@ class _Pacer:
             self._thread.join()
 
 
+def _timed_out_in_place(outcome: Outcome) -> bool:
+    """A shared batch's job stopped at its timeout by the runner's own timer (its record says so)."""
+    return outcome.action == "fail" and (outcome.error or "").startswith("killed: timeout")
+
+
 def _timed_out(r: ExecResult, got: Sequence[object], timeouts: Sequence[float], pacer: _Pacer | None,
                bound: float | None = None) -> ExecResult:
     """The run's result, naming the timeout of the first job without a record when the drainer
@@ -929,8 +1020,10 @@ class _Channel:
 
         threading.Thread(target=run, name="batch-exec", daemon=True).start()
 
-    def send(self, line: str) -> bool:
-        """Write one line; False when the runner ended before it could take it."""
+    def send(self, line: str, drain: bool = False) -> bool:
+        """Write one line; False when the runner ended before it could take it. ``drain`` (the
+        thread that calls :meth:`recv` alone): what the runner writes meanwhile is read into the
+        buffer, so a runner blocked on a full result pipe never leaves this write waiting for ever."""
         view = memoryview((line + "\n").encode())
         with self._lock:
             if self._closed or self._to < 0:
@@ -941,7 +1034,11 @@ class _Channel:
                     continue
                 except BlockingIOError:
                     pass
-                if self._wake_r in select.select([self._wake_r], [self._to], [])[0]:
+                ready = select.select([self._wake_r, *([self._from] if drain else [])], [self._to], [])[0]
+                if self._from in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        self._buf += os.read(self._from, 1 << 16)
+                if self._wake_r in ready:
                     return False
         return True
 

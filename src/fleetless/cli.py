@@ -691,7 +691,8 @@ def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json:
     settings = kinds.load(folder)
     have = set(kinds.found(folder))
     defaults = kinds.KindSettings(timeout=600, ttl=900, backoff_base=60, backoff_cap=7 * 86400, jitter=30,
-                                  memory=512 * 1024**2, cpus=1.0, pids=128, network=False, max_attempts=3)
+                                  memory=512 * 1024**2, cpus=1.0, pids=128, network=False, max_attempts=3,
+                                  batch_isolation="process")
     drain_tier = choose_tier(sandbox)[0]
     rows = []
     for kind in sorted(have | set(settings)):
@@ -713,8 +714,8 @@ def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json:
         r["network"] = "on" if r["network"] else "off"
         r["set_in_file"] = ",".join(r["set_in_file"]) or "-"
     _table(rows, ["kind", "handler", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter",
-                  "memory", "cpus", "pids", "network", "interpreter", "tier", "batch_size", "concurrency", "rate",
-                  "set_in_file"])
+                  "memory", "cpus", "pids", "network", "interpreter", "tier", "batch_size", "batch_isolation",
+                  "concurrency", "rate", "set_in_file"])
 
 
 @cli.group()

@@ -295,6 +295,11 @@ class Drainer:
             found = handlers.unrunnable(self._handlers_dir, backend, self._template, interpreters)
             self._unrunnable.update({k: why for k, why in found.items() if self._tier_of(k) == tier})
         self._maintainer.sweep_also(tuple(self._backends.values()))
+        shared = sorted(kind for kind, ks in self._kinds.items() if ks.shared)
+        if shared:  # said once, at the drain's start: these kinds' jobs can reach each other
+            log.warning("kinds %s: batch_isolation = \"shared\" (%s): in batch mode their handle() jobs run one"
+                        " after another in one process per sandbox, and a job can reach the later jobs of its"
+                        " batch (docs/isolation.md)", ", ".join(shared), kinds.FILENAME)
         if not self._batched and any((ks.batch_size or 1) > 1 for ks in self._kinds.values()):
             self._batched = True
             self._completer = self._new_completer()

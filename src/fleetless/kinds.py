@@ -15,6 +15,9 @@ interpreter = "/usr/bin/python3.12"
 max_attempts = 5        # for jobs enqueued without their own max_attempts (applied at each claim)
 tier = "bwrap"          # its sandbox tier (the drain's --sandbox for the others)
 batch_size = 50         # up to this many of its jobs per sandbox (batch mode)
+batch_isolation = "shared"  # batch mode: its handle() jobs in the runner's own process, one after
+                        # another (trusted code only: a job can reach the others of its batch;
+                        # docs/isolation.md). Default "process": each job a fork of its own
 concurrency = 5         # at most 5 of its jobs running at once, across every drainer on every host
 rate = "100/min"        # at most 100 of its jobs started in any minute, across every drainer
 ```
@@ -75,8 +78,14 @@ class KindSettings:
     max_attempts: int | None = None
     tier: str | None = None
     batch_size: int | None = None
+    batch_isolation: str | None = None  # "process" (None: the default) or "shared"
     concurrency: int | None = None
     rate: Rate | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Batch mode runs its handle() jobs in the batch runner's own process (``batch_isolation``)."""
+        return self.batch_isolation == "shared"
 
     @property
     def limited(self) -> bool:
@@ -171,6 +180,19 @@ def _rate(value: object) -> Rate:
     return Rate(count, seconds)
 
 
+#: How the jobs of one batch are kept apart: each in a fork of its own (the default), or one
+#: after another in the batch runner's own process (trusted code; docs/isolation.md).
+BATCH_ISOLATION = ("process", "shared")
+
+
+def _batch_isolation(value: object) -> str:
+    if value not in BATCH_ISOLATION:
+        raise ValueError(f"\"process\" (each job a process of its own) or \"shared\" (the batch's jobs in one"
+                         f" process: trusted code only), not {value!r}")
+    assert isinstance(value, str)
+    return value
+
+
 def _tier(value: object) -> str:
     if value not in available_backends():
         raise ValueError(f"one of {', '.join(available_backends())}, not {value!r}")
@@ -183,7 +205,8 @@ _PARSERS: dict[str, Any] = {
     "backoff_cap": _duration, "jitter": _non_negative_duration, "memory": _size, "cpus": _cpus,
     "pids": lambda v: _positive_int(v, 1_000_000), "network": _bool, "interpreter": _path,
     "max_attempts": lambda v: _positive_int(v, 1000), "tier": _tier,
-    "batch_size": lambda v: _positive_int(v, 100_000), "concurrency": lambda v: _positive_int(v, 100_000),
+    "batch_size": lambda v: _positive_int(v, 100_000), "batch_isolation": _batch_isolation,
+    "concurrency": lambda v: _positive_int(v, 100_000),
     "rate": _rate,
 }
 

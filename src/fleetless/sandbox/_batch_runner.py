@@ -59,6 +59,18 @@ charged alone; the runner goes on. The runner starts no job that could not finis
 ``budget`` seconds of its own start (the sandbox's TTL): it exits 0 and the host runs the rest
 elsewhere, charging nobody.
 
+**Shared mode** (the header's ``"shared": true``: a kind's ``batch_isolation = "shared"``, for
+trusted code, handle() modules only): no template and no fork. Each job runs in this runner's own
+process, one after another, as a call of ``handle(payload)``, in a directory of its own (its cwd,
+HOME and TMPDIR), its ``print()`` output (sys.stdout and sys.stderr, not fd 1 and 2) kept as its
+own. A timer (SIGALRM) raises :class:`JobTimeout` in handle() at its timeout: the job is reported
+``killed: timeout`` and the runner starts no other job (the rest go on in a fresh sandbox: what a
+stopped job left, a thread, a lock held, stays in this process). A job that switches the timer off
+is stopped from outside by the drainer, which destroys the sandbox past the job's timeout. The
+processes a job left are killed after it (the runner is a subreaper); its threads, its changes to
+modules and to this process's memory are not undone: they reach the later jobs of its batch
+(docs/isolation.md, "Shared batches").
+
 A handle() imports ``fleetless.outcomes`` wherever it runs: when the sandbox's python has no such
 module, this runner serves the copy of it that fleetless.batch put in ``OUTCOMES_SOURCE``.
 """
@@ -88,6 +100,8 @@ NAME = b"fleetless-batch"
 #: fleetless/outcomes.py's text, put here by fleetless.batch when it writes this file into a
 #: sandbox: served as ``fleetless.outcomes`` where the sandbox's python has no such module.
 OUTCOMES_SOURCE = ""
+#: Shared mode's directory in the workspace: every job's cwd, HOME and TMPDIR, emptied between jobs.
+SHARED_HOME = "job-shared"
 #: The exceptions of fleetless.outcomes a handle() raises to decide its job's outcome, by name.
 DECISIONS = ("Discard", "Snooze", "Retry")
 
@@ -215,14 +229,16 @@ def _reap() -> bool:
     return True
 
 
-def end_leftovers(me: int, group: int, subreaper: bool, within: float = 10.0) -> bool:
-    """Kill the job's process group, then every process left as this runner's child (a daemon
-    that called setsid() and double-forked comes back to it), until it has no child at all.
-    True when none is left (always so for a subreaper that returns)."""
-    try:
-        os.killpg(group, signal.SIGKILL)
-    except OSError:
-        pass
+def end_leftovers(me: int, group: int | None, subreaper: bool, within: float = 10.0) -> bool:
+    """Kill the job's process group (None: a shared job's, which is this runner's own), then every
+    process left as this runner's child (a daemon that called setsid() and double-forked comes back
+    to it), until it has no child at all. True when none is left (always so for a subreaper that
+    returns)."""
+    if group is not None:
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except OSError:
+            pass
     give_up = time.monotonic() + within
     while True:
         if not _reap():
@@ -238,6 +254,64 @@ def end_leftovers(me: int, group: int, subreaper: bool, within: float = 10.0) ->
         if time.monotonic() >= give_up:
             return False
         time.sleep(0.001)
+
+
+class JobTimeout(BaseException):
+    """Raised in a shared job's handle() at its timeout (BaseException: ``except Exception`` in a
+    handler does not swallow it)."""
+
+
+def _on_alarm(signum: int, frame: object) -> None:
+    raise JobTimeout()
+
+
+class _Capture:
+    """A shared job's sys.stdout (its first ``head`` characters, and whether there was more) or
+    sys.stderr (its last ``tail``): what it print()s, kept as its own."""
+
+    encoding = "utf-8"
+    errors = "replace"
+
+    def __init__(self, head: int = 0, tail: int = 0) -> None:
+        self.head, self.tail = head, tail
+        self.parts: list[str] = []
+        self.size = 0
+        self.cut = False
+
+    def write(self, text: str) -> int:
+        text = str(text)
+        if self.tail:
+            self.parts.append(text)
+            self.size += len(text)
+            if self.size > 2 * self.tail:
+                kept = "".join(self.parts)[-self.tail:]
+                self.parts, self.size = [kept], len(kept)
+        elif self.size < self.head:
+            room = self.head - self.size
+            if len(text) > room:
+                self.cut, text = True, text[:room]
+            self.parts.append(text)
+            self.size += len(text)
+        elif text:
+            self.cut = True
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def text(self) -> str:
+        out = "".join(self.parts)
+        return out[-self.tail:] if self.tail else out
 
 
 class _Output:
@@ -348,6 +422,9 @@ class Runner:
         self.header = True  # the next line read is the header
         self.template: socket.socket | None = None  # the runner's end of the template's socket
         self.template_pid = 0
+        self.shared = False  # the header's "shared": every job in this process (handle() modules only)
+        self.ahead: list[bytes] = []  # shared, channel mode: jobs' lines read before their turn
+        self.cancels: set[str] = set()  # shared, channel mode: tags cancelled before their turn
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stop = True
@@ -387,6 +464,24 @@ class Runner:
         line, _, self.buf = self.buf.partition(b"\n")
         return line
 
+    def next_shared(self) -> bytes:
+        """Shared mode over the channel: the next job's line. The drainer sends jobs ahead of their
+        turn; every line that has come is read first, so that a cancel sent for a job ahead is seen
+        before its turn (noted in ``cancels``)."""
+        while True:
+            line = self.read_line(block=not self.ahead)
+            if line is None:
+                return self.ahead.pop(0)
+            if line.startswith(b'{"cancel"'):
+                try:
+                    self.cancels.add(str(json.loads(line)["cancel"]))
+                except (ValueError, KeyError, TypeError):
+                    pass
+                continue
+            self.ahead.append(line)
+            if not line:  # the end: the jobs read before it first
+                return self.ahead.pop(0)
+
     def send(self, text: str) -> None:
         _write_all(self.out, text.encode("utf-8", "replace") + b"\n")
 
@@ -398,6 +493,9 @@ class Runner:
         os.environ["FLEETLESS_KIND"] = desc["kind"]
         if not desc["module"]:
             return
+        self.shared = desc.get("shared") is True
+        if self.shared:
+            signal.signal(signal.SIGALRM, _on_alarm)
         handler = desc["handler"]
         sys.path[0] = os.path.dirname(handler)  # as when the file runs as a script
         if OUTCOMES_SOURCE:
@@ -427,17 +525,20 @@ class Runner:
         grace = float(desc.get("grace", 2.0))
         first = True
         while True:
-            line = self.read_line()
+            line = self.next_shared() if self.shared and self.channel else self.read_line()
             if not line:
                 return
             job = json.loads(line)
             if "cancel" in job:  # for a job that has ended already
                 continue
+            if job.get("tag") in self.cancels:  # shared: cancelled after it was sent, before its turn
+                self.send(json.dumps({"tag": job["tag"], "cancelled": True}, separators=(",", ":")))
+                continue
             timeout = float(job["timeout"])
             if not first and (self.stop or time.monotonic() - started + timeout + grace > budget):
                 return
-            if self.import_error is None and self.template is None:  # a job killed it: the rest elsewhere
-                return
+            if self.import_error is None and self.template is None and not self.shared:
+                return  # a job killed the template: the rest elsewhere
             first = False
             tag = str(job["tag"])
             end = job.get("not_after")
@@ -448,6 +549,12 @@ class Runner:
                 return
             if self.import_error is not None:
                 self.send(json.dumps({"tag": tag, "ok": False, "error": self.import_error, "duration": 0.0}))
+                continue
+            if self.shared:
+                text, timed_out = self.shared_one(job, tag, timeout)
+                self.send(text)
+                if timed_out:  # what it left (a thread, a lock held) stays here: the rest elsewhere
+                    return
                 continue
             result = self.one(job, line, tag, timeout)
             if result is None:  # the template is gone before the job started: it runs elsewhere
@@ -671,40 +778,67 @@ class Runner:
                 stderr = data[4:].decode("utf-8", "replace")
             return json.dumps({"tag": tag, "exit": code, "stdout": stdout, "stdout_cut": cut, "stderr": stderr,
                                "killed": killed, "duration": duration}, ensure_ascii=False)
-        if killed is None and data.startswith(b"R") and not _one_json_value(data[1:]):
-            # the report pipe is the job's: what it wrote there is spliced into this line only when
-            # it is one JSON value (a job wrote 'R1,"late":true' to pass as never started)
-            killed, data = None, b"X" + b"the job's report of its result is not one JSON value"
-        if killed is None and data.startswith(b"R"):  # returned: the result last, as it is
-            extra = ""
-            if stdout or stderr:
-                extra = f',"stdout":{json.dumps(stdout)},"stderr":{json.dumps(stderr)}'
-            return f'{{"tag":"{tag}","ok":true{extra},"result":{data[1:].decode()}}}'
-        decided = None
-        if killed is None and data.startswith(b"D"):  # it raised Discard, Snooze or Retry
+        return _module_line(tag, killed, data, code, stdout, stderr, duration)
+
+    def shared_home(self) -> str:
+        """Shared mode's one directory, every job's cwd, HOME and TMPDIR, left empty for each job:
+        what a job left there is removed before the next starts (one ``mkdir`` and ``rmdir`` per job
+        cost more than the rest of a no-op job). Made again when a job removed, replaced or locked it."""
+        self.scrub()  # the workspace as the runner found it (this directory kept, if it is the same)
+        home = os.path.join(self.cwd, SHARED_HOME)
+        try:
+            with os.scandir(home) as found:
+                names = [entry.name for entry in found]
+        except OSError:  # not there yet, or made unreadable
+            _purge(home)
+            os.mkdir(home, 0o700)
+            st = os.lstat(home)
+            self.kept[SHARED_HOME] = (st.st_ino, st.st_dev)
+            names = []
+        for name in names:
+            _purge(os.path.join(home, name))
+        return home
+
+    def shared_one(self, job: dict[str, Any], tag: str, timeout: float) -> tuple[str, bool]:
+        """A shared job: handle(payload) called in this process, in an empty directory, with its own
+        print() output and FLEETLESS_* variables, stopped by SIGALRM at its timeout; the processes it
+        left are killed after it. Its result line, and whether it was stopped at its timeout."""
+        desc = self.desc
+        home = self.shared_home()
+        env = os.environ
+        env["FLEETLESS_JOB_ID"] = str(job["id"])
+        for name, value in (("FLEETLESS_ATTEMPT", str(job["attempt"])),
+                            ("FLEETLESS_SNOOZES", str(job.get("snoozes", 0))), ("TMPDIR", home), ("HOME", home)):
+            if env.get(name) != value:  # most jobs of a batch share them: no putenv for those
+                env[name] = value
+        out = _Capture(head=int(desc.get("stdout_bytes", RESULT_BYTES)))
+        err = _Capture(tail=int(desc.get("stderr_bytes", ERROR_CHARS)))
+        killed = None
+        data = b""
+        t0 = time.monotonic()
+        try:
+            os.chdir(home)
+            sys.stdout, sys.stderr = out, err
             try:
-                decided = json.loads(data[1:])
-            except ValueError:
-                decided = None
-        if killed is None and data.startswith(b"N"):
-            return json.dumps({"tag": tag, "ok": False, "not_json": data[1:501].decode("utf-8", "replace"),
-                               "stdout": stdout, "stderr": stderr, "duration": duration}, ensure_ascii=False)
-        if killed is None and data.startswith(b"B") and data[1:].isdigit() and len(data) < 24:
-            return json.dumps({"tag": tag, "ok": False, "too_large": int(data[1:]), "stdout": stdout,
-                               "stderr": stderr, "duration": duration}, ensure_ascii=False)
-        if decided is not None:
-            return json.dumps({"tag": tag, "ok": False, "decided": decided, "error": "", "stdout": stdout,
-                               "stderr": stderr, "duration": duration}, ensure_ascii=False)
-        if killed is not None:
-            error = killed
-        elif data.startswith(b"X"):
-            error = data[1:].decode("utf-8", "replace")
-        elif code < 0:
-            error = f"killed by {_signal_name(-code)}"
-        else:
-            error = f"exit code {code} (handle() did not return)"
-        return json.dumps({"tag": tag, "ok": False, "error": error, "stdout": stdout, "stderr": stderr,
-                           "duration": duration}, ensure_ascii=False)
+                signal.setitimer(signal.ITIMER_REAL, timeout)
+                try:
+                    data = _call(self.handle, job["payload"])
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+            except JobTimeout:  # (also when it came just as handle() returned)
+                killed = f"killed: timeout after {_fmt(timeout)} s"
+        finally:
+            sys.stdout = sys.stderr = sys.__stderr__  # fd 2: never the channel
+            os.chdir(self.cwd)
+        duration = time.monotonic() - t0
+        if os.getpid() != self.me:  # a fork the job made came back here: it never reports
+            os._exit(0)
+        stderr = err.text()
+        if not end_leftovers(self.me, None, self.subreaper):
+            stderr += "\n(fleetless: processes of this job could not all be killed)"
+            self.stop = True
+        # the report is the runner's own (json.dumps'): no check that it is one JSON value
+        return _module_line(tag, killed, data, 0, out.text(), stderr, duration, checked=True), killed is not None
 
     def wait(self, pid: int, ended: int | None, r: int, deadline: float, tag: str, timeout: float,
              outs: tuple[_Output, ...]) -> tuple[str | None, bytes]:
@@ -782,24 +916,7 @@ class Runner:
         os._exit(1)
 
     def module_job(self, job: dict[str, Any], w: int) -> None:
-        try:
-            value = self.handle(job["payload"])
-            try:
-                text = "null" if value is None else json.dumps(value, allow_nan=False, separators=(",", ":"))
-            except (TypeError, ValueError, RecursionError) as exc:
-                # a value JSON cannot hold (a set, NaN, an object) comes back on every try: decided
-                # once, as a result too large is, never retried
-                report = b"N" + _not_json(value, exc).encode("utf-8", "replace")
-            else:
-                # ASCII: json.dumps escapes the rest. Too large is decided once (the host fails the
-                # job for good: the same payload would return as much again), not an error retried
-                report = b"B%d" % len(text) if len(text) > RESULT_BYTES else b"R" + text.encode()
-        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
-            decided = decision(exc)
-            if decided is not None:
-                report = b"D" + json.dumps(decided).encode()
-            else:
-                report = b"X" + describe_exception(exc).encode("utf-8", "replace")
+        report = _call(self.handle, job["payload"])
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -807,6 +924,69 @@ class Runner:
                 pass
         _write_all(w, report)
         os._exit(0)
+
+
+def _module_line(tag: str, killed: str | None, data: bytes, code: int, stdout: str, stderr: str,
+                 duration: float, checked: bool = False) -> str:
+    """A handle() job's result line, from its report (:func:`_call`) or why it was killed.
+    ``checked``: the report was made by this process's json.dumps, not read from a job's pipe."""
+    if killed is None and not checked and data.startswith(b"R") and not _one_json_value(data[1:]):
+        # the report pipe is the job's: what it wrote there is spliced into this line only when
+        # it is one JSON value (a job wrote 'R1,"late":true' to pass as never started)
+        killed, data = None, b"X" + b"the job's report of its result is not one JSON value"
+    if killed is None and data.startswith(b"R"):  # returned: the result last, as it is
+        extra = ""
+        if stdout or stderr:
+            extra = f',"stdout":{json.dumps(stdout)},"stderr":{json.dumps(stderr)}'
+        return f'{{"tag":"{tag}","ok":true{extra},"result":{data[1:].decode()}}}'
+    decided = None
+    if killed is None and data.startswith(b"D"):  # it raised Discard, Snooze or Retry
+        try:
+            decided = json.loads(data[1:])
+        except ValueError:
+            decided = None
+    if killed is None and data.startswith(b"N"):
+        return json.dumps({"tag": tag, "ok": False, "not_json": data[1:501].decode("utf-8", "replace"),
+                           "stdout": stdout, "stderr": stderr, "duration": duration}, ensure_ascii=False)
+    if killed is None and data.startswith(b"B") and data[1:].isdigit() and len(data) < 24:
+        return json.dumps({"tag": tag, "ok": False, "too_large": int(data[1:]), "stdout": stdout,
+                           "stderr": stderr, "duration": duration}, ensure_ascii=False)
+    if decided is not None:
+        return json.dumps({"tag": tag, "ok": False, "decided": decided, "error": "", "stdout": stdout,
+                           "stderr": stderr, "duration": duration}, ensure_ascii=False)
+    if killed is not None:
+        error = killed
+    elif data.startswith(b"X"):
+        error = data[1:].decode("utf-8", "replace")
+    elif code < 0:
+        error = f"killed by {_signal_name(-code)}"
+    else:
+        error = f"exit code {code} (handle() did not return)"
+    return json.dumps({"tag": tag, "ok": False, "error": error, "stdout": stdout, "stderr": stderr,
+                       "duration": duration}, ensure_ascii=False)
+
+
+def _call(handle: Any, payload: Any) -> bytes:
+    """handle(payload)'s report: R and its result's JSON, N (not JSON), B (too large), D (a
+    decision) or X (an exception). :class:`JobTimeout` is let through (a shared job's timeout)."""
+    try:
+        value = handle(payload)
+        try:
+            text = "null" if value is None else json.dumps(value, allow_nan=False, separators=(",", ":"))
+        except (TypeError, ValueError, RecursionError) as exc:
+            # a value JSON cannot hold (a set, NaN, an object) comes back on every try: decided
+            # once, as a result too large is, never retried
+            return b"N" + _not_json(value, exc).encode("utf-8", "replace")
+        # ASCII: json.dumps escapes the rest. Too large is decided once (the host fails the
+        # job for good: the same payload would return as much again), not an error retried
+        return b"B%d" % len(text) if len(text) > RESULT_BYTES else b"R" + text.encode()
+    except JobTimeout:
+        raise
+    except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's own doing
+        decided = decision(exc)
+        if decided is not None:
+            return b"D" + json.dumps(decided).encode()
+        return b"X" + describe_exception(exc).encode("utf-8", "replace")
 
 
 def _kill_job(pid: int, ended: int | None) -> None:
@@ -895,7 +1075,8 @@ def main() -> None:
         return
     runner.load(json.loads(line))
     gc.freeze()  # what the runner holds now: no job's collection walks (and so copies) its pages
-    runner.start_template()
+    if not runner.shared:  # shared mode: every job in this process, no template
+        runner.start_template()
     try:
         runner.run(started)
     finally:
