@@ -96,8 +96,9 @@ def executions(log: Path) -> dict[int, list[int]]:
 
 
 def processes_mentioning(text: str) -> list[tuple[int, str]]:
-    """Live processes whose command line contains ``text`` (e.g. a private work directory: every
-    process-tier supervisor carries its workspace path in its argv)."""
+    """Live processes whose command line or working directory contains ``text`` (e.g. a private
+    work directory: a process-tier job names its handler and payload there, and its supervisor,
+    whose settings come on a pipe, runs in its workspace)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -107,7 +108,11 @@ def processes_mentioning(text: str) -> list[tuple[int, str]]:
             state = (entry / "stat").read_text().rsplit(") ", 1)[1][0]
         except OSError:
             continue
-        if text in cmdline and state != "Z":
+        try:
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            cwd = ""
+        if (text in cmdline or text in cwd) and state != "Z":
             found.append((int(entry.name), cmdline))
     return found
 
