@@ -32,6 +32,7 @@ MODULE = """
     import os, signal, time
     SEEN = []  # the jobs this process ran: grows in a shared batch, one in a fork of its own
     LEFT = []  # the processes a job of this process left
+    signal.signal(signal.SIGALRM, lambda *_: None)  # the module's own: the runner's timer is set again per job
     def handle(payload):
         found = sorted(os.listdir("."))  # what an earlier job left in its directory, if any
         open("left-behind", "w").close()
@@ -168,6 +169,9 @@ def test_a_timed_out_shared_job_is_killed_alone_and_the_jobs_after_it_run_in_a_f
     rows = _rows(sql, ids)
     assert [r[:2] for r in rows] == [("done", 1)] * 2 + [("dead", 1)] + [("done", 1)] * 2
     assert rows[2][4].startswith("killed: timeout after 1 s")
+    # the runner's timer stopped it (its print() kept, though the module set its own SIGALRM
+    # handler at import), or the drainer's kill of its sandbox (nothing of it kept)
+    assert rows[2][3] == (None if no_timer else "printed 2\n")
     before, after = [rows[i][2] for i in (0, 1)], [rows[i][2] for i in (3, 4)]
     assert [r["ran"] for r in before] == [1, 2]
     assert [r["ran"] for r in after] == [1, 2]  # a fresh process: it never ran job 2
@@ -287,3 +291,12 @@ def test_a_cancel_in_a_shared_batch_stops_only_the_cancelled_job(which: str, que
     else:
         assert [rows[i] for i in ids] == ["cancelled", "done", "done", "done"]
     assert all(attempts[i] == 1 for i in ids)
+
+
+def test_the_drain_names_its_shared_kinds_at_its_start(fleetless, dsn: str, queue: Queue, handlers, sql: SQL) -> None:
+    h = _with_toml(handlers(**{"shared.py": MODULE}))
+    job = queue.enqueue("shared", {"n": 0}, timeout=30)
+    r = fleetless("drain", "--handlers", str(h), "--sandbox", "process", "--per-sandbox", "2", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert 'kinds shared: batch_isolation = "shared"' in r.stderr and "docs/isolation.md" in r.stderr, r.stderr
+    assert sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)]

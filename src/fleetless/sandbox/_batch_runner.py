@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import io
 import json
 import os
 import select
@@ -265,18 +266,18 @@ def _on_alarm(signum: int, frame: object) -> None:
     raise JobTimeout()
 
 
-class _Capture:
+class _Capture(io.TextIOBase):
     """A shared job's sys.stdout (its first ``head`` characters, and whether there was more) or
     sys.stderr (its last ``tail``): what it print()s, kept as its own."""
 
-    encoding = "utf-8"
-    errors = "replace"
-
     def __init__(self, head: int = 0, tail: int = 0) -> None:
+        super().__init__()
         self.head, self.tail = head, tail
         self.parts: list[str] = []
         self.size = 0
         self.cut = False
+
+    encoding = "utf-8"  # (TextIOBase says None: some code reads sys.stdout.encoding)
 
     def write(self, text: str) -> int:
         text = str(text)
@@ -295,16 +296,6 @@ class _Capture:
         elif text:
             self.cut = True
         return len(text)
-
-    def writelines(self, lines: Any) -> None:
-        for line in lines:
-            self.write(line)
-
-    def flush(self) -> None:
-        pass
-
-    def isatty(self) -> bool:
-        return False
 
     def writable(self) -> bool:
         return True
@@ -494,8 +485,6 @@ class Runner:
         if not desc["module"]:
             return
         self.shared = desc.get("shared") is True
-        if self.shared:
-            signal.signal(signal.SIGALRM, _on_alarm)
         handler = desc["handler"]
         sys.path[0] = os.path.dirname(handler)  # as when the file runs as a script
         if OUTCOMES_SOURCE:
@@ -820,6 +809,7 @@ class Runner:
             os.chdir(home)
             sys.stdout, sys.stderr = out, err
             try:
+                signal.signal(signal.SIGALRM, _on_alarm)  # again: the module or an earlier job may have set its own
                 signal.setitimer(signal.ITIMER_REAL, timeout)
                 try:
                     data = _call(self.handle, job["payload"])
