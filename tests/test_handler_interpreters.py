@@ -367,13 +367,15 @@ def test_doctor_with_handlers_says_per_tier_which_kinds_a_drain_would_not_claim(
     h.mkdir(mode=0o755)
     (h / "ok.py").write_text("print(1)\n")
     (h / "bad.py").write_text("print(2)\n")
-    (h / "fleetless.toml").write_text('[kinds.bad]\ninterpreter = "/nonexistent/python3"\n')
+    (h / "fleetless.toml").write_text('[kinds.bad]\ninterpreter = "/nonexistent/python3"\n'
+                                      '[kinds.ok]\nbatch_isolation = "shared"\n')
     for f in h.iterdir():
         f.chmod(0o644)
     r = fleetless("doctor", "--json", "--handlers", str(h), timeout=600)
     assert r.returncode == 0, r.stderr
     tiers = [t for t in json.loads(r.stdout)["tiers"] if t["ok"]]
     assert tiers
+    assert json.loads(r.stdout)["shared_kinds"] == ["ok"]  # batch_isolation = "shared" (issue 27)
     for t in tiers:
         assert t["kinds"]["ok"] is None, t
         assert "/nonexistent/python3" in t["kinds"]["bad"], t

@@ -78,7 +78,8 @@ def check(handlers_dir: Path | None = None) -> dict[str, Any]:
     ``python`` is what the process tier runs ``.py`` handlers with, each tier's its own (the
     drain's choice, not a guess: a root drainer's venv under /root is still the handlers' own
     where the tier binds it). With ``handlers_dir``, each working tier also has ``"kinds"``:
-    ``{kind: None or why a drain there would not claim it}`` (:func:`kinds_report`)."""
+    ``{kind: None or why a drain there would not claim it}`` (:func:`kinds_report`), and the report
+    ``"shared_kinds"``: the kinds whose batches run in one process (``batch_isolation = "shared"``)."""
     tiers = []
     with tempfile.TemporaryDirectory(prefix="fleetless-doctor-") as tmp:
         handlers = Path(tmp)
@@ -92,12 +93,16 @@ def check(handlers_dir: Path | None = None) -> dict[str, Any]:
             tiers.append({"name": name, "ok": ok, "detail": detail,
                           "python": _handler_python(name, handlers) if ok else None,
                           "caps": get_backend(name).caps() if ok else None})
+    out: dict[str, Any] = {"python": python, "python_startup_ms": round(startup, 1), "workdir": _workdir(),
+                           "tiers": tiers}
     if handlers_dir is not None:
+        from . import kinds
+
         per_tier = kinds_report(handlers_dir, [str(t["name"]) for t in tiers if t["ok"]])
         for t in tiers:
             t["kinds"] = per_tier.get(str(t["name"]))
-    return {"python": python, "python_startup_ms": round(startup, 1), "workdir": _workdir(),
-            "tiers": tiers}
+        out["shared_kinds"] = sorted(k for k, ks in kinds.load(handlers_dir).items() if ks.shared)
+    return out
 
 
 def kinds_report(handlers_dir: Path, tiers: list[str]) -> dict[str, dict[str, str | None]]:
@@ -137,3 +142,6 @@ def run(handlers_dir: Path | None = None) -> None:
             click.echo(f"         {caps_line(tier['name'], tier['caps'])}")
         for kind, why in (tier.get("kinds") or {}).items():
             click.echo(f"         kind {kind}: " + ("runs" if why is None else f"not claimed here: {why}"))
+    if report.get("shared_kinds"):
+        click.echo(f"batches  shared       kinds {', '.join(report['shared_kinds'])}: batch_isolation = \"shared\","
+                   " their batch's handle() jobs in one process (trusted code only: docs/isolation.md)")
