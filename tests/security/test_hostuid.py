@@ -6,12 +6,16 @@ leases of drains running elsewhere on the host are never touched.
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,3 +154,121 @@ def test_leases_kept_in_two_lease_directories_never_share_a_uid(tmp_path: Path) 
         held.append(c)
     for x in (b, *held):
         x.release()
+
+
+SHARED = "2000100020-2000100029"
+REFUSAL = ('job uid range 2000100020-2000100029 overlaps {path}\'s line "{line}": {who} can run processes as '
+           "those {ids}; choose another --job-uids or reserve the range under a name no user has (fleetless-jobs)")
+
+
+@pytest.fixture
+def subids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str], tuple[str, str]]:
+    """Point the drainer at copies of /etc/subuid and /etc/subgid (the host's are never touched) and
+    at the range :data:`SHARED`; returns a writer of both copies, which answers their paths."""
+    monkeypatch.setenv(_hostuid.ENV, SHARED)
+    subuid, subgid = tmp_path / "subuid", tmp_path / "subgid"
+    monkeypatch.setattr(_hostuid, "SUBUID", str(subuid))
+    monkeypatch.setattr(_hostuid, "SUBGID", str(subgid))
+
+    def write(uids: str, gids: str = "") -> tuple[str, str]:
+        subuid.write_text(uids)
+        subgid.write_text(gids)
+        return str(subuid), str(subgid)
+
+    return write
+
+
+def test_a_range_a_user_of_this_host_may_map_is_refused_naming_the_line(
+        subids: Callable[[str, str], tuple[str, str]]) -> None:
+    """Red team: a user's /etc/subuid line overlapping the job range lets that user run processes
+    as the job uids (newuidmap): a job's uid sweep SIGKILLed them, and they could signal or inspect
+    root's jobs. Nothing said so. Now the range is refused, in one line naming the line."""
+    path, _ = subids("fleetless-ci:1600000000:65536\nroot:2000100025:10\n", "")
+    expected = REFUSAL.format(path=path, line="root:2000100025:10", who="user root", ids="uids")
+    with pytest.raises(SandboxUnavailable) as refused:
+        _hostuid.configured_range()
+    assert str(refused.value) == expected
+    with pytest.raises(SandboxUnavailable) as refused:
+        _hostuid.lease()  # what every job of a root drainer asks
+    assert str(refused.value) == expected
+
+    _, path = subids("", "root:2000100020:1\n")  # the gids alone: the same
+    with pytest.raises(SandboxUnavailable) as refused:
+        _hostuid.configured_range()
+    assert str(refused.value) == REFUSAL.format(path=path, line="root:2000100020:1", who="user root", ids="gids")
+
+
+def test_a_subordinate_line_naming_a_numeric_owner_or_a_group_is_refused_when_it_is_an_account(
+        subids: Callable[[str, str], tuple[str, str]]) -> None:
+    path, _ = subids("0:2000100029:5\n", "")
+    with pytest.raises(SandboxUnavailable) as refused:
+        _hostuid.configured_range()
+    assert str(refused.value) == REFUSAL.format(path=path, line="0:2000100029:5", who="user 0 (root)", ids="uids")
+
+    users = {p.pw_name for p in pwd.getpwall()}
+    group = next(g for g in grp.getgrall() if g.gr_name not in users)  # a group no user is named after
+    _, path = subids("", f"{group.gr_name}:2000100000:100\n")
+    with pytest.raises(SandboxUnavailable) as refused:
+        _hostuid.configured_range()
+    assert str(refused.value) == REFUSAL.format(path=path, line=f"{group.gr_name}:2000100000:100",
+                                                who=f"group {group.gr_name}", ids="gids")
+
+    unknown = next(n for n in range(2_999_999_999, 3_000_000_099) if n not in {p.pw_uid for p in pwd.getpwall()})
+    subids(f"{unknown}:2000100020:10\n", "")  # a numeric id that is no user: newuidmap serves no one
+    assert _hostuid.configured_range() == _hostuid.parse_range(SHARED)
+
+
+def test_a_reservation_under_a_name_no_user_has_and_lines_beside_the_range_are_fine(
+        subids: Callable[[str, str], tuple[str, str]]) -> None:
+    with pytest.raises(KeyError):
+        pwd.getpwnam("fleetless-jobs")
+    reserved = "fleetless-jobs:2000100020:10\n"
+    subids(reserved, reserved)
+    assert _hostuid.configured_range() == _hostuid.parse_range(SHARED)
+    beside = "# a comment\nroot:2000100010:10\nroot:2000100030:10\nbroken line\nroot:2000100020:0\n"
+    subids(beside, beside)  # ends just below, starts just above, says nothing, delegates nothing
+    assert _hostuid.configured_range() == _hostuid.parse_range(SHARED)
+    subids("root:2000100025:10\n", "")  # a changed file is read again
+    with pytest.raises(SandboxUnavailable, match="overlaps"):
+        _hostuid.configured_range()
+
+
+def test_the_subordinate_files_are_read_once_until_they_change(
+        subids: Callable[[str, str], tuple[str, str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lease checks the range: it costs a stat per file, not a read and account look-ups."""
+    subids("fleetless-jobs:2000100020:10\n", "fleetless-jobs:2000100020:10\n")
+    reads: list[str] = []
+    read = _hostuid._overlapping_owner
+
+    def counted(path: str, kind: str, ids: UidRange) -> str | None:
+        reads.append(path)
+        return read(path, kind, ids)
+
+    monkeypatch.setattr(_hostuid, "_overlapping_owner", counted)
+    for _ in range(50):
+        _hostuid.configured_range()
+    assert len(reads) == 2
+
+
+def test_doctor_and_a_drain_say_a_range_a_user_may_map_before_claiming(
+        subids: Callable[[str, str], tuple[str, str]], queue: Any, handlers: Any, sql: Any, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fleetless import doctor
+    from fleetless.drainer import DrainConfig, Drainer, DrainError
+    from fleetless.sandbox import get_backend
+
+    path, _ = subids("root:2000100020:65536\n", "")
+    expected = REFUSAL.format(path=path, line="root:2000100020:65536", who="user root", ids="uids")
+    monkeypatch.setenv("FLEETLESS_WORKDIR", str(tmp_path / "work"))
+    for tier in ("process", "bwrap"):
+        assert expected in get_backend(tier).describe()
+    h = handlers(**{"a.py": "print(1)"})
+    ok, detail = doctor._probe("process", h)
+    assert not ok and expected in detail
+    queue.enqueue("a", {})
+    for tier in ("process", "bwrap", "forkserver"):
+        with pytest.raises(DrainError) as refused:
+            Drainer(queue, DrainConfig(handlers_dir=h, sandbox=tier)).run()
+        assert expected in str(refused.value) and "\n" not in str(refused.value)
+    assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
+

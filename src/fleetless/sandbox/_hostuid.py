@@ -11,7 +11,10 @@ The range is ``$FLEETLESS_JOB_UIDS`` (``FIRST-LAST``; ``fleetless drain --job-ui
 (1879048192-2147352575: above container ranges, below the "negative" 32-bit uids), so no user,
 file or ``/etc/subuid`` delegation of a normal host has it. Reserve it explicitly with a line
 ``fleetless-jobs:2000000000:65536`` in ``/etc/subuid`` and ``/etc/subgid`` (``useradd`` then never
-hands it out) and in a container make sure it is inside the container's uid map.
+hands it out) and in a container make sure it is inside the container's uid map. A line there that
+overlaps the range and names a user (or, in ``/etc/subgid``, a group) of this host refuses the range
+(:func:`delegated`): that user may run processes as the job uids (``newuidmap``), which a job's uid
+sweep would kill and which could signal or trace root's jobs (red team).
 
 Leases are ``flock``-ed files ``<uid>`` under ``$FLEETLESS_RUN_DIR/job-uids`` (default
 ``/run/fleetless/job-uids``), one directory for every drainer of the host. The kernel drops a lock
@@ -31,7 +34,9 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import os
+import pwd
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +44,9 @@ from types import TracebackType
 
 from . import SandboxUnavailable
 
-__all__ = ["DEFAULT_RANGE", "ENV", "Lease", "UidRange", "configured_range", "lease", "needed", "parse_range"]
+__all__ = [
+    "DEFAULT_RANGE", "ENV", "Lease", "UidRange", "configured_range", "delegated", "lease", "needed", "parse_range",
+]
 
 #: Environment variable holding the range (``FIRST-LAST``); the drain flag ``--job-uids`` sets it.
 ENV = "FLEETLESS_JOB_UIDS"
@@ -83,14 +90,92 @@ def parse_range(text: str) -> UidRange:
 
 
 def configured_range() -> UidRange:
-    """``$FLEETLESS_JOB_UIDS`` if set, else :data:`DEFAULT_RANGE`."""
+    """``$FLEETLESS_JOB_UIDS`` if set, else :data:`DEFAULT_RANGE`; :class:`SandboxUnavailable` when
+    it is not uids, or when a user of this host may run processes as some of them (:func:`delegated`)."""
     text = os.environ.get(ENV)
-    if not text:
-        return DEFAULT_RANGE
     try:
-        return parse_range(text)
+        ids = parse_range(text) if text else DEFAULT_RANGE
     except ValueError as exc:
         raise SandboxUnavailable(f"{ENV}: {exc}") from None
+    why = delegated(ids)
+    if why is not None:
+        raise SandboxUnavailable(why)
+    return ids
+
+
+#: The subordinate id files a user's ``newuidmap``/``newgidmap`` honour (tests point them elsewhere).
+SUBUID = "/etc/subuid"
+SUBGID = "/etc/subgid"
+#: Files whose change may change who a line's name is (they key :func:`delegated`'s cache only:
+#: the names themselves are looked up through ``pwd``/``grp``, so NSS users count too).
+ACCOUNTS = ("/etc/passwd", "/etc/group")
+#: :func:`delegated`'s last answer and what it depended on: every lease asks, a stat per file.
+_delegated_last: list[tuple[object, str | None]] = []
+
+
+def _stamp(path: str) -> tuple[str, int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return path, st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def delegated(ids: UidRange) -> str | None:
+    """Why ``ids`` is not the root drainer's alone, in one line, or None: a line of :data:`SUBUID`
+    or :data:`SUBGID` overlapping it whose owner (a name or a numeric id) is a user of this host
+    (or, in :data:`SUBGID`, a group). Such a user may map those ids into a user namespace of its
+    own and run processes as them: a job's uid sweep would SIGKILL them and they could signal or
+    inspect the jobs. A line whose name is no user (the reservation ``fleetless-jobs``) is fine.
+    Cached until one of the files changes (its mtime, size or inode)."""
+    key = (ids, tuple(_stamp(p) for p in (SUBUID, SUBGID, *ACCOUNTS)))
+    if _delegated_last and _delegated_last[0][0] == key:
+        return _delegated_last[0][1]
+    why = None
+    for path, kind in ((SUBUID, "uids"), (SUBGID, "gids")):
+        why = why or _overlapping_owner(path, kind, ids)
+    _delegated_last[:] = [(key, why)]
+    return why
+
+
+def _overlapping_owner(path: str, kind: str, ids: UidRange) -> str | None:
+    """The first line of ``path`` that overlaps ``ids`` and names an account here, as a refusal."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None  # no such file: no user has subordinate ids here
+    for line in lines:
+        owner, first, count = [*line.strip().split(":"), "", ""][:3]
+        if not (owner and first.isdigit() and count.isdigit()) or line.lstrip().startswith("#"):
+            continue
+        if int(count) == 0 or int(first) > ids.last or int(first) + int(count) - 1 < ids.first:
+            continue
+        who = _account(owner, groups=kind == "gids")
+        if who is not None:
+            return (f'job uid range {ids} overlaps {path}\'s line "{line.strip()}": {who} can run processes as '
+                    f"those {kind}; choose another --job-uids or reserve the range under a name no user has "
+                    "(fleetless-jobs)")
+    return None
+
+
+def _account(owner: str, groups: bool) -> str | None:
+    """``owner`` of a subordinate id line as "user NAME" ("user ID (NAME)", "group NAME") if it is
+    an account here, else None."""
+    try:
+        if owner.isdigit():
+            return f"user {owner} ({pwd.getpwuid(int(owner)).pw_name})"
+        return f"user {pwd.getpwnam(owner).pw_name}"
+    except (KeyError, OverflowError):
+        pass
+    if groups:
+        try:
+            if owner.isdigit():
+                return f"group {owner} ({grp.getgrgid(int(owner)).gr_name})"
+            return f"group {grp.getgrnam(owner).gr_name}"
+        except (KeyError, OverflowError):
+            pass
+    return None
 
 
 def needed() -> bool:
