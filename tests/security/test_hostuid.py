@@ -272,3 +272,33 @@ def test_doctor_and_a_drain_say_a_range_a_user_may_map_before_claiming(
         assert expected in str(refused.value) and "\n" not in str(refused.value)
     assert sql("SELECT status, attempts FROM fleetless.jobs") == [("pending", 0)]
 
+
+def test_the_host_wide_claim_holds_within_one_network_namespace_or_one_run_directory(tmp_path: Path) -> None:
+    """The claim of :func:`_hostuid._claim` is an abstract socket name: per network namespace. A
+    drainer in another network namespace (``unshare -n``, systemd ``PrivateNetwork=``) with a run
+    directory of its own leases the same uid; sharing the run directory keeps them apart."""
+    one = UidRange(2_000_100_040, 2_000_100_040)
+    script = textwrap.dedent(f"""
+        import time
+        from fleetless.sandbox import _hostuid
+        held = _hostuid.lease(_hostuid.UidRange({one.first}, {one.last}))
+        print(held.uid, flush=True)
+        time.sleep(600)
+    """)
+    for theirs, same_uid in ((tmp_path / "theirs", True), (Path(os.environ[_hostuid.RUN_DIR_ENV]), False)):
+        env = {**os.environ, _hostuid.RUN_DIR_ENV: str(theirs)}
+        other = subprocess.Popen(["unshare", "-n", sys.executable, "-c", script], stdout=subprocess.PIPE, env=env,
+                                 text=True)
+        try:
+            assert other.stdout is not None
+            assert int(other.stdout.readline()) == one.first
+            if same_uid:
+                mine = _hostuid.lease(one)
+                assert mine.uid == one.first  # the scope's limit, said in docs/isolation.md
+                mine.release()
+            else:
+                with pytest.raises(SandboxUnavailable, match="in use"):
+                    _hostuid.lease(one)
+        finally:
+            other.kill()
+            other.wait()

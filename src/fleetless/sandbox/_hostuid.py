@@ -23,7 +23,8 @@ when its holder dies, even by SIGKILL; the job of such a holder may still be run
 (called once the job is dead) empties it: a uid whose file is not empty is handed out again only
 after ``/proc`` shows no process running as it. Each lease is also claimed host-wide (an
 abstract Unix socket name per uid, :func:`_claim`), so drainers whose lease files are elsewhere (a
-non-root drainer's directory follows its environment) or whose ranges overlap never share a uid.
+non-root drainer's directory follows its environment) or whose ranges overlap never share a uid,
+as long as they share a network namespace (the name's scope) or the run directory.
 
     with _hostuid.lease() as job:          # SandboxUnavailable if the range is exhausted
         subprocess.Popen(argv, **job.popen_kwargs())
