@@ -144,11 +144,16 @@ def _uid(user: str | None) -> int | None:
 
 
 @pytest.mark.parametrize("user", [None, USER], ids=["root-drainer", "subuid-drainer"])
-@pytest.mark.parametrize("tier", ["process", "bwrap"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver", "microvm"])
 @pytest.mark.parametrize("kind", ["mod", "script"])
 def test_a_hostile_job_of_a_batch_cannot_read_change_or_forge_the_later_jobs(
         kind: str, tier: str, user: str | None, dsn: str, shared: Path, sql) -> None:
+    """Also on the microVM tier, where the guest's python has no ctypes and the batch runner is no
+    child subreaper: a job's setsid daemon outlived it and rewrote the next job's payload (red team,
+    5th pass); its leftovers are now found by uid, the guest being the batch's own machine."""
     need_tier(tier)
+    if tier in ("forkserver", "microvm") and user is not None:
+        pytest.skip(f"the {tier} tier is run here by a root drainer")
     uid = _uid(user)
     need_user(uid)
     h = handlers_dir(shared, **{"mod.py": MODULE, "script.py": SCRIPT})

@@ -592,7 +592,8 @@ class Runner:
                 "handler": f"{sbx.handlers_path}/{handler.filename}", "module": handler.module,
                 "argv": handler.argv(sbx.handlers_path, sbx.python, "")[:-1],
                 "budget": self.ttl_of(kind), "grace": HARD_GRACE, "kind": kind,
-                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS, "shared": shared})
+                "stdout_bytes": limits.stdout_bytes, "stderr_bytes": MAX_ERROR_CHARS, "shared": shared,
+                "own_machine": sbx.own_machine})
 
         timeouts = [self.timeout_of(j) for j in jobs]
         spare = self._take_spare(jobs)

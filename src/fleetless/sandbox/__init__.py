@@ -120,6 +120,10 @@ class Sandbox(ABC):
     on_stdout: Callable[[bytes], None] | None = None
     #: The job's processes read the host's ``time.monotonic()`` clock (not a VM's own).
     host_clock: ClassVar[bool] = True
+    #: Every process running as the job's uid in this sandbox is its own (or its batch's): a
+    #: machine of its own (a microVM guest), so a batch runner that cannot be a child subreaper
+    #: finds a job's leftovers by uid (``_batch_runner.end_leftovers``).
+    own_machine: ClassVar[bool] = False
     #: Paths as the job sees them.
     workspace_path: str
     handlers_path: str

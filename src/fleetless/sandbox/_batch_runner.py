@@ -230,26 +230,65 @@ def _reap() -> bool:
     return True
 
 
-def end_leftovers(me: int, group: int | None, subreaper: bool, within: float = 10.0) -> bool:
+def _processes_of(uid: int, spared: set[int]) -> list[int]:
+    """The live processes (not zombies) running as ``uid``, from ``/proc``, but ``spared``."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in spared:
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+            if fields[b"State"].split()[0] != b"Z" and uid in (int(n) for n in fields[b"Uid"].split()):
+                out.append(int(name))
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+    return out
+
+
+def end_leftovers(me: int, group: int | None, subreaper: bool, within: float = 10.0,
+                  own_machine: bool = False) -> bool:
     """Kill the job's process group (None: a shared job's, which is this runner's own), then every
     process left as this runner's child (a daemon that called setsid() and double-forked comes back
     to it), until it has no child at all. True when none is left (always so for a subreaper that
-    returns)."""
+    returns).
+
+    Where this process cannot be a child subreaper (a guest's python without ctypes), a daemon's
+    orphans go elsewhere and cannot be told by their parent: on a machine of the batch's own
+    (``own_machine``: every process of this uid is the batch's) every process of this uid but this
+    one and its parent is killed until none is left; anywhere else the answer is False (unknown),
+    and the runner starts no other job (red team, 5th pass: on the microVM tier a job's setsid
+    daemon outlived it and rewrote the next job's payload)."""
     if group is not None:
         try:
             os.killpg(group, signal.SIGKILL)
         except OSError:
             pass
     give_up = time.monotonic() + within
+    if not subreaper and own_machine:
+        spared = {os.getpid(), os.getppid()}
+        while True:
+            _reap()
+            left = _processes_of(os.getuid(), spared)
+            if not left:
+                return True
+            if time.monotonic() >= give_up:
+                return False
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.001)
     while True:
         if not _reap():
-            return True
+            return subreaper
         for pid in _children(me):
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        if not subreaper:  # leftovers that were not its children cannot be seen: best effort
+        if not subreaper:  # leftovers that were not its children cannot be seen
             _reap()
             return False
         if time.monotonic() >= give_up:
@@ -477,6 +516,11 @@ class Runner:
         _write_all(self.out, text.encode("utf-8", "replace") + b"\n")
 
     # -- the jobs ---------------------------------------------------------------------------
+    @property
+    def own_machine(self) -> bool:
+        """Every process of this uid is the batch's (a microVM guest): see :func:`end_leftovers`."""
+        return self.desc.get("own_machine") is True
+
     def load(self, desc: dict[str, Any]) -> None:
         self.desc = desc
         if not self.channel:
@@ -619,7 +663,7 @@ class Runner:
                 _, status = os.waitpid(pid, 0)
             except ChildProcessError:
                 status = 0
-            clean = end_leftovers(me, pid, subreaper)
+            clean = end_leftovers(me, pid, subreaper, own_machine=self.own_machine)
             sock.send(b"s%d,%d" % (status, clean))
 
     def job_process(self, job_r: int, w: int, out_w: int, err_w: int) -> None:
@@ -661,7 +705,7 @@ class Runner:
                 _, status = os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
-        return status, end_leftovers(self.me, pid, self.subreaper) if pid else True
+        return status, end_leftovers(self.me, pid, self.subreaper, own_machine=self.own_machine) if pid else True
 
     def close_template(self) -> None:
         if self.template is None:
@@ -824,7 +868,7 @@ class Runner:
         if os.getpid() != self.me:  # a fork the job made came back here: it never reports
             os._exit(0)
         stderr = err.text()
-        if not end_leftovers(self.me, None, self.subreaper):
+        if not end_leftovers(self.me, None, self.subreaper, own_machine=self.own_machine):
             stderr += "\n(fleetless: processes of this job could not all be killed)"
             self.stop = True
         # the report is the runner's own (json.dumps'): no check that it is one JSON value

@@ -563,6 +563,7 @@ class MicroVMSandbox(Sandbox):
 
     name: ClassVar[str] = "microvm"
     host_clock: ClassVar[bool] = False
+    own_machine: ClassVar[bool] = True
     workspace_path = GUEST_WORKSPACE
     overhead_seconds: ClassVar[float] = BOOT_TIMEOUT + REPORT_GRACE  # a boot, then the report
     handlers_path = GUEST_HANDLERS
