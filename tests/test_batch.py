@@ -93,6 +93,30 @@ def test_a_batch_keeps_each_jobs_outcome_and_survives_a_job_that_kills_the_sandb
     assert "Traceback" in error and 'raise ValueError("no good: "' in error  # the traceback's tail
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_no_job_of_a_batch_starts_past_its_lease_also_in_a_microvm_guest(
+        tier: str, handlers: Callable[..., Path], require_tier: Callable[[str], None]) -> None:
+    """Audit (issue 26, item 2, microVM): a guest's runner had no start-by time for its jobs (its
+    clock is its own), so a SIGSTOPped drainer's VM went on starting jobs after their leases ended
+    and another drainer had reaped them. Each job now gets one on the guest's clock too: leases
+    that leave each job about 3 s after the runner starts, jobs of 2 s, so the first two start and
+    the rest are given back uncharged, never started."""
+    require_tier(tier)
+    h = handlers(**{"mod.py": MODULE})
+    backend = get_backend(tier)
+    timeout = 30
+    # the lease as the drainer last knew it, fixed now: each job's timeout, the sandbox's start
+    # allowance (a VM's boot) and 3 s
+    ends = time.monotonic() + timeout + backend.overhead_seconds + 3
+    outcomes, _ = runner(tier, h, not_after=lambda job: ends).run(
+        jobs("mod", [{"do": "sleep", "s": 2}] * 4, timeout=timeout), Slot())
+    if tier == "microvm":  # the runner's clock starts after the boot, which the 3 s do not count
+        assert [(j.id, o.action) for j, o in outcomes] == [(1, "done"), (2, "done"), (3, "release"), (4, "release")]
+    else:  # the host's clock: the start of the sandbox counts against the 3 s
+        assert [o.action for _, o in outcomes][:1] == ["done"] and outcomes[-1][1].action == "release"
+    assert all("lease ended before it started" in (o.error or "") for _, o in outcomes if o.action == "release")
+
+
 @pytest.mark.parametrize("tier", ["process", "bwrap"])
 def test_each_job_of_a_batch_has_its_own_timeout(tier: str, handlers: Callable[..., Path],
                                                  require_tier: Callable[[str], None]) -> None:

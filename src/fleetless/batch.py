@@ -329,8 +329,9 @@ class Runner:
     #: When the job's lease ends (``time.monotonic()``; None: unknown). A job starts only if its
     #: timeout ends inside it: else the reaper may give it to another drainer while it still runs
     #: here (issue 26, item 2). Checked just before a job's exec, and by the batch runner before
-    #: each job (on the tiers that share the host's monotonic clock), so a runner whose drainer is
-    #: stopped or cut off starts nothing it cannot finish inside the lease the drainer last knew.
+    #: each job (in a microVM's guest on its own clock, the boot allowance taken off), so a runner
+    #: whose drainer is stopped or cut off starts nothing it cannot finish inside the lease the
+    #: drainer last knew.
     not_after: Callable[[Job], float | None] = lambda job: None
     _spare: _Spare = field(default_factory=_Spare, init=False, compare=False, repr=False)  # each copy its own
 
@@ -691,10 +692,18 @@ class Runner:
     def _job_line(self, job: Job, tag: str) -> str:
         # the payload as the table gave it (jsonb's own output, valid JSON): never decoded here.
         # not_after: the last moment the job may start (its lease end less its timeout) on the
-        # host's monotonic clock, which the runner reads too (not a microVM's guest: its jobs are
-        # checked before the VM starts only)
-        end = self._start_by(job) if self.backend.host_clock else None
-        late = "" if end is None else f'"not_after":{end!r},'
+        # host's monotonic clock, which the runner reads too. A microVM's guest has a clock of its
+        # own: start_within, seconds from the runner's start, which comes at most the tier's
+        # overhead (its boot) after now, so the job never starts past that moment either (audit:
+        # a SIGSTOPped drainer's guest started jobs after their leases ended and another drainer
+        # had reaped them)
+        end = self._start_by(job)
+        if end is None:
+            late = ""
+        elif self.backend.host_clock:
+            late = f'"not_after":{end!r},'
+        else:
+            late = f'"start_within":{end - time.monotonic() - self.backend.overhead_seconds!r},'
         return (f'{{"id":{job.id},"attempt":{job.attempts},"snoozes":{job.snoozes},'
                 f'"timeout":{self.timeout_of(job)!r},{late}'
                 f'"tag":"{tag}","payload":{job.payload_json}}}')
@@ -729,22 +738,32 @@ class Runner:
                 running.append((job, tag))
                 if not chan.send(self._job_line(job, tag)):
                     break
-                line = chan.recv(time.monotonic() + self.timeout_of(job) + HOST_GRACE)
-                if line is not None and _said_late(line):  # not started: too late for its lease
-                    late = line
-                    break
-                if line is None:
-                    if not chan.result.done():  # past its deadline without a result: stopped from here
-                        overdue = self.timeout_of(job)
-                        sbx.kill()
-                    break
-                outcome = self._record(job, tag, line)
+                outcome, said_late, past = self._answer(chan, sbx, job, tag, time.monotonic())
                 if outcome is None:
-                    log.warning("job %d: the batch runner sent a malformed result; its sandbox is destroyed", job.id)
-                    sbx.kill()
+                    late, overdue = said_late or late, past if past is not None else overdue
                     break
                 out.append((job, outcome))
         return self._ended(out, chan, slot, overdue, late)
+
+    def _answer(self, chan: _Channel, sbx: Sandbox, job: Job, tag: str,
+                since: float) -> tuple[Outcome | None, str, float | None]:
+        """The runner's line for ``job`` (due ``HOST_GRACE`` past its timeout from ``since``): its
+        outcome, or why the batch ends here: the runner's "too late for its lease" line (not
+        started); no line in time (its timeout, the sandbox destroyed if the runner still runs);
+        a malformed line (the sandbox destroyed)."""
+        line = chan.recv(since + self.timeout_of(job) + HOST_GRACE)
+        if line is not None and _said_late(line):  # not started: too late for its lease
+            return None, line, None
+        if line is None:
+            if chan.result.done():
+                return None, "", None
+            sbx.kill()  # past its deadline without a result: stopped from here
+            return None, "", self.timeout_of(job)
+        outcome = self._record(job, tag, line)
+        if outcome is None:
+            log.warning("job %d: the batch runner sent a malformed result; its sandbox is destroyed", job.id)
+            sbx.kill()
+        return outcome, "", None
 
     def _ended(self, out: list[tuple[Job, Outcome]], chan: _Channel, slot: Slot, overdue: float | None,
                late: str) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
@@ -812,20 +831,10 @@ class Runner:
                 break
             job, tag = flight[0]
             assert tag is not None
-            line = chan.recv(since + self.timeout_of(job) + HOST_GRACE)
+            outcome, said_late, past = self._answer(chan, sbx, job, tag, since)
             since = time.monotonic()
-            if line is not None and _said_late(line):  # not started: too late for its lease
-                late = line
-                break
-            if line is None:
-                if not chan.result.done():  # past its deadline without a result: stopped from here
-                    overdue = self.timeout_of(job)
-                    sbx.kill()
-                break
-            outcome = self._record(job, tag, line)
             if outcome is None:
-                log.warning("job %d: the batch runner sent a malformed result; its sandbox is destroyed", job.id)
-                sbx.kill()
+                late, overdue = said_late or late, past if past is not None else overdue
                 break
             with lock:
                 flight.popleft()

@@ -11,7 +11,8 @@ The drainer writes this file into a sandbox's workspace and runs ``python _fleet
     {"id": 7, "attempt": 1, "timeout": 10.0, "not_after": 5123.4, "tag": "9f1c...", "payload": {...}}
 
   ``not_after`` (optional): the last moment the job may start, on the host's ``time.monotonic()``
-  clock (its lease end less its timeout). A job reached at or after it is not started (its lease
+  clock (its lease end less its timeout); in a microVM's guest, whose clock is its own,
+  ``start_within``: seconds from the runner's start instead. A job reached at or after it is not started (its lease
   may pass to another drainer while it runs, this one being stopped): the runner answers
   ``{"tag": TAG, "late": true}`` and exits.
 
@@ -575,6 +576,8 @@ class Runner:
             first = False
             tag = str(job["tag"])
             end = job.get("not_after")
+            if end is None and job.get("start_within") is not None:  # a guest's: on its own clock
+                end = started + float(job["start_within"])
             if end is not None and time.monotonic() >= end:
                 # too late to start: it could run on past its lease, when another drainer may run
                 # it (this one being stopped). Reported as not started; the runner stops.
