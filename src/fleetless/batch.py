@@ -383,7 +383,7 @@ class Runner:
                 done += [(j, self._cancelled_waiting()) for j in gone]
                 left = [j for j in left if not self.cancelled(j)]
                 continue
-            if self._lease_over(left[0]):
+            if self._lease_over(left[0], batch=True):
                 done.append((left[0], self._late()))
                 left = left[1:]
                 continue
@@ -870,9 +870,17 @@ class Runner:
                            run=replace(outcome.run or Run(tier=self.backend.name), kill_reason="cancelled"))
         return outcome
 
-    def _lease_over(self, job: Job) -> bool:
+    def _lease_over(self, job: Job, *, batch: bool = False) -> bool:
+        """Whether ``job`` can no longer start inside its lease. ``batch``: in a batch's sandbox not
+        started yet, whose runner may come the tier's whole start allowance later and, in a
+        microVM's guest, counts each job's start-by time from its own start with that allowance
+        taken off (:meth:`_job_line`): the host asks the same, or it would boot VM after VM whose
+        runner says at once that the job is too late."""
         start_by = self._start_by(job)
-        return start_by is not None and time.monotonic() >= start_by
+        if start_by is None:
+            return False
+        allowance = self.backend.overhead_seconds if batch and not self.backend.host_clock else 0.0
+        return time.monotonic() >= start_by - allowance
 
     def _start_by(self, job: Job) -> float | None:
         """The last moment ``job`` may start: its timeout must end inside its lease."""
