@@ -15,6 +15,8 @@ import pytest
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
 
+from proctools import wait_for
+
 pytestmark = pytest.mark.usefixtures("private_workdir")
 SQL = Callable[..., list[Any]]
 
@@ -385,3 +387,134 @@ def test_releasing_3000_children_compares_each_changed_row_once(queue: Queue, ds
     compared = max(n.get("Rows Removed by Join Filter", 0) + n.get("Actual Rows", 0) * n.get("Actual Loops", 1)
                    for plan in plans for n in nodes(plan))
     assert compared <= 4 * 3000
+
+
+def _blocked_behind(sql: SQL, holder: int) -> set[int]:
+    """The backends waiting, directly or in turn, for a lock ``holder`` holds (this test's own)."""
+    rows = sql("SELECT pid, pg_blocking_pids(pid) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")
+    behind: set[int] = set()
+    grew = True
+    while grew:
+        grew = False
+        for pid, blockers in rows:
+            if pid not in behind and ({holder} | behind) & set(blockers):
+                behind.add(pid)
+                grew = True
+    return behind
+
+
+def _in_thread(dsn: str, call: Callable[[Queue], Any], out: list[Any]) -> threading.Thread:
+    """``call`` on a Queue of its own in a thread; what it returns or raises goes to ``out``."""
+    def run() -> None:
+        q = Queue(dsn)
+        try:
+            out.append(call(q))
+        except Exception as exc:
+            out.append(exc)
+        finally:
+            q.close()
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_a_retry_racing_its_parents_finish_releases_the_child(queue: Queue, dsn: str, sql: SQL) -> None:
+    """retry(child) counted its unfinished parents without locking them and the parent's finish
+    released only waiting children: with the finish committed between the two, the child waited
+    forever (parents_left 1, its parent done). A third session's lock on the child holds the retry
+    between its count and its write while the finish runs."""
+    p = queue.enqueue("p", {}, queue="qx")
+    c = queue.enqueue("c", {}, after=[p])
+    queue.cancel(c)
+    (job,) = queue.claim(1, queues=["qx"])
+    retried: list[Any] = []
+    finished: list[Any] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR UPDATE", (c,))
+        pid = holder.info.backend_pid
+        retrying = _in_thread(dsn, lambda q: q.retry(c), retried)
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 1, what="the retry waiting for the child's row")
+        finishing = _in_thread(dsn, lambda q: q.complete(job, "r"), finished)
+        wait_for(lambda: finished or len(_blocked_behind(sql, pid)) == 2, what="the finish done or waiting")
+        holder.rollback()
+    retrying.join()
+    finishing.join()
+    assert retried == [[]] and finished == [True]
+    assert sql("SELECT status, parents_left FROM fleetless.jobs WHERE id = %s", c) == [("pending", 0)]
+    assert queue.get(c)["payload"]["_parents"] == {str(p): "r"}
+
+
+def test_enqueue_many_refuses_an_item_after_its_own_or_a_later_items_id(queue: Queue, sql: SQL) -> None:
+    """enqueue_many reserves its ids before the COPY and checked the parents after it, so an item
+    after its own id (or a later item's) was written waiting for itself, forever."""
+    existing = queue.enqueue("k", {})
+
+    def next_id() -> int:
+        return int(sql("SELECT last_value FROM fleetless.jobs_id_seq")[0][0]) + 1
+
+    n = next_id()
+    with pytest.raises(ValueError, match=rf"^job #0: after names job id {n}, its own in this call;") as own:
+        queue.enqueue_many([{"kind": "k", "payload": {}, "after": [n]}])
+    assert "\n" not in str(own.value)
+    n = next_id()
+    with pytest.raises(ValueError, match=rf"^job #1: after names job id {n + 2}, a later item's"):
+        queue.enqueue_many([("k", {}), {"kind": "k", "payload": {}, "after": [n + 2]}, ("k", {})])
+    n = next_id()
+    with pytest.raises(ValueError, match=rf"^job #0: after names job id {n + 1}, a later item's"):
+        queue.enqueue_many([{"kind": "k", "payload": {}, "after": [n + 1]},
+                            {"kind": "k", "payload": {}, "after": [n]}])  # a cycle of two
+    assert sql("SELECT id FROM fleetless.jobs") == [(existing,)]
+    assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
+    n = next_id()  # an earlier item's id is fine, as its name is
+    ids = queue.enqueue_many([("k", {}), {"kind": "k", "payload": {}, "after": [n, existing]}])
+    assert ids == [n, n + 1] and _status(sql, *ids) == ["pending", "waiting"]
+
+
+def test_a_parent_deleted_while_a_child_is_enqueued_is_no_job(queue: Queue, dsn: str, sql: SQL) -> None:
+    """enqueue(after=) counted its parents without locking them, and settle_children took a parent
+    that no longer existed for done: a cancelled parent deleted between the two let its child
+    run. A third session's lock on the parent orders the delete first, the enqueue behind it."""
+    p = queue.enqueue("p", {})
+    queue.cancel(p)
+    deleted: list[Any] = []
+    enqueued: list[Any] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR UPDATE", (p,))
+        pid = holder.info.backend_pid
+        deleting = _in_thread(dsn, lambda q: q.delete(p), deleted)
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 1, what="the delete waiting for the parent's row")
+        enqueuing = _in_thread(dsn, lambda q: q.enqueue("c", {}, after=[p]), enqueued)
+        wait_for(lambda: enqueued or len(_blocked_behind(sql, pid)) == 2, what="the enqueue done or waiting")
+        holder.rollback()
+    deleting.join()
+    enqueuing.join()
+    assert deleted == [None]
+    assert len(enqueued) == 1 and isinstance(enqueued[0], ValueError)
+    assert str(enqueued[0]) == f"after: no job with id {p}"
+    assert sql("SELECT id, status FROM fleetless.jobs") == []
+
+
+def test_retry_children_leaves_a_child_that_another_dead_parent_doomed(queue: Queue, sql: SQL) -> None:
+    """retry(B, children=True) revived a child of A and B that A's death had cancelled: it waited
+    for B alone and ran while A was still dead."""
+    a = queue.enqueue("a", {})
+    b = queue.enqueue("b", {})
+    c = queue.enqueue("c", {}, after=[a, b])
+    d = queue.enqueue("d", {}, after=[c])
+    sql("UPDATE fleetless.jobs SET status = 'dead', finished_at = now() WHERE id = %s", a)
+    sql("UPDATE fleetless.jobs SET status = 'dead', finished_at = now() WHERE id = %s", b)
+    assert sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", c) == [
+        (f"parent job {a} ended dead (on_parent_failure: cancel)",)]
+    assert queue.retry(b, children=True) == []
+    assert _status(sql, a, b, c, d) == ["dead", "pending", "cancelled", "cancelled"]
+    assert sorted(queue.retry(a, children=True)) == [c, d]  # now no parent of c is dead
+    assert sql("SELECT id, status, parents_left FROM fleetless.jobs WHERE id IN (%s, %s) ORDER BY id", c, d) == [
+        (c, "waiting", 2), (d, "waiting", 1)]
+
+
+def test_enqueue_after_many_missing_ids_names_the_first_20(queue: Queue) -> None:
+    """Every missing parent was in the error: 400 KB for 60,000 ids."""
+    with pytest.raises(ValueError) as missing:
+        queue.enqueue("k", {}, after=range(10**9, 10**9 + 60_000))
+    listed = ", ".join(str(i) for i in range(10**9, 10**9 + 20))
+    assert str(missing.value) == f"after: no job with id {listed} and 59980 more"

@@ -38,6 +38,7 @@ from .queue import (
     WaitTimeout,
     _parent_ids,
     finished_channel,
+    no_job_with_ids,
     notify_payloads,
     with_defaults,
 )
@@ -172,7 +173,7 @@ class AsyncQueue:
         rows = await self._execute(conn, "enqueue_waiting", {**params, "after": params["parents"]})
         if not rows:
             missing = [r["id"] for r in await self._execute(conn, "missing_jobs", {"ids": params["parents"]})]
-            raise ValueError(f"after: no job with id {', '.join(map(str, missing)) or '?'}")
+            raise ValueError(f"after: {no_job_with_ids(missing)}")
         return int(rows[0]["id"])
 
     async def _enqueue_params(self, conn: AnyConnection, params: dict[str, Any]) -> Enqueued:

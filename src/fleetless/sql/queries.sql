@@ -59,14 +59,18 @@ WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 
 -- name: enqueue_waiting
 -- enqueue(after=...): the job, 'waiting' (outside the claim's indexes), and its edges, in one
 -- statement; settle_children, in the same transaction, then decides its status. Nothing is
--- written (no row back) unless every parent exists.
+-- written (no row back) unless every parent exists. The parents are locked FOR KEY SHARE as they
+-- are counted, so none can be deleted (an operator's delete, retention) until this commits: a
+-- delete committed first is seen here (the parent is not counted: no job with that id), one after
+-- waits (test_workflows.py::test_a_parent_deleted_while_a_child_is_enqueued_is_no_job).
 WITH job AS (
   INSERT INTO {schema}.jobs (kind, payload, max_attempts, run_after, queue, priority, timeout_seconds,
                              max_attempts_default, status, on_parent_failure)
   SELECT %(kind)s, %(payload)s, %(max_attempts)s,
          COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
          %(queue)s, %(priority)s, %(timeout)s, %(max_attempts_default)s, 'waiting', %(on_parent_failure)s
-  WHERE (SELECT count(*) FROM {schema}.jobs WHERE id = ANY(%(after)s::bigint[])) = cardinality(%(after)s::bigint[])
+  WHERE (SELECT count(*) FROM (SELECT FROM {schema}.jobs WHERE id = ANY(%(after)s::bigint[])
+                               ORDER BY id FOR KEY SHARE) AS p) = cardinality(%(after)s::bigint[])
   RETURNING id
 ), edges AS (
   INSERT INTO {schema}.job_dependencies (parent_id, child_id)
@@ -78,6 +82,14 @@ SELECT id FROM job;
 -- Which of these ids name no job (an enqueue's parents that do not exist, to name them).
 SELECT m.id FROM unnest(%(ids)s::bigint[]) AS m(id)
 WHERE NOT EXISTS (SELECT FROM {schema}.jobs j WHERE j.id = m.id) ORDER BY m.id;
+
+-- name: lock_parents_missing
+-- enqueue_many's parents, locked FOR KEY SHARE (as enqueue_waiting does: none can be deleted until
+-- the call commits): those that name no job (one deleted meanwhile included), to name them.
+WITH locked AS (
+  SELECT id FROM {schema}.jobs WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR KEY SHARE
+), found AS (SELECT COALESCE(array_agg(id), '{}') AS ids FROM locked)
+SELECT m.id FROM unnest(%(ids)s::bigint[]) AS m(id), found WHERE m.id <> ALL(found.ids) ORDER BY m.id;
 
 -- name: copy_waiting_jobs
 -- enqueue_many's items with parents: written 'waiting' (never claimable as written), then settled.
@@ -97,15 +109,18 @@ COPY {schema}.job_dependencies (parent_id, child_id) FROM STDIN;
 -- with its parents' results in its payload (and its queue NOTIFYed); a parent already dead or
 -- cancelled and on_parent_failure 'cancel', it is 'cancelled' at once with the reason; else it
 -- stays 'waiting' with parents_left set. A child whose parents are other new children of the same
--- enqueue_many counts them as not done (they are not). Returns each child's status.
+-- enqueue_many counts them as not done (they are not). A parent that no longer exists is not done
+-- either (the enqueue locked its parents against a delete: none should be missing). Returns each
+-- child's status.
 WITH locked AS (
   SELECT p.id, p.status FROM {schema}.jobs p
   WHERE p.id IN (SELECT d.parent_id FROM {schema}.job_dependencies d WHERE d.child_id = ANY(%(ids)s::bigint[]))
   ORDER BY p.id FOR SHARE
 ), tally AS (
   SELECT c.id,
-         count(l.id) FILTER (WHERE l.status <> 'done'
-                               AND NOT (c.on_parent_failure = 'run' AND l.status IN ('dead', 'cancelled'))) AS left_,
+         count(d.parent_id) FILTER (WHERE l.id IS NULL OR (l.status <> 'done'
+                               AND NOT (c.on_parent_failure = 'run' AND l.status IN ('dead', 'cancelled'))))
+           AS left_,
          min(l.id) FILTER (WHERE l.status IN ('dead', 'cancelled')) AS failed,
          array_agg(l.id) FILTER (WHERE l.id IS NOT NULL) AS parents
   FROM {schema}.jobs c
@@ -469,6 +484,26 @@ RETURNING j.id, j.status, j.attempts, j.started_at, j.last_error, j.claimed_by, 
 )
 SELECT id, status FROM reaped;
 
+-- name: retry_lock_parents
+-- retry's first statement: the parents of the job (and, with children, of the descendants its
+-- failure cancelled) are locked FOR SHARE in id order, so that none can end while the retry counts
+-- them. A finish committed first is seen by retry and retry_children (each statement's snapshot is
+-- taken after this lock); one after waits for the retry to commit and then finds the child waiting
+-- (the trigger releases only waiting children: one counted while still cancelled was never
+-- released). The job and the descendants being revived are left out (the retry writes them).
+-- (test_workflows.py::test_a_retry_racing_its_parents_finish_releases_the_child)
+WITH RECURSIVE revived(id) AS (
+  SELECT %(id)s::bigint
+  UNION
+  SELECT d.child_id FROM revived r JOIN {schema}.job_dependencies d ON d.parent_id = r.id
+  JOIN {schema}.jobs c ON c.id = d.child_id
+  WHERE %(children)s AND c.status = 'cancelled' AND c.last_error LIKE 'parent job %% (on_parent_failure: cancel)'
+)
+SELECT p.id FROM {schema}.jobs p
+WHERE p.id IN (SELECT d.parent_id FROM {schema}.job_dependencies d JOIN revived r ON r.id = d.child_id)
+  AND p.id NOT IN (SELECT id FROM revived)
+ORDER BY p.id FOR SHARE OF p;
+
 -- name: retry
 -- Operator retry of a dead or cancelled job: due now, and at least one more attempt (as Oban).
 -- A job that already used the most attempts the table allows (1000) cannot get one more: it is
@@ -497,14 +532,27 @@ RETURNING j.id, j.status, pg_notify(%(channel)s, j.queue);
 -- name: retry_children
 -- retry(..., children=True): after the job itself, its descendants that a parent's failure
 -- cancelled (last_error says so, on_parent_failure 'cancel') wait again: each counts its parents
--- not ended yet, and those being revived here (they are not done), as left.
-WITH RECURSIVE revived(id) AS (
+-- not ended yet, and those being revived here (they are not done), as left. A descendant with
+-- another parent still dead or cancelled (not this job, not one revived here) stays cancelled, and
+-- so do its own descendants: that parent would cancel it again, and waiting only for the others it
+-- would run while that parent is dead (test_workflows.py::
+-- test_retry_children_leaves_a_child_that_another_dead_parent_doomed).
+WITH RECURSIVE candidates(id) AS (
   SELECT d.child_id FROM {schema}.job_dependencies d JOIN {schema}.jobs c ON c.id = d.child_id
   WHERE d.parent_id = %(id)s AND c.status = 'cancelled' AND c.last_error LIKE 'parent job %% (on_parent_failure: cancel)'
   UNION
-  SELECT d.child_id FROM revived r JOIN {schema}.job_dependencies d ON d.parent_id = r.id
+  SELECT d.child_id FROM candidates r JOIN {schema}.job_dependencies d ON d.parent_id = r.id
   JOIN {schema}.jobs c ON c.id = d.child_id
   WHERE c.status = 'cancelled' AND c.last_error LIKE 'parent job %% (on_parent_failure: cancel)'
+), blocked(id) AS (
+  SELECT d.child_id FROM candidates r JOIN {schema}.job_dependencies d ON d.child_id = r.id
+  JOIN {schema}.jobs p ON p.id = d.parent_id
+  WHERE p.id <> %(id)s AND p.status IN ('dead', 'cancelled') AND p.id NOT IN (SELECT id FROM candidates)
+  UNION
+  SELECT d.child_id FROM blocked b JOIN {schema}.job_dependencies d ON d.parent_id = b.id
+  JOIN candidates r ON r.id = d.child_id
+), revived AS (
+  SELECT id FROM candidates EXCEPT SELECT id FROM blocked
 ), up AS (
   SELECT r.id, (SELECT count(*) FROM {schema}.job_dependencies d JOIN {schema}.jobs p ON p.id = d.parent_id
                 WHERE d.child_id = r.id AND (p.id = %(id)s OR p.id IN (SELECT id FROM revived)
