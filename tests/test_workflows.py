@@ -444,6 +444,36 @@ def test_a_retry_racing_its_parents_finish_releases_the_child(queue: Queue, dsn:
     assert queue.get(c)["payload"]["_parents"] == {str(p): "r"}
 
 
+
+def test_retry_children_racing_another_parents_finish_releases_the_child(queue: Queue, dsn: str, sql: SQL) -> None:
+    """retry_children counted a revived child's other parents without locking them, as retry did:
+    the other parent's finish, committed meanwhile, skipped the child (still cancelled), and the
+    child waited for it forever."""
+    x = queue.enqueue("x", {})
+    p = queue.enqueue("p", {}, queue="qx")
+    c = queue.enqueue("c", {}, after=[x, p])
+    queue.cancel(x)
+    assert _status(sql, c) == ["cancelled"]
+    (job,) = queue.claim(1, queues=["qx"])
+    retried: list[Any] = []
+    finished: list[Any] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR UPDATE", (c,))
+        pid = holder.info.backend_pid
+        retrying = _in_thread(dsn, lambda q: q.retry(x, children=True), retried)
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 1, what="the retry waiting for the child's row")
+        finishing = _in_thread(dsn, lambda q: q.complete(job, "r"), finished)
+        wait_for(lambda: finished or len(_blocked_behind(sql, pid)) == 2, what="the finish done or waiting")
+        holder.rollback()
+    retrying.join()
+    finishing.join()
+    assert retried == [[c]] and finished == [True]
+    assert sql("SELECT status, parents_left FROM fleetless.jobs WHERE id = %s", c) == [("waiting", 1)]
+    (job,) = queue.claim(1)
+    assert job.id == x
+    queue.complete(job, "x")
+    assert sql("SELECT status, parents_left FROM fleetless.jobs WHERE id = %s", c) == [("pending", 0)]
+
 def test_enqueue_many_refuses_an_item_after_its_own_or_a_later_items_id(queue: Queue, sql: SQL) -> None:
     """enqueue_many reserves its ids before the COPY and checked the parents after it, so an item
     after its own id (or a later item's) was written waiting for itself, forever."""
