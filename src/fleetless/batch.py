@@ -710,11 +710,12 @@ class Runner:
 
     def _converse(self, jobs: Sequence[Job], sbx: Sandbox, chan: _Channel, header: str,
                   slot: Slot, shared: bool = False) -> tuple[list[tuple[Job, Outcome]], ExecResult | None]:
-        if shared:
-            return self._converse_shared(jobs, sbx, chan, header, slot)
         """Run ``jobs`` one at a time through a runner's channel: each job is sent when the one
         before it has ended (so no job sees another's payload), one cancelled before its turn is
-        never sent, and a cancel of the job running stops it alone."""
+        never sent, and a cancel of the job running stops it alone. ``shared``: a shared batch's
+        runner, sent jobs ahead (:meth:`_converse_shared`)."""
+        if shared:
+            return self._converse_shared(jobs, sbx, chan, header, slot)
         running: list[tuple[Job, str]] = []
 
         def cancel() -> None:
@@ -740,7 +741,7 @@ class Runner:
                     break
                 outcome, said_late, past = self._answer(chan, sbx, job, tag, time.monotonic())
                 if outcome is None:
-                    late, overdue = said_late or late, past if past is not None else overdue
+                    late, overdue = said_late, past
                     break
                 out.append((job, outcome))
         return self._ended(out, chan, slot, overdue, late)
@@ -834,7 +835,7 @@ class Runner:
             outcome, said_late, past = self._answer(chan, sbx, job, tag, since)
             since = time.monotonic()
             if outcome is None:
-                late, overdue = said_late or late, past if past is not None else overdue
+                late, overdue = said_late, past
                 break
             with lock:
                 flight.popleft()
