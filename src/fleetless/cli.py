@@ -360,19 +360,20 @@ def _reporter(ctx: click.Context, tier: str) -> Reporter:
 
 
 def _log_caps(tier: str, limits: Limits) -> None:
-    """The drain's first line (after the tier's, for ``auto``): which caps hold for its jobs and how
-    (``Sandbox.caps``), and that its jobs run without their seccomp filter where they do
-    (``Sandbox.unfiltered``). Shown (a warning) for a non-root drainer, whose jobs no cgroup may
-    hold, wherever pids or memory is not capped and wherever the filter is missing; else at -v."""
+    """The drain's first lines (after the tier's, for ``auto``): which caps hold for its jobs and how
+    (``Sandbox.caps``), a short line each (doctor says them in full), and that its jobs run without
+    their seccomp filter where they do (``Sandbox.unfiltered``). Shown (warnings) for a non-root
+    drainer, whose jobs no cgroup may hold, wherever pids or memory is not capped and wherever the
+    filter is missing; else at -v. One log record a line: --log-format json keeps one object each."""
     from .sandbox import get_backend
-    from .sandbox._caps import caps_line, held
+    from .sandbox._caps import caps_lines, held
 
     backend = get_backend(tier)
     caps = backend.caps(limits)
     why = backend.unfiltered()
     loud = os.geteuid() != 0 or why is not None or not all(held(caps)[name] for name in ("pids", "memory"))
-    line = caps_line(tier, caps) + ("" if why is None else f"; jobs run with NO seccomp filter: {why}")
-    logging.getLogger("fleetless.cli").log(logging.WARNING if loud else logging.INFO, "%s", line)
+    for line in caps_lines(tier, caps, why):
+        logging.getLogger("fleetless.cli").log(logging.WARNING if loud else logging.INFO, "%s", line)
 
 
 @cli.command()

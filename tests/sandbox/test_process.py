@@ -103,10 +103,11 @@ def test_jobs_get_the_seccomp_filter_and_where_it_cannot_be_built_doctor_and_the
     assert (r.exit_code, r.stdout) == (0, "0\n"), r
     with caplog.at_level(logging.INFO, logger="fleetless.cli"):
         cli._log_caps("process", Limits())
-    [record] = [r for r in caplog.records if r.getMessage().startswith("caps (process)")]
-    assert record.levelno == logging.WARNING
-    assert record.getMessage().endswith("; jobs run with NO seccomp filter: cannot build the seccomp filter "
-                                        "(pyseccomp, libseccomp2): gone"), record.getMessage()
+    said = [r for r in caplog.records if r.name == "fleetless.cli"]
+    assert said[0].getMessage().startswith("caps (process) of each job, in short"), said[0].getMessage()
+    assert all(r.levelno == logging.WARNING for r in said)
+    assert said[-1].getMessage() == ("  jobs run with NO seccomp filter: cannot build the seccomp filter "
+                                     "(pyseccomp, libseccomp2): gone"), said[-1].getMessage()
 
 
 def test_a_filter_the_kernel_refuses_fails_the_job_which_never_runs_unfiltered(

@@ -290,11 +290,23 @@ def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
         assert "(not counted: tmpfs files" in line, line
     work = work_dir(shared, uid)
     h = handlers_dir(shared, **{"ok.py": "print('ok')\n"})
-    queue.enqueue("ok", {})
-    d = drain(dsn, h, work, tier="process", user=uid)
-    assert not isinstance(d, subprocess.Popen)
-    assert d.returncode == 0, d.stderr
-    assert "caps (process): pids capped by " in d.stderr.splitlines()[0], d.stderr
+    for tier in TIERS:
+        queue.enqueue("ok", {})
+        d = drain(dsn, h, work, tier=tier, user=uid)
+        assert not isinstance(d, subprocess.Popen)
+        assert d.returncode == 0, d.stderr
+        # issue 28: the drain said all four in one line of ~1,000 characters; now a heading and a
+        # short line a cap, each under 100 characters with its "fleetless: " (doctor has them in full)
+        lines = d.stderr.splitlines()
+        start = lines.index(f"fleetless: caps ({tier}) of each job, in short (in full: fleetless doctor):")
+        said = lines[start + 1:start + 1 + len(CAPS)]
+        assert [line.split()[1] for line in said] == list(CAPS), d.stderr
+        assert all(len(line) <= 100 for line in said), said
+        assert said[0].startswith("fleetless:   pids capped by RLIMIT_NPROC"), said
+        assert said[1] == ("fleetless:   memory capped at 512 MiB by RLIMIT_AS per process and the drainer's watch "
+                           "of the tree"), said
+        assert said[2].startswith(f"fleetless:   cpu {NOT} in cores (no cpu cgroup is writable): RLIMIT_CPU per "
+                                  "process"), said
 
 
 def test_a_root_drainers_process_tier_says_its_memory_cgroup() -> None:

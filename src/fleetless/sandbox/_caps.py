@@ -1,6 +1,8 @@
 """Which resource caps hold for a tier's jobs on this host, and how (``Sandbox.caps``), in words for
-``fleetless doctor`` and the drain's first log line. Every cap is said as held (``capped by ...``)
-or not (``NOT capped: ...``): never a cap that the host cannot give.
+``fleetless doctor`` and the drain's first log lines. Every cap is said as held (``capped by ...``)
+or not (``NOT capped: ...``): never a cap that the host cannot give. Each is said in full (doctor,
+its ``--json``) and, where that is long, in short (:class:`Cap`): a drain says each cap on a line of
+its own in under 100 characters (:func:`caps_lines`), and points to doctor for the rest.
 
 Pids are held by a pids cgroup where the drainer can write one, and by ``RLIMIT_NPROC`` where the
 kernel counts it for the job alone: since Linux 5.14 the count is per user namespace and uid, so a
@@ -26,8 +28,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import Limits
 
-__all__ = ["CAPS", "JOB_NICE", "NOT", "caps_line", "held", "nproc_counts_per_namespace", "tier_caps",
-           "workspaces_capped", "workspaces_uncapped_why"]
+__all__ = ["CAPS", "JOB_NICE", "NOT", "Cap", "caps_line", "caps_lines", "held", "nproc_counts_per_namespace",
+           "short", "tier_caps", "workspaces_capped", "workspaces_uncapped_why"]
 
 #: The caps every tier reports, in this order.
 CAPS = ("pids", "memory", "cpu", "disk")
@@ -36,6 +38,24 @@ NOT = "NOT capped"
 #: The nice value of every process and bwrap job (and all it starts; it cannot lower it).
 JOB_NICE = 10
 MiB = 1024 * 1024
+
+
+class Cap(str):
+    """A cap's words in full (the str itself: doctor, ``--json``, every ``startswith``) and
+    ``short``, the same said in under ~80 characters for the drain's line: how it holds and at
+    what, without the asides (what the watch does not count, how to get a cap not held)."""
+
+    short: str
+
+    def __new__(cls, full: str, short: str) -> Cap:
+        made = super().__new__(cls, full)
+        made.short = short
+        return made
+
+
+def short(text: str) -> str:
+    """A cap's words in short (:class:`Cap`), or as they are where they are short already."""
+    return text.short if isinstance(text, Cap) else text
 
 
 def nproc_counts_per_namespace() -> bool:
@@ -51,8 +71,18 @@ def held(caps: dict[str, str]) -> dict[str, bool]:
 
 
 def caps_line(tier: str, caps: dict[str, str]) -> str:
-    """One line: ``caps (bwrap): pids capped by ...; memory NOT capped: ...; ...``."""
+    """One line, in full (doctor): ``caps (bwrap): pids capped by ...; memory NOT capped: ...; ...``."""
     return f"caps ({tier}): " + "; ".join(f"{name} {caps[name]}" for name in CAPS if name in caps)
+
+
+def caps_lines(tier: str, caps: dict[str, str], unfiltered: str | None = None) -> list[str]:
+    """The drain's lines: a heading, then one short line per cap (``  memory capped at 512 MiB:
+    ...``), and one for a missing seccomp filter (``unfiltered``: why)."""
+    lines = [f"caps ({tier}) of each job, in short (in full: fleetless doctor):"]
+    lines += [f"  {name} {short(caps[name])}" for name in CAPS if name in caps]
+    if unfiltered is not None:
+        lines.append(f"  jobs run with NO seccomp filter: {unfiltered}")
+    return lines
 
 
 def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: str | None,
@@ -70,7 +100,8 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
     if limits.pids is None:
         out["pids"] = f"{NOT}: --pids not set"
     elif pids:
-        out["pids"] = f"capped by {' and '.join(pids)} at {limits.pids}"
+        out["pids"] = Cap(f"capped by {' and '.join(pids)} at {limits.pids}",
+                          f"capped by {' and '.join(p.split(' (it counts')[0] for p in pids)} at {limits.pids}")
     else:
         out["pids"] = f"{NOT}: {no_pids}"
     if limits.memory_bytes is None:
@@ -83,22 +114,31 @@ def tier_caps(limits: Limits, *, pids: list[str], no_pids: str, memory_cgroup: s
                                          "shared memory (the job is in the host's IPC namespace), ")
         if memfds_seen:
             memfds += ", the System V shared memory of its IPC namespace"
-        out["memory"] = (f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
-                         f"summing the job tree's resident anonymous and shared memory{memfds} every "
-                         f"{_tree.INTERVAL:g} s, killing it over the cap (not counted: {unseen}{_tree.NOT_COUNTED})")
+        out["memory"] = Cap(f"capped by RLIMIT_AS per process ({limits.memory_bytes // MiB} MiB each) and the drainer "
+                            f"summing the job tree's resident anonymous and shared memory{memfds} every "
+                            f"{_tree.INTERVAL:g} s, killing it over the cap (not counted: {unseen}{_tree.NOT_COUNTED})",
+                            f"capped at {limits.memory_bytes // MiB} MiB by RLIMIT_AS per process and the drainer's "
+                            f"watch of the tree")
     seconds = "RLIMIT_CPU ends each process after its CPU seconds (the timeout's, or --cpu-seconds)"
     niced = (f"; jobs run at nice {JOB_NICE} (RLIMIT_NICE 0: they cannot lower it), so a busy job yields the "
              "CPU to the drainer and PostgreSQL") if nice else ""
+    held = "RLIMIT_CPU per process" + (f", nice {JOB_NICE}" if nice else "")
     if limits.cpus is None:
-        out["cpu"] = f"{NOT}: --cpus not set; {seconds}{niced}"
+        out["cpu"] = Cap(f"{NOT}: --cpus not set; {seconds}{niced}", f"{NOT}: --cpus not set; {held}")
     elif cpu_cgroup is not None:
-        out["cpu"] = f"capped by a cpu cgroup ({cpu_cgroup}) at {limits.cpus:g} cores{niced}"
+        out["cpu"] = Cap(f"capped by a cpu cgroup ({cpu_cgroup}) at {limits.cpus:g} cores{niced}",
+                         f"capped by a cpu cgroup ({cpu_cgroup}) at {limits.cpus:g} cores" +
+                         (f", nice {JOB_NICE}" if nice else ""))
     else:
-        out["cpu"] = f"{NOT} in cores (no cpu cgroup is writable): {seconds}{niced}"
+        out["cpu"] = Cap(f"{NOT} in cores (no cpu cgroup is writable): {seconds}{niced}",
+                         f"{NOT} in cores (no cpu cgroup is writable): {held}")
     fsize = "" if limits.file_size_bytes is None else (
         f"RLIMIT_FSIZE caps each file at {limits.file_size_bytes // MiB} MiB")
     extra = "; ".join(x for x in (disk_extra, fsize) if x)
-    out["disk"] = _disk_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "", own_mounts)
+    disk = _disk_text(limits.disk_bytes, limits.inodes, f" ({extra})" if extra else "", own_mounts)
+    # in short: without the extras, the reason a cap is not held, or the words saying it again
+    out["disk"] = Cap(disk, _disk_text(limits.disk_bytes, limits.inodes, "", own_mounts).split(" (")[0]
+                      .removesuffix(", not capped in size or files"))
     return out
 
 

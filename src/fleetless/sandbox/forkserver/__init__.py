@@ -211,19 +211,21 @@ class ForkServerSandbox(Sandbox):
     @classmethod
     def caps(cls, limits: Limits | None = None) -> dict[str, str]:
         """As bwrap's (the same cgroups), but the workspace: a tmpfs of the job's memory size."""
-        from .._caps import NOT
+        from .._caps import NOT, Cap
         from ..bwrap import tier_caps
 
         limits = limits or Limits()
         out = tier_caps(limits, nice=_niced())
         if limits.pids is not None and not cgroups.available().pids and not _hostuid.needed():
-            out["pids"] = (f"capped by RLIMIT_NPROC of the job's own subordinate uid (leased to it alone) at "
-                           f"{limits.pids}")
+            out["pids"] = Cap(f"capped by RLIMIT_NPROC of the job's own subordinate uid (leased to it alone) at "
+                              f"{limits.pids}",
+                              f"capped by RLIMIT_NPROC of the job's own subordinate uid at {limits.pids}")
         caps = ([] if limits.memory_bytes is None else [f"{limits.memory_bytes // (1024 * 1024)} MiB"]) + (
             [] if limits.inodes is None else [f"{limits.inodes} files"])
         if caps:
-            out["disk"] = (f"capped by tmpfs: the workspace, /tmp and /dev/shm live in the job's memory "
-                           f"(workspace {' and '.join(caps)})")
+            out["disk"] = Cap(f"capped by tmpfs: the workspace, /tmp and /dev/shm live in the job's memory "
+                              f"(workspace {' and '.join(caps)})",
+                              f"capped by tmpfs in the job's memory (workspace {' and '.join(caps)})")
         else:
             out["disk"] = f"{NOT}: the workspace is a tmpfs of no size (--memory and Limits.inodes not set)"
         return out
