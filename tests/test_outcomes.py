@@ -511,3 +511,56 @@ def test_handlers_count_their_snoozes_in_fleetless_snoozes(queue: Queue, dsn: st
         result = sql("SELECT status, coalesce(result, result_json #>> '{}') FROM fleetless.jobs WHERE id = %s",
                      job_id)
         assert [(status, text.strip()) for status, text in result] == [("done", "attempt 1 snoozes 2")], kind
+
+
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+def test_each_decision_and_a_result_past_the_cap_in_a_shared_batch(
+        queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path], require_tier: Callable[[str], None],
+        tier: str) -> None:
+    """A kind with ``batch_isolation = "shared"`` (its batch's handle() jobs in the runner's own
+    process, issue 27) decides and records each outcome as a fork per job does: discarded, snoozed,
+    retried (not failed), a bad delay failed; a result past 64 KiB dead at once, its batch-mates
+    unharmed."""
+    require_tier(tier)
+    big = MODULE.replace('        return {"done": do}', '        if do == "big":\n'
+                         '            return "x" * 70000\n        return {"done": do}')
+    h = handlers(**{"mod.py": big, "fleetless.toml": '[kinds.mod]\nbatch_isolation = "shared"\n'})
+    ids = {case: queue.enqueue("mod", {"do": case}, max_attempts=3) for case in [*CASES, "big"]}
+    summary = _drain(dsn, h, tier, 8)
+    assert summary.claimed == len(ids), summary
+    for case in CASES:
+        _check(case, _row(sql, ids[case]), script=False)
+    got = _row(sql, ids["big"])
+    assert (got["status"], got["attempts"], [r[1] for r in got["history"]]) == ("dead", 1, ["dead"]), got
+    assert "\n" not in got["error"] and "70002 bytes" in got["error"] and "65536" in got["error"], got["error"]
+
+
+PRINTS = """
+    def handle(payload):
+        print("p" * 100000)
+        if payload["returns"]:
+            return {"value": 1}
+"""
+
+
+@pytest.mark.parametrize("mode", ["per-job", "batch", "shared"])
+def test_a_handle_that_prints_past_the_cap_is_kept_marked_cut_as_a_script_is(
+        queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path], fleetless: Callable[..., Any],
+        mode: str) -> None:
+    """A script's stdout past 64 KiB is kept, cut and marked so (the job is done, the line says the
+    rest was dropped); a handle()'s prints past the cap were cut silently (per-job, batch and shared
+    alike): the stored output ended at 65,536 characters with nothing saying more was printed. Now
+    the same marker, whether handle() returned a value (its prints are its output) or not."""
+    h = handlers(**{"prints.py": PRINTS, "flood.py": "print('f' * 100000)\n"})
+    if mode == "shared":
+        (h / "fleetless.toml").write_text('[kinds.prints]\nbatch_isolation = "shared"\n')
+    from fleetless.queue import RESULT_CUT_MARKER
+
+    ids = [queue.enqueue("prints", {"returns": r}) for r in (True, False)] + [queue.enqueue("flood", {})]
+    _drain(dsn, h, "process", 1 if mode == "per-job" else 4)
+    for job_id in ids:
+        status, result = sql("SELECT status, result FROM fleetless.jobs WHERE id = %s", job_id)[0]
+        assert status == "done" and result.endswith(RESULT_CUT_MARKER), (job_id, status, result[-100:])
+        assert len(result) == 65536 + len(RESULT_CUT_MARKER), len(result)
+    out = fleetless("show", str(ids[0]), dsn=dsn)
+    assert "\noutput (cut: only the first 64 KiB of stdout were kept):\n" in out.stdout, out.stdout[-600:]

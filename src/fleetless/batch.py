@@ -1214,27 +1214,29 @@ def _done_run(tier: str) -> Run:
 def _outcome(tier: str, rec: dict[str, Any]) -> Outcome:
     if "ok" in rec:  # handle(): it returned (exit code 0 in the history) or raised (no exit code)
         stdout = _text(rec.get("stdout") or "") or None  # what this job printed, its own alone
+        cut = rec.get("stdout_cut") is True  # printed past the cap: its stored output says so, as a script's
         if rec["ok"]:
             if rec["result"] is None and stdout is not None:  # returned nothing, printed: as a script
-                return Outcome("done", result=stdout, run=_done_run(tier))
+                return Outcome("done", result=stdout, result_cut=cut, run=_done_run(tier))
             text = _RESULT_JSON.encode(rec["result"])
             # what it printed stays its own too: result beside result_json (it was dropped)
-            return Outcome("done", result=stdout, result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)),
-                           run=_done_run(tier))
+            return Outcome("done", result=stdout, result_cut=cut,
+                           result_json=_NUL_ESCAPE.sub(r"\1\\ufffd", _text(text)), run=_done_run(tier))
         if "too_large" in rec:  # its result is past the cap: as deterministic as its payload, never retried
             return Outcome("fail", error=result_too_large(int(rec["too_large"])), permanent=True, result=stdout,
-                           run=Run(tier=tier, exit_code=0))
+                           result_cut=cut, run=Run(tier=tier, exit_code=0))
         if "not_json" in rec:  # it returned a set, NaN, an object: the same again on every try
             return Outcome("fail", error=result_not_json(_text(str(rec["not_json"]))), permanent=True,
-                           result=stdout, run=Run(tier=tier, exit_code=0))
+                           result=stdout, result_cut=cut, run=Run(tier=tier, exit_code=0))
         if "decided" in rec:  # it raised fleetless.outcomes' Discard, Snooze or Retry
-            return decisions.from_handle(rec["decided"], Run(tier=tier), stdout, _text(rec.get("stderr") or ""))
+            return decisions.from_handle(rec["decided"], Run(tier=tier), stdout, _text(rec.get("stderr") or ""),
+                                         cut)
         error = _text(rec["error"])
         timed_out = error.startswith("killed: ")
         stderr = _text(rec.get("stderr") or "").rstrip()
         if stderr:  # its own stderr's tail after the error's head
             error = error[:MAX_ERROR_CHARS // 2].rstrip() + "\n" + stderr[-(MAX_ERROR_CHARS // 2 - 1):]
-        return Outcome("fail", error=error, result=stdout,
+        return Outcome("fail", error=error, result=stdout, result_cut=cut,
                        run=Run(tier=tier, kill_reason=error.split("\n", 1)[0].removeprefix("killed: ")
                                if timed_out else None))
     r = ExecResult(int(rec["exit"]), _text(rec["stdout"]), _text(rec["stderr"]), float(rec["duration"]),

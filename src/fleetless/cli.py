@@ -551,7 +551,9 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
     row.pop("error_head", None)
     for key, value in row.items():
         if key == "result" and result_was_cut(value):
-            click.echo("result (cut: only the first 64 KiB of stdout were kept):")
+            # a handle() that returned a value (result_json) and printed: its prints are its output
+            click.echo(f"{'output' if row.get('result_json') is not None else 'result'} (cut: only the first 64 KiB"
+                       " of stdout were kept):")
             click.echo("  " + printable(str(value).rstrip()).replace("\n", "\n  "))
         elif key in ("last_error", "result") and value:
             # a handle() that returned a value (result_json) and printed: its prints are its output

@@ -77,26 +77,26 @@ def _bad(head: str, stderr: str, run: Run, result: str | None, result_cut: bool)
     return Outcome("fail", error=_with_tail(head, stderr), result=result, result_cut=result_cut, run=run)
 
 
-def from_handle(rec: Mapping[str, Any], run: Run, stdout: str | None, stderr: str) -> Outcome:
+def from_handle(rec: Mapping[str, Any], run: Run, stdout: str | None, stderr: str, cut: bool = False) -> Outcome:
     """The batch runner's record of a handle() that raised Discard, Snooze or Retry:
-    ``{"decided": "snooze", "seconds": 30, "reason": "..."}``."""
+    ``{"decided": "snooze", "seconds": 30, "reason": "..."}``; ``cut``: it printed past the cap."""
     if not isinstance(rec, Mapping):
-        return _bad("handle() raised an outcome the runner could not describe", stderr, run, stdout, False)
+        return _bad("handle() raised an outcome the runner could not describe", stderr, run, stdout, cut)
     decided = rec.get("decided")
     # text PostgreSQL can store: a lone surrogate (a "\udXXX" the handler put in its reason) would
     # make the whole outcome unstorable, and the completer would then fail the job permanently
     reason = str(rec.get("reason") or "")[:_REASON_CHARS].encode("utf-8", "replace").decode("utf-8")
     name = str(decided).capitalize()
     if decided not in ("discard", "snooze", "retry"):
-        return _bad(f"handle() raised an unknown outcome {str(decided)[:40]!r}", stderr, run, stdout, False)
+        return _bad(f"handle() raised an unknown outcome {str(decided)[:40]!r}", stderr, run, stdout, cut)
     seconds = None
     raw = rec.get("seconds")
     if decided == "snooze" or (decided == "retry" and raw is not None):
         try:
             seconds = _seconds(raw)
         except _Bad as exc:
-            return _bad(f"handle() raised {name} with a bad delay: {exc}", stderr, run, stdout, False)
-    return _outcome(decided, seconds, reason, "", run, stderr, stdout, False)
+            return _bad(f"handle() raised {name} with a bad delay: {exc}", stderr, run, stdout, cut)
+    return _outcome(decided, seconds, reason, "", run, stderr, stdout, cut)
 
 
 def from_exit(exit_code: int, stderr: str, run: Run, result: str | None, result_cut: bool) -> Outcome | None:

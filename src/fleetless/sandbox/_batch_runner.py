@@ -814,7 +814,7 @@ class Runner:
                 stderr = data[4:].decode("utf-8", "replace")
             return json.dumps({"tag": tag, "exit": code, "stdout": stdout, "stdout_cut": cut, "stderr": stderr,
                                "killed": killed, "duration": duration}, ensure_ascii=False)
-        return _module_line(tag, killed, data, code, stdout, stderr, duration)
+        return _module_line(tag, killed, data, code, stdout, stderr, duration, cut=cut)
 
     def shared_home(self) -> str:
         """Shared mode's one directory, every job's cwd, HOME and TMPDIR, left empty for each job:
@@ -875,7 +875,8 @@ class Runner:
             stderr += "\n(fleetless: processes of this job could not all be killed)"
             self.stop = True
         # the report is the runner's own (json.dumps'): no check that it is one JSON value
-        return _module_line(tag, killed, data, 0, out.text(), stderr, duration, checked=True), killed is not None
+        return (_module_line(tag, killed, data, 0, out.text(), stderr, duration, checked=True, cut=out.cut),
+                killed is not None)
 
     def wait(self, pid: int, ended: int | None, r: int, deadline: float, tag: str, timeout: float,
              outs: tuple[_Output, ...]) -> tuple[str | None, bytes]:
@@ -964,9 +965,10 @@ class Runner:
 
 
 def _module_line(tag: str, killed: str | None, data: bytes, code: int, stdout: str, stderr: str,
-                 duration: float, checked: bool = False) -> str:
+                 duration: float, checked: bool = False, cut: bool = False) -> str:
     """A handle() job's result line, from its report (:func:`_call`) or why it was killed.
-    ``checked``: the report was made by this process's json.dumps, not read from a job's pipe."""
+    ``checked``: the report was made by this process's json.dumps, not read from a job's pipe.
+    ``cut``: it printed past the stdout cap (the host marks its stored output so, as a script's)."""
     if killed is None and not checked and data.startswith(b"R") and not _one_json_value(data[1:]):
         # the report pipe is the job's: what it wrote there is spliced into this line only when
         # it is one JSON value (a job wrote 'R1,"late":true' to pass as never started)
@@ -975,7 +977,16 @@ def _module_line(tag: str, killed: str | None, data: bytes, code: int, stdout: s
         extra = ""
         if stdout or stderr:
             extra = f',"stdout":{json.dumps(stdout)},"stderr":{json.dumps(stderr)}'
+        if cut:
+            extra += ',"stdout_cut":true'
         return f'{{"tag":"{tag}","ok":true{extra},"result":{data[1:].decode()}}}'
+    line = _module_failure(tag, killed, data, code, stdout, stderr, duration)
+    return line[:-1] + ',"stdout_cut":true}' if cut else line
+
+
+def _module_failure(tag: str, killed: str | None, data: bytes, code: int, stdout: str, stderr: str,
+                    duration: float) -> str:
+    """:func:`_module_line` of a handle() that did not return a result JSON can hold."""
     decided = None
     if killed is None and data.startswith(b"D"):  # it raised Discard, Snooze or Retry
         try:
