@@ -152,3 +152,35 @@ def test_async_workflows_enqueue_after_and_a_graph_in_the_apps_transaction(queue
     assert [rows[j][:2] for j in (c, d, e)] == [("pending", 0), ("waiting", 1), ("waiting", 1)]
     with pytest.raises(ValueError, match="after: no job with id 987654"):
         asyncio.run(AsyncQueue(dsn).enqueue("x", {}, after=[987654]))
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_async_keyed_children_and_keyed_parents_in_a_graph(queue: Queue, dsn: str, sql: Any, driver: str) -> None:
+    """AsyncQueue takes keys with workflows as Queue does: a keyed child is written once (found
+    again by its key), a keyed item is a parent in enqueue_many, and a replace never rewires."""
+    parent = queue.enqueue("a", {})
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        conn = await _connect(driver, dsn)
+        try:
+            aq = AsyncQueue(conn)
+
+            async def body() -> tuple[list[int], list[int]]:
+                child = await aq.enqueue("b", {}, after=[parent], key="child")
+                again = await aq.enqueue("b", {}, after=[parent], key="child")
+                assert again == child and again.existing
+                with pytest.raises(ValueError, match="replace never rewires a workflow"):
+                    await aq.enqueue("b", {}, key="child", on_duplicate="replace")
+                graph = [{"kind": "c", "payload": {}, "name": "root", "key": "root"},
+                         {"kind": "d", "payload": {}, "after": ["root"], "key": "leaf"}]
+                return [child, again], [*await aq.enqueue_many(graph), *await aq.enqueue_many(graph)]
+
+            return await _in_transaction(driver, conn, body, commit=True)  # type: ignore[no-any-return]
+        finally:
+            await conn.close()
+
+    (child, _), (root, leaf, root2, leaf2) = asyncio.run(scenario())
+    assert (root2, leaf2) == (root, leaf)
+    assert sql("SELECT parent_id, child_id FROM fleetless.job_dependencies ORDER BY 1") == [
+        (parent, child), (root, leaf)]
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(4,)]

@@ -136,7 +136,7 @@ def test_retrying_a_dead_job_whose_key_is_taken_is_refused(queue: Queue, sql) ->
     (job,) = queue.claim(1)
     queue.fail(job, "boom", delay=0)
     newer = queue.enqueue("a", {}, key="k")
-    with pytest.raises(ValueError, match="has a key that a pending or running job holds"):
+    with pytest.raises(ValueError, match="has a key that a pending, running or waiting job holds"):
         queue.retry(job.id)
     assert queue.retry_all_dead() == []
     queue.cancel(newer)
@@ -150,7 +150,7 @@ def test_cli_enqueue_key_prints_the_existing_id(dsn: str, queue: Queue, fleetles
     dup = fleetless("enqueue", "a", "{}", "--key", "nightly", "--on-duplicate", "raise", dsn=dsn)
     assert dup.returncode == 1
     assert dup.stderr.strip() == f"fleetless: error: job {first.stdout.strip()} with key 'nightly' is already" \
-        " pending or running"
+        " pending, running or waiting"
 
 
 def test_the_returned_id_says_whether_the_key_was_already_held(queue: Queue) -> None:
@@ -184,7 +184,7 @@ def test_cli_enqueue_key_says_when_it_returned_an_existing_job(dsn: str, queue: 
     assert json.loads(first.stdout)["existing"] is False and first.stderr == ""
     again = fleetless("enqueue", "a", "{}", "--key", "nightly", dsn=dsn)
     assert again.stdout.strip() == str(json.loads(first.stdout)["id"])
-    assert "already pending or running: nothing new was enqueued" in again.stderr
+    assert "already pending, running or waiting: nothing new was enqueued" in again.stderr
     shown = json.loads(fleetless("enqueue", "a", '{"v": 2}', "--key", "nightly", "--on-duplicate", "replace",
                                  "--json", dsn=dsn).stdout)
     assert shown == {"id": json.loads(first.stdout)["id"], "existing": True, "replaced": True}

@@ -14,6 +14,7 @@ import pytest
 
 from fleetless import Queue
 from fleetless.drainer import DrainConfig, Drainer
+from fleetless.queue import DuplicateJob
 
 from proctools import wait_for
 
@@ -122,8 +123,6 @@ def test_enqueue_after_an_ended_parent(queue: Queue, sql: SQL) -> None:
         queue.enqueue("echo", {}, after=[done, 999999])
     with pytest.raises(ValueError, match=r"job #1: after: no earlier item is named 'nope'"):
         queue.enqueue_many([("echo", {}), {"kind": "echo", "payload": {}, "after": ["nope"]}])
-    with pytest.raises(ValueError, match="cannot have a key"):
-        queue.enqueue("echo", {}, after=[done], key="k")
     assert sql("SELECT count(*) FROM fleetless.jobs") == [(5,)]  # nothing of the bad calls was written
 
 
@@ -259,6 +258,10 @@ def test_the_command_line_enqueues_after_and_shows_the_graph(queue: Queue, dsn: 
     data = json.loads(parent.stdout)
     assert data["n_children"] == 1 and data["children"][0]["id"] == c
     assert data["children_by_status"] == {"waiting": 1}
+    keyed = [fleetless("enqueue", "echo", "--after", str(a), "--key", "nightly-c", dsn=dsn) for _ in range(2)]
+    assert keyed[0].returncode == keyed[1].returncode == 0 and keyed[0].stdout == keyed[1].stdout
+    assert "already pending, running or waiting: nothing new was enqueued" in keyed[1].stderr
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE key = 'nightly-c' AND status = 'waiting'") == [(1,)]
     missing = fleetless("enqueue", "echo", "--after", "424242", dsn=dsn)
     assert missing.returncode != 0 and "after: no job with id 424242" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
@@ -548,3 +551,88 @@ def test_enqueue_after_many_missing_ids_names_the_first_20(queue: Queue) -> None
         queue.enqueue("k", {}, after=range(10**9, 10**9 + 60_000))
     listed = ", ".join(str(i) for i in range(10**9, 10**9 + 20))
     assert str(missing.value) == f"after: no job with id {listed} and 59980 more"
+
+
+def _edges(sql: SQL) -> list[tuple[int, int]]:
+    return [tuple(r) for r in sql("SELECT parent_id, child_id FROM fleetless.job_dependencies ORDER BY 1, 2")]
+
+
+def test_a_child_with_a_key_is_enqueued_once_and_a_replace_never_rewires_it(queue: Queue, sql: SQL) -> None:
+    """A waiting child holds its key: enqueued again it is returned (existing), whatever parents
+    the enqueue names; replace takes only with the same parents and on_parent_failure."""
+    a = queue.enqueue("echo", {})
+    other = queue.enqueue("echo", {})
+    child = queue.enqueue("echo", {"v": 1}, after=[a], key="ck")
+    assert _status(sql, child) == ["waiting"] and (child.existing, child.replaced) == (False, False)
+    again = queue.enqueue("echo", {"v": 2}, after=[a], key="ck")
+    assert again == child and (again.existing, again.replaced) == (True, False)
+    elsewhere = queue.enqueue("echo", {"v": 2}, after=[other], key="ck")  # existing: returned unchanged
+    assert elsewhere == child and elsewhere.existing
+    assert queue.enqueue("echo", {"v": 2}, key="ck") == child  # an enqueue without parents finds it too
+    with pytest.raises(DuplicateJob, match=f"job {child} with key 'ck' is already pending, running or waiting"):
+        queue.enqueue("echo", {}, after=[a], key="ck", on_duplicate="raise")
+    replaced = queue.enqueue("echo", {"v": 3}, after=[a], key="ck", on_duplicate="replace", priority=5)
+    assert replaced == child and replaced.replaced
+    for refused in ({"after": [a, other]}, {"after": [other]}, {"after": [a], "on_parent_failure": "run"}, {}):
+        with pytest.raises(ValueError, match=f"job {child} with key 'ck' has other parents .* replace never"
+                                             " rewires a workflow"):
+            queue.enqueue("echo", {"v": 4}, key="ck", on_duplicate="replace", **refused)
+    assert sql("SELECT payload, priority, status, parents_left FROM fleetless.jobs WHERE id = %s", child) == [
+        ({"v": 3}, 5, "waiting", 1)]
+    assert _edges(sql) == [(a, child)] and sql("SELECT count(*) FROM fleetless.jobs") == [(3,)]
+    (job,) = queue.claim(1)  # a: the child becomes pending with a's result; a replace merges it again
+    queue.complete(job, "out-a")
+    assert queue.get(child)["payload"] == {"v": 3, "_parents": {str(a): "out-a"}}
+    queue.enqueue("echo", {"v": 5}, after=[a], key="ck", on_duplicate="replace")
+    assert queue.get(child)["payload"] == {"v": 5, "_parents": {str(a): "out-a"}}
+    # a keyed job without parents is found by a keyed enqueue with parents, and a replace refused
+    plain = queue.enqueue("echo", {}, key="pk")
+    assert queue.enqueue("echo", {}, after=[a], key="pk") == plain
+    with pytest.raises(ValueError, match="has other parents"):
+        queue.enqueue("echo", {}, after=[a], key="pk", on_duplicate="replace")
+    with pytest.raises(ValueError, match="after: no job with id 999999"):
+        queue.enqueue("echo", {}, after=[999999], key="new")
+    # a keyed job is a parent like any other
+    after_keyed = queue.enqueue("echo", {}, after=[plain])
+    assert _status(sql, after_keyed) == ["waiting"] and (plain, after_keyed) in _edges(sql)
+
+
+def test_enqueue_many_keyed_items_are_parents_and_children_and_a_retry_of_the_call_finds_them(
+        queue: Queue, sql: SQL) -> None:
+    """A graph with keys, enqueued twice (as after a lost reply): its keyed jobs are found, not written
+    again, and the later items follow the jobs the keys resolved to."""
+    def items(v: int) -> list[dict[str, Any]]:
+        return [{"kind": "echo", "payload": {"v": v}, "name": "root", "key": "root-1"},
+                {"kind": "echo", "payload": {}, "name": "plain"},
+                {"kind": "echo", "payload": {}, "name": "mid", "after": ["root", "plain"], "key": "mid-1"},
+                {"kind": "echo", "payload": {}, "after": ["mid"], "priority": 2},
+                {"kind": "echo", "payload": {}, "name": "leaf", "after": ["mid", "root"], "key": "leaf-1"}]
+    root, plain, mid, tail, leaf = queue.enqueue_many(items(1))
+    assert _status(sql, root, plain, mid, tail, leaf) == ["pending", "pending", "waiting", "waiting", "waiting"]
+    assert _edges(sql) == sorted([(root, mid), (plain, mid), (mid, tail), (mid, leaf), (root, leaf)])
+    root2, plain2, mid2, tail2, leaf2 = queue.enqueue_many(items(2))
+    assert (root2, mid2, leaf2) == (root, mid, leaf) and len({plain, plain2, tail, tail2}) == 4
+    assert (mid2, tail2) in _edges(sql) and len(_edges(sql)) == 6  # the found mid kept its own parents
+    assert queue.get(root)["payload"] == {"v": 1}
+    with pytest.raises(ValueError, match=r"job #2: job \d+ with key 'mid-1' has other parents"):
+        queue.enqueue_many(items(3), on_duplicate="replace")
+    with pytest.raises(DuplicateJob):
+        queue.enqueue_many(items(3), on_duplicate="raise")
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(7,)]  # nothing of the refused calls
+
+
+def test_two_enqueues_of_a_keyed_child_at_once_make_one_job(queue: Queue, dsn: str, sql: SQL) -> None:
+    """The key's unique index covers waiting jobs (migration 027): a second enqueue of a keyed child
+    while the first is uncommitted waits for it, then returns the first's child."""
+    a = queue.enqueue("echo", {})
+    with psycopg.connect(dsn) as conn:
+        first = queue.enqueue("echo", {}, after=[a], key="once", conn=conn)
+        holder = conn.info.backend_pid
+        out: list[Any] = []
+        second = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[a], key="once"), out)
+        wait_for(lambda: _blocked_behind(sql, holder), what="the second enqueue to wait for the first")
+        conn.commit()
+    second.join(10)
+    assert out == [first] and out[0].existing
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE key = 'once'") == [(1,)]
+    assert _edges(sql) == [(a, first)]

@@ -38,6 +38,7 @@ from .queue import (
     WaitTimeout,
     _parent_ids,
     finished_channel,
+    keyed_answer,
     no_job_with_ids,
     notify_payloads,
     with_defaults,
@@ -158,15 +159,30 @@ class AsyncQueue:
             priority=priority, timeout=timeout, key=key, on_duplicate=on_duplicate,
             on_parent_failure=on_parent_failure)
         parents = _parent_ids(after) if after is not None else []
-        if parents and key is not None:
-            raise ValueError("a job with parents (after) cannot have a key")
         async with self._connection(conn) as c:
             if parents:
                 async with self._atomic(c):
+                    if key is not None:
+                        return await self._enqueue_keyed_after(c, {**params, "parents": parents})
                     child = await self._enqueue_waiting(c, {**params, "parents": parents})
                     await self._execute(c, "settle_children", {"ids": [child], "channel": self.channel})
                     return Enqueued(child)
             return await self._enqueue_params(c, params)
+
+    async def _enqueue_keyed_after(self, conn: AnyConnection, params: dict[str, Any]) -> Enqueued:
+        """As :meth:`Queue._enqueue_keyed_after`: a keyed child, or the job holding its key."""
+        parents = params["parents"]
+        missing = [r["id"] for r in await self._execute(conn, "lock_parents_missing", {"ids": parents})]
+        if missing:
+            raise ValueError(f"after: {no_job_with_ids(missing)}")
+        for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
+            rows = await self._execute(conn, "enqueue_keyed_waiting",
+                                       {**params, "after": sorted(parents), "channel": self.channel})
+            if rows:
+                if rows[0]["inserted"]:
+                    await self._execute(conn, "settle_children", {"ids": [rows[0]["id"]], "channel": self.channel})
+                return keyed_answer(params, rows[0], parents)
+        raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
     async def _enqueue_waiting(self, conn: AnyConnection, params: dict[str, Any]) -> int:
         """A workflow's child, written waiting with its edges (settle_children decides its status)."""
@@ -184,9 +200,7 @@ class AsyncQueue:
         for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
             rows = await self._execute(conn, "enqueue_keyed", params)
             if rows:
-                if params["raise"] and not rows[0]["inserted"]:
-                    raise DuplicateJob(params["key"], rows[0]["id"])
-                return Enqueued(rows[0]["id"], existing=not rows[0]["inserted"], replaced=rows[0]["replaced"])
+                return keyed_answer(params, rows[0])
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
     async def enqueue_many(self, jobs: Iterable[tuple[str, Any] | Mapping[str, Any]], *,
@@ -235,18 +249,20 @@ class AsyncQueue:
             for i, item in enumerate(items):
                 r = self._shape.item_params(i, item, names)
                 if r["parents"]:
-                    if -1 in r["parents"]:
-                        raise ValueError(f"job #{i}: after names a keyed item; a keyed job cannot be a parent"
-                                         " in the same call")
                     try:
-                        job_id = await self._enqueue_waiting(c, r)
+                        if r["key"] is not None:  # settled by its own statement, or an existing job
+                            job_id = int(await self._enqueue_keyed_after(c, r))
+                        else:
+                            job_id = await self._enqueue_waiting(c, r)
+                            children.append(job_id)
+                    except DuplicateJob:
+                        raise
                     except ValueError as exc:
                         raise ValueError(f"job #{i}: {exc}") from None
-                    children.append(job_id)
                 else:
                     job_id = int(await self._enqueue_params(c, r))
                 if r["name"] is not None:
-                    names[r["name"]] = job_id if r["key"] is None else -1
+                    names[r["name"]] = job_id
                 ids.append(job_id)
             if children:
                 await self._execute(c, "settle_children", {"ids": children, "channel": self.channel})

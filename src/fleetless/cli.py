@@ -177,14 +177,14 @@ def init(ctx: click.Context, recount: bool, as_json: bool) -> None:
 @click.option("--queue", "queue_name", default="default", show_default=True)
 @click.option("--priority", type=int, default=0, show_default=True, help="Higher runs first.")
 @click.option("--timeout", callback=_duration, help="Overrides the drainer's --timeout for this job.")
-@click.option("--key", help="At most one pending or running job has this key.")
+@click.option("--key", help="At most one pending, running or waiting job has this key (also with --after).")
 @click.option("--handlers", "handlers_dir", type=click.Path(path_type=Path), envvar="FLEETLESS_HANDLERS",
               help="The drainers' handlers directory: warn if KIND has no handler there, and use its "
                    "fleetless.toml [env FLEETLESS_HANDLERS].")
 @click.option("--on-duplicate", type=click.Choice(["existing", "replace", "raise"]), default="existing",
               show_default=True,
-              help="A job with --key is already pending or running: print its id, give a pending one "
-                   "this payload, or fail.")
+              help="A job with --key is already pending, running or waiting: print its id, give a pending one "
+                   "(or, with the same --after, a waiting one) this payload, or fail.")
 @click.option("--max-payload-bytes", "max_payload", callback=_size, default="1M", show_default=True,
               envvar="FLEETLESS_MAX_PAYLOAD_BYTES",
               help="Refuse a payload larger than this once encoded [env FLEETLESS_MAX_PAYLOAD_BYTES].")
@@ -233,7 +233,7 @@ def enqueue(ctx: click.Context, kind: str, payload_json: str, max_attempts: int 
         what = ("gave it this payload and options" if job_id.replaced
                 else "nothing new was enqueued (--on-duplicate replace updates a pending one)")
         _say(logging.INFO,
-             f"job {int(job_id)} with key {key!r} is already pending or running: {what}",
+             f"job {int(job_id)} with key {key!r} is already pending, running or waiting: {what}",
              event="existing", id=int(job_id), replaced=job_id.replaced)
 
 

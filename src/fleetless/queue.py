@@ -80,10 +80,10 @@ class JobNotFound(LookupError):
 
 
 class DuplicateJob(ValueError):
-    """``on_duplicate="raise"``: a pending or running job already has this key."""
+    """``on_duplicate="raise"``: a pending, running or waiting job already has this key."""
 
     def __init__(self, key: str, existing_id: int) -> None:
-        super().__init__(f"job {existing_id} with key {key!r} is already pending or running")
+        super().__init__(f"job {existing_id} with key {key!r} is already pending, running or waiting")
         self.key = key
         self.existing_id = existing_id
 
@@ -143,7 +143,7 @@ class QueueSettings:
 
 class Enqueued(int):
     """The id :meth:`Queue.enqueue` returns: an ``int``, plus, for a keyed enqueue, ``existing``
-    (a pending or running job already had the key: its id, nothing new was enqueued) and
+    (a pending, running or waiting job already had the key: its id, nothing new was enqueued) and
     ``replaced`` (that job was pending and took this enqueue's payload and options)."""
 
     existing: bool
@@ -169,6 +169,25 @@ def no_job_with_ids(missing: Sequence[int]) -> str:
     the count: 60,000 ids were 400 KB of error)."""
     listed = ", ".join(map(str, missing[:20])) or "?"
     return f"no job with id {listed}" + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+
+
+def keyed_answer(params: Mapping[str, Any], row: Mapping[str, Any], parents: Sequence[int] = ()) -> Enqueued:
+    """What a keyed enqueue returns, from its statement's row (enqueue_keyed or
+    enqueue_keyed_waiting): the new job, or the one holding the key; :class:`DuplicateJob` for
+    ``on_duplicate="raise"``, and a one-line ValueError for a ``replace`` the holder's place in a
+    workflow refused (other parents, or another on_parent_failure: a replace never rewires a graph)."""
+    job_id = int(row["id"])
+    if row["inserted"]:
+        return Enqueued(job_id)
+    if params["raise"]:
+        raise DuplicateJob(params["key"], job_id)
+    if params["replace"] and not row["same_shape"]:
+        wanted = f"after {sorted(parents)} (on_parent_failure {params['on_parent_failure']})" if parents \
+            else "no parents"
+        raise ValueError(f"job {job_id} with key {params['key']!r} has other parents or another on_parent_failure"
+                         f" than this enqueue's ({wanted:.80}); replace never rewires a workflow: cancel it and"
+                         " enqueue again")
+    return Enqueued(job_id, existing=True, replaced=bool(row["replaced"]))
 
 
 def _parent_ids(after: Iterable[int]) -> list[int]:
@@ -488,11 +507,14 @@ class Queue:
         ``max_attempts``: when not given, the job takes its kind's ``max_attempts`` from the
         claiming drain's ``fleetless.toml`` at each claim, else 3 (stored until then).
 
-        ``key``: at most one pending or running job has it. A duplicate enqueue returns the
-        existing job's id and writes nothing (``on_duplicate="existing"``, the default), gives a
+        ``key``: at most one pending, running or waiting job has it. A duplicate enqueue returns
+        the existing job's id and writes nothing (``on_duplicate="existing"``, the default), gives a
         still pending job the new payload and options and returns its id (``"replace"``; its due
         time stays unless ``delay`` or ``run_after`` is given), or raises
         :class:`DuplicateJob` (``"raise"``); inside your transaction, none of these aborts it.
+        With ``after``: the key's job is returned as it is whatever its parents; a ``replace``
+        takes only on a pending or waiting job with the same parents and ``on_parent_failure``,
+        and is refused (ValueError, nothing written) for one with others: it never rewires a graph.
 
         ``after`` (job ids): a workflow's child. It is ``waiting``, never claimed, until every
         parent is done; then pending, with ``payload["_parents"]`` (an object payload) mapping each
@@ -506,10 +528,10 @@ class Queue:
         )
         if after is not None:
             parents = _parent_ids(after)
-            if key is not None:
-                raise ValueError("a job with parents (after) cannot have a key")
             if parents:
                 with db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c):
+                    if key is not None:
+                        return self._enqueue_keyed_after(c, params, parents)
                     return self._enqueue_after(c, params, parents)
         if key is None:  # the hot path: one statement, one tuple row (a dict row cost ~10% of an enqueue)
             name, params = ("enqueue_default", {"kind": params["kind"], "payload": params["payload"]}) \
@@ -538,9 +560,25 @@ class Queue:
         for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
             rows = self._run("enqueue_keyed", {**params, "channel": self.channel}, conn)
             if rows:
-                if params["raise"] and not rows[0]["inserted"]:
-                    raise DuplicateJob(params["key"], rows[0]["id"])
-                return Enqueued(rows[0]["id"], existing=not rows[0]["inserted"], replaced=rows[0]["replaced"])
+                return keyed_answer(params, rows[0])
+        raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
+
+    def _enqueue_keyed_after(self, conn: psycopg.Connection[Any], params: dict[str, Any],
+                             parents: list[int]) -> Enqueued:
+        """A workflow's child with a key (in the caller's transaction, or one of its own): its
+        parents locked and checked, then written waiting and settled, or the job already holding
+        the key returned (enqueue_keyed_waiting says how a replace is decided)."""
+        with conn.cursor(row_factory=tuple_row) as cur:
+            missing = [row[0] for row in cur.execute(self._q["lock_parents_missing"], {"ids": parents}).fetchall()]
+            if missing:
+                raise ValueError(f"after: {no_job_with_ids(missing)}")
+        for _ in range(5):  # as _enqueue_keyed
+            rows = self._run("enqueue_keyed_waiting", {**params, "after": sorted(parents), "channel": self.channel},
+                             conn)
+            if rows:
+                if rows[0]["inserted"]:
+                    self._run("settle_children", {"ids": [rows[0]["id"]], "channel": self.channel}, conn)
+                return keyed_answer(params, rows[0], parents)
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
     def item_params(self, index: int, item: tuple[str, Any] | Mapping[str, Any],
@@ -564,8 +602,6 @@ class Queue:
                 if name is not None and names is not None and name in names:
                     raise ValueError(f"name {name!r:.60} is already an earlier item's")
                 params["parents"] = None if after is None else self._resolve_after(after, names or {})
-                if params["parents"] and params["key"] is not None:
-                    raise ValueError("a job with parents (after) cannot have a key")
                 return params
             kind, payload = item
             params = self.job_params(kind, payload)
@@ -607,7 +643,9 @@ class Queue:
         Workflows: an item may have a ``name`` (unique in the call) and ``after``, a list of its
         parents: ids of existing jobs, or names of earlier items of this call (so a whole graph is
         one call and one transaction; an item can only follow items before it, so no cycle can
-        be written). See :meth:`enqueue` and docs/workflows.md."""
+        be written). Keyed items may have parents and be parents: a later item naming a keyed
+        item follows the job its key resolved to (the existing one, for a duplicate). See
+        :meth:`enqueue` and docs/workflows.md."""
         items = enumerate(jobs)
         if defaults:
             unknown = set(defaults) - set(ITEM_OPTIONS) - {"kind", "payload"} | (set(defaults) & {"kind", "payload"})
@@ -631,45 +669,64 @@ class Queue:
                 assert found is not None
                 now, reserved = cast(dt.datetime, found[0]), cast(list[int], found[1])
                 rows: list[dict[str, Any]] = []
-                others: list[dict[str, Any]] = []  # options of their own: the nine-column COPY
-                children: list[dict[str, Any]] = []  # with parents: written waiting, then settled
                 later = set(reserved)  # this chunk's ids not yet an earlier item's: no item may follow one
-                with cur.copy(self._q["copy_default_jobs"]) as copy:
-                    for (i, item), job_id in zip(chunk, reserved, strict=True):
-                        r = self.item_params(i, item, names)
-                        rows.append(r)
-                        if r["parents"] and (ahead := [p for p in r["parents"] if p in later]):
-                            whose = "its own" if ahead[0] == job_id else "a later item's"
-                            raise ValueError(f"job #{i}: after names job id {ahead[0]}, {whose} in this call;"
-                                             " an item can only follow earlier items or existing jobs")
-                        later.discard(job_id)
+                todo = list(zip(chunk, reserved, strict=True))
+                nxt = 0
+                while nxt < len(todo):
+                    # a run of unkeyed items, streamed: COPYed while checked, those with parents
+                    # or options of their own after it; it stops before a keyed item, which goes
+                    # by its own statement once everything before it is written (a later item
+                    # may name it as a parent, and its key may give it an existing job's id)
+                    others: list[dict[str, Any]] = []  # options of their own: the nine-column COPY
+                    children: list[dict[str, Any]] = []  # with parents: written waiting, then settled
+                    keyed: tuple[int, dict[str, Any]] | None = None
+                    with contextlib.ExitStack() as stack:
+                        copy: psycopg.Copy | None = None  # opened by the run's first plain job
+                        while nxt < len(todo) and keyed is None:
+                            (i, item), job_id = todo[nxt]
+                            nxt += 1
+                            r = self.item_params(i, item, names)
+                            rows.append(r)
+                            if r["parents"] and (ahead := [p for p in r["parents"] if p in later]):
+                                whose = "its own" if ahead[0] == job_id else "a later item's"
+                                raise ValueError(f"job #{i}: after names job id {ahead[0]}, {whose} in this call;"
+                                                 " an item can only follow earlier items or existing jobs")
+                            later.discard(job_id)
+                            if r["key"] is not None:  # its reserved id goes unused: it gets its own
+                                keyed = (i, r)
+                                continue
+                            r["id"] = job_id
+                            if r["name"] is not None:
+                                names[r["name"]] = job_id
+                            if r["parents"]:
+                                children.append(r)
+                            elif _all_default(r):
+                                if copy is None:
+                                    copy = stack.enter_context(cur.copy(self._q["copy_default_jobs"]))
+                                copy.write_row((job_id, r["kind"], r["payload"], True))
+                            else:
+                                others.append(r)
+                    if others:
+                        with cur.copy(self._q["copy_jobs"]) as copy:
+                            for r in others:
+                                run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
+                                copy.write_row(
+                                    (r["id"], r["kind"], r["payload"], r["max_attempts"], run_after,
+                                     r["queue"], r["priority"], r["timeout"], r["max_attempts_default"])
+                                )
+                    if children:
+                        self._copy_children(cur, children, now)
+                    if keyed is not None:
+                        i, r = keyed
+                        try:
+                            r["id"] = (self._enqueue_keyed_after(c, r, r["parents"]) if r["parents"]
+                                       else self._enqueue_keyed(c, r))
+                        except DuplicateJob:
+                            raise
+                        except ValueError as exc:
+                            raise ValueError(f"job #{i}: {exc}") from None
                         if r["name"] is not None:
-                            names[r["name"]] = job_id if r["key"] is None else -1
-                        if r["key"] is not None:
-                            continue
-                        r["id"] = job_id
-                        if r["parents"]:
-                            if -1 in r["parents"]:
-                                raise ValueError(f"job #{i}: after names a keyed item; a keyed job cannot"
-                                                 " be a parent in the same call")
-                            children.append(r)
-                        elif _all_default(r):
-                            copy.write_row((job_id, r["kind"], r["payload"], True))
-                        else:
-                            others.append(r)
-                if others:
-                    with cur.copy(self._q["copy_jobs"]) as copy:
-                        for r in others:
-                            run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
-                            copy.write_row(
-                                (r["id"], r["kind"], r["payload"], r["max_attempts"], run_after,
-                                 r["queue"], r["priority"], r["timeout"], r["max_attempts_default"])
-                            )
-                if children:
-                    self._copy_children(cur, children, now)
-                for r in rows:  # keyed jobs one statement each, in this same transaction
-                    if r["key"] is not None:
-                        r["id"] = self._enqueue_keyed(c, r)
+                            names[r["name"]] = r["id"]
                 ids.extend(r["id"] for r in rows)
                 queues.update(r["queue"] for r in rows)
             cur.execute(self._q["notify"], {"channel": self.channel, "payloads": notify_payloads(queues)})
@@ -1031,7 +1088,7 @@ class Queue:
                 revived = [r["id"] for r in cur.execute(self._q["retry_children"], {"id": job_id}).fetchall()] \
                     if retried and children else []
         except db.DuplicateValue:
-            raise ValueError(f"job {job_id} has a key that a pending or running job holds now") from None
+            raise ValueError(f"job {job_id} has a key that a pending, running or waiting job holds now") from None
         if not retried:
             row = self._status_of(job_id)
             if row["status"] in (Status.DEAD, Status.CANCELLED):

@@ -259,3 +259,25 @@ def test_one_flush_with_two_claims_of_one_job_answers_each_claim_with_its_own_ou
         through.close()
     assert sql("SELECT status, attempts, snoozes FROM fleetless.jobs") == [("done", 1, 1)]
     assert sql("SELECT attempt, outcome FROM fleetless.job_attempts ORDER BY id") == [(1, "snoozed"), (1, "done")]
+
+
+#: The simple-query message psycopg sends to end a transaction it opened: exactly COMMIT.
+COMMIT_MESSAGE = b"Q\x00\x00\x00\x0bCOMMIT\x00"
+
+
+def test_a_keyed_child_enqueued_again_after_its_commits_reply_was_lost_is_written_once(
+        dsn: str, queue: Queue, sql) -> None:
+    """enqueue(after=..., key=...): the transaction committed, its reply never came; the app
+    enqueues again with the same key and gets the child that was written, not a second one."""
+    parent = queue.enqueue("a", {})
+    with pg_proxy(dsn) as proxy:
+        through = Queue(proxy.dsn)
+        proxy.drop_reply_to(COMMIT_MESSAGE)
+        with pytest.raises(DatabaseUnavailable):
+            through.enqueue("b", {"v": 1}, after=[parent], key="child-1")
+        assert proxy.dropped == [COMMIT_MESSAGE]
+        child = through.enqueue("b", {"v": 1}, after=[parent], key="child-1")
+        through.close()
+    assert child.existing
+    assert sql("SELECT id, status, key FROM fleetless.jobs WHERE kind = 'b'") == [(child, "waiting", "child-1")]
+    assert sql("SELECT parent_id, child_id FROM fleetless.job_dependencies") == [(parent, child)]

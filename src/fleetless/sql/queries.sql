@@ -24,13 +24,16 @@ VALUES (%(kind)s, %(payload)s, true)
 RETURNING id, pg_notify(%(channel)s, queue);
 
 -- name: enqueue_keyed
--- One job with a key: at most one pending or running job per key (the partial unique index
--- jobs_key_idx), decided by the index itself, so concurrent enqueues of a key on any number of
--- connections make exactly one job. On a duplicate: with replace, a still pending job takes the new
--- payload and options (a running one is left alone); otherwise nothing is written. Either way the
--- existing job's id is returned with inserted = false (and replaced = true when it took the new
--- payload). A replace keeps the job's due time unless this enqueue gave one (keep_due: neither
--- run_after nor delay given), so re-enqueueing a debounced job does not make it due at once.
+-- One job with a key: at most one pending, running or waiting job per key (the partial unique
+-- index jobs_live_key_idx, migration 027), decided by the index itself, so concurrent enqueues of a
+-- key on any number of connections make exactly one job. On a duplicate: with replace, a still
+-- pending job takes the new payload and options (a running one is left alone); otherwise nothing
+-- is written. Either way the existing job's id is returned with inserted = false (and replaced =
+-- true when it took the new payload). A replace keeps the job's due time unless this enqueue gave
+-- one (keep_due: neither run_after nor delay given), so re-enqueueing a debounced job does not make
+-- it due at once. A job with parents (a workflow's) is never replaced by this enqueue, which has
+-- none: same_shape = false says so, and the caller refuses the replace (replace never rewires a
+-- graph: enqueue_keyed_waiting).
 -- When the duplicate was committed by another
 -- transaction after this statement's snapshot, the fallback SELECT cannot see it and no row comes
 -- back: the caller runs the statement again (a new snapshot under READ COMMITTED).
@@ -41,20 +44,71 @@ WITH job AS (
   VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
           COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
           %(queue)s, %(priority)s, %(timeout)s, %(key)s, %(max_attempts_default)s)
-  ON CONFLICT (key) WHERE key IS NOT NULL AND status IN ('pending', 'running')
+  ON CONFLICT (key) WHERE key IS NOT NULL AND status IN ('pending', 'running', 'waiting')
   DO UPDATE SET kind = EXCLUDED.kind, payload = EXCLUDED.payload, max_attempts = EXCLUDED.max_attempts,
                 run_after = CASE WHEN %(keep_due)s THEN j.run_after ELSE EXCLUDED.run_after END,
                 queue = EXCLUDED.queue, priority = EXCLUDED.priority,
                 timeout_seconds = EXCLUDED.timeout_seconds, max_attempts_default = EXCLUDED.max_attempts_default
     WHERE %(replace)s AND j.status = 'pending'
+      AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.child_id = j.id)
   RETURNING j.id, j.queue, (j.xmax = 0) AS inserted
 ), notified AS (
   SELECT id, inserted, pg_notify(%(channel)s, queue) FROM job
 )
-SELECT id, inserted, NOT inserted AS replaced FROM notified
+SELECT id, inserted, NOT inserted AS replaced, true AS same_shape FROM notified
 UNION ALL
-SELECT id, false, false FROM {schema}.jobs
-WHERE key = %(key)s AND status IN ('pending', 'running') AND NOT EXISTS (SELECT 1 FROM job);
+SELECT id, false, false, NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.child_id = jobs.id)
+FROM {schema}.jobs
+WHERE key = %(key)s AND status IN ('pending', 'running', 'waiting') AND NOT EXISTS (SELECT 1 FROM job);
+
+-- name: enqueue_keyed_waiting
+-- enqueue(after=..., key=...): a workflow's child with a key, as enqueue_keyed is for a job
+-- without parents (and after lock_parents_missing has locked its parents, as enqueue_waiting
+-- does). A new child is written 'waiting' with its edges (edges: only for a row this statement
+-- inserted), and settle_children decides its status. A child already holding the key (pending,
+-- running or waiting: an enqueue retried after a lost reply to its commit finds it here) is
+-- returned, inserted = false, whatever its parents. With replace, it takes the new payload and
+-- options only if it is still pending or waiting and its shape in the graph is this enqueue's:
+-- the same parents (after, sorted and distinct) and the same on_parent_failure; a pending one
+-- gets its parents' results in the new payload again. Otherwise same_shape = false and the
+-- caller refuses: a replace that rewired the graph could strand the job's children or its own
+-- count of parents left (parents_left was counted for its parents). A waiting child's replace
+-- keeps its status and parents_left. A pending child taking a replace NOTIFYs its queue.
+WITH job AS (
+  INSERT INTO {schema}.jobs AS j (kind, payload, max_attempts, run_after, queue, priority,
+                                  timeout_seconds, key, max_attempts_default, status, on_parent_failure)
+  VALUES (%(kind)s, %(payload)s, %(max_attempts)s,
+          COALESCE(%(run_after)s, now() + make_interval(secs => %(delay)s)),
+          %(queue)s, %(priority)s, %(timeout)s, %(key)s, %(max_attempts_default)s, 'waiting',
+          %(on_parent_failure)s)
+  ON CONFLICT (key) WHERE key IS NOT NULL AND status IN ('pending', 'running', 'waiting')
+  DO UPDATE SET kind = EXCLUDED.kind,
+                payload = CASE WHEN j.status = 'pending'
+                               THEN {schema}.with_parent_results(EXCLUDED.payload, %(after)s::bigint[])
+                               ELSE EXCLUDED.payload END,
+                max_attempts = EXCLUDED.max_attempts,
+                run_after = CASE WHEN %(keep_due)s THEN j.run_after ELSE EXCLUDED.run_after END,
+                queue = EXCLUDED.queue, priority = EXCLUDED.priority,
+                timeout_seconds = EXCLUDED.timeout_seconds, max_attempts_default = EXCLUDED.max_attempts_default
+    WHERE %(replace)s AND j.status IN ('pending', 'waiting')
+      AND j.on_parent_failure IS NOT DISTINCT FROM EXCLUDED.on_parent_failure
+      AND ARRAY(SELECT d.parent_id FROM {schema}.job_dependencies d WHERE d.child_id = j.id
+                ORDER BY d.parent_id) = %(after)s::bigint[]
+  RETURNING j.id, j.queue, j.status, (j.xmax = 0) AS inserted
+), edges AS (
+  INSERT INTO {schema}.job_dependencies (parent_id, child_id)
+  SELECT p, job.id FROM job, unnest(%(after)s::bigint[]) AS p WHERE job.inserted
+), notified AS (
+  SELECT count(pg_notify(%(channel)s, queue)) AS n FROM job WHERE status = 'pending'
+)
+SELECT id, inserted, NOT inserted AS replaced, true AS same_shape FROM job, notified
+UNION ALL
+SELECT id, false, false,
+       on_parent_failure IS NOT DISTINCT FROM %(on_parent_failure)s
+       AND ARRAY(SELECT d.parent_id FROM {schema}.job_dependencies d WHERE d.child_id = jobs.id
+                 ORDER BY d.parent_id) = %(after)s::bigint[]
+FROM {schema}.jobs
+WHERE key = %(key)s AND status IN ('pending', 'running', 'waiting') AND NOT EXISTS (SELECT 1 FROM job);
 
 -- name: enqueue_waiting
 -- enqueue(after=...): the job, 'waiting' (outside the claim's indexes), and its edges, in one
@@ -579,7 +633,7 @@ SET status = 'pending', run_after = now(), finished_at = NULL, cancel_requested_
     max_attempts = GREATEST(j.max_attempts, j.attempts + 1)
 WHERE j.status = 'dead' AND j.attempts < 1000
   AND (j.key IS NULL OR (
-    NOT EXISTS (SELECT 1 FROM {schema}.jobs o WHERE o.key = j.key AND o.status IN ('pending', 'running'))
+    NOT EXISTS (SELECT 1 FROM {schema}.jobs o WHERE o.key = j.key AND o.status IN ('pending', 'running', 'waiting'))
     AND j.id = (SELECT max(d.id) FROM {schema}.jobs d WHERE d.key = j.key AND d.status = 'dead')))
 RETURNING j.id, pg_notify(%(channel)s, j.queue);
 
