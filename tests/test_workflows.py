@@ -621,6 +621,21 @@ def test_enqueue_many_keyed_items_are_parents_and_children_and_a_retry_of_the_ca
     assert sql("SELECT count(*) FROM fleetless.jobs") == [(7,)]  # nothing of the refused calls
 
 
+def test_a_retried_cancelled_child_waits_without_the_cancel_text(queue: Queue, sql: SQL) -> None:
+    """retry of an operator-cancelled child: it waits again, and last_error no longer says it was
+    cancelled (show and the dashboard read it as why)."""
+    a = queue.enqueue("echo", {})
+    b = queue.enqueue("echo", {}, after=[a])
+    c = queue.enqueue("echo", {}, after=[b])
+    queue.cancel(b)
+    assert queue.get(b)["last_error"].startswith("cancelled: an operator cancelled the job while it was waiting")
+    assert queue.get(c)["last_error"] == f"parent job {b} ended cancelled (on_parent_failure: cancel)"
+    queue.retry(b)
+    queue.retry(c)
+    assert sql("SELECT id, status, last_error FROM fleetless.jobs WHERE id IN (%s, %s) ORDER BY id", b, c) == [
+        (b, "waiting", None), (c, "waiting", None)]
+
+
 def test_two_enqueues_of_a_keyed_child_at_once_make_one_job(queue: Queue, dsn: str, sql: SQL) -> None:
     """The key's unique index covers waiting jobs (migration 027): a second enqueue of a keyed child
     while the first is uncommitted waits for it, then returns the first's child."""

@@ -567,6 +567,10 @@ ORDER BY p.id FOR SHARE OF p;
 -- yet ('waiting', parents_left); the ended ones count as satisfied, dead or cancelled too (the
 -- operator asked for it to run). With no parent left to wait for it is pending, its parents'
 -- results in its payload again.
+-- A cancelled job's last_error (why it was cancelled: an operator's cancel, a parent's failure)
+-- is cleared: it no longer is, and a child waiting again read as cancelled in show and the
+-- dashboard (test_workflows.py::test_a_retried_cancelled_child_waits_without_the_cancel_text).
+-- A dead job's last error stays (why it died) until its next attempt writes its own.
 WITH up AS (
   SELECT j.id, (SELECT count(*) FROM {schema}.job_dependencies d JOIN {schema}.jobs p ON p.id = d.parent_id
                 WHERE d.child_id = j.id AND p.status NOT IN ('done', 'dead', 'cancelled')) AS left_,
@@ -578,6 +582,7 @@ SET status = CASE WHEN up.left_ > 0 THEN 'waiting' ELSE 'pending' END, parents_l
     payload = CASE WHEN up.left_ = 0 AND cardinality(up.parents) > 0
                    THEN {schema}.with_parent_results(j.payload, up.parents) ELSE j.payload END,
     run_after = now(), finished_at = NULL, cancel_requested_at = NULL,
+    last_error = CASE WHEN j.status = 'cancelled' THEN NULL ELSE j.last_error END,
     max_attempts = GREATEST(max_attempts, attempts + 1)
 FROM up
 WHERE j.id = up.id AND j.status IN ('dead', 'cancelled') AND j.attempts < 1000
