@@ -651,3 +651,26 @@ def test_two_enqueues_of_a_keyed_child_at_once_make_one_job(queue: Queue, dsn: s
     assert out == [first] and out[0].existing
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE key = 'once'") == [(1,)]
     assert _edges(sql) == [(a, first)]
+
+
+def test_show_prints_a_childs_parent_results_one_parent_a_line(queue: Queue, dsn: str, fleetless, sql: SQL) -> None:
+    """`fleetless show` of a released child: the payload's own keys on one line, then each parent's
+    result on a line of its own (it printed all of _parents, up to 256 KiB, on the payload's line)."""
+    a = queue.enqueue("echo", {})
+    b = queue.enqueue("echo", {})
+    child = queue.enqueue("echo", {"day": "2026-12-03"}, after=[a, b])
+    long = "x" * 600
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now(), result_json = %s WHERE id = %s",
+        psycopg.types.json.Jsonb({"rows": 3}), a)
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now(), result = %s WHERE id = %s", long, b)
+    assert _status(sql, child) == ["pending"]
+    shown = fleetless("show", str(child), dsn=dsn)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    at = lines.index('payload: {"day": "2026-12-03"}')
+    assert lines[at + 1] == "payload _parents (the results of 2 parents, by id):"
+    assert lines[at + 2] == f'  {a}: {{"rows": 3}}'
+    assert lines[at + 3] == f'  {b}: "{"x" * 499}... (602 characters; --json has it whole)'
+    import json
+    assert json.loads(fleetless("show", str(child), "--json", dsn=dsn).stdout)["payload"]["_parents"] == {
+        str(a): {"rows": 3}, str(b): long}

@@ -20,7 +20,7 @@ from . import db, maintenance
 from ._units import format_size, parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .events import NullReporter, Reporter
-from .insights import Insights, age, attempt_label, printable
+from .insights import Insights, age, attempt_label, payload_lines, printable
 from .job import MAX_PAYLOAD_BYTES, parse_payload_json, validate_kind
 from .queue import MAX_ATTEMPTS_CEILING, JobNotFound, Queue, result_was_cut
 from .retry import RetryPolicy
@@ -559,7 +559,9 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
             # a handle() that returned a value (result_json) and printed: its prints are its output
             click.echo(f"{'output' if key == 'result' and row.get('result_json') is not None else key}:")
             click.echo("  " + printable(str(value).rstrip()).replace("\n", "\n  "))
-        elif key == "payload" or (key == "result_json" and value is not None):
+        elif key == "payload":
+            click.echo("\n".join(payload_lines(value)))
+        elif key == "result_json" and value is not None:
             click.echo(f"{key}: {printable(json.dumps(value))}")
         else:
             click.echo(f"{key}: {'' if value is None else printable(str(value))}")

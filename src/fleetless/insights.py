@@ -11,6 +11,7 @@ is :mod:`fleetless.failure`'s, which the drain writes with each attempt.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,30 @@ def printable(text: str) -> str:
     output cannot retitle, clear or recolour the terminal, write its clipboard, hide text behind a
     carriage return, or show text in another order than it is stored."""
     return _CONTROL.sub(_escaped, text)
+
+
+#: ``fleetless show`` prints each parent's result in a child's payload up to this many characters.
+SHOWN_PARENT_RESULT_CHARS = 500
+
+
+def payload_lines(payload: Any) -> list[str]:
+    """A job's payload for ``fleetless show``, made printable: one line, except for a workflow's
+    child whose payload carries its parents' results (``_parents``, up to 256 KiB on one line):
+    the rest of the payload on its line, then one indented line per parent, ``id: result`` as
+    JSON, each cut at SHOWN_PARENT_RESULT_CHARS characters (``--json`` has them whole)."""
+    parents = payload.get("_parents") if isinstance(payload, dict) else None
+    if not isinstance(parents, dict):
+        return [f"payload: {printable(json.dumps(payload))}"]
+    rest = {k: v for k, v in payload.items() if k not in ("_parents", "_parents_cut")}
+    cut = "; past 256 KiB in all, null" if payload.get("_parents_cut") else ""
+    lines = [f"payload: {printable(json.dumps(rest))}",
+             f"payload _parents (the results of {len(parents)} parents, by id{cut}):"]
+    for parent, result in parents.items():
+        text = json.dumps(result)
+        if len(text) > SHOWN_PARENT_RESULT_CHARS:
+            text = f"{text[:SHOWN_PARENT_RESULT_CHARS]}... ({len(text)} characters; --json has it whole)"
+        lines.append(f"  {printable(parent)}: {printable(text)}")
+    return lines
 
 
 def _escaped(match: re.Match[str]) -> str:
