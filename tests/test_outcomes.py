@@ -3,9 +3,10 @@ Discard, Snooze or Retry, a script exiting 90, 91 or 92, in per-job and batch mo
 sandboxes, each outcome asserted in the jobs table and the attempt history. A bad value fails the
 attempt with a one-line error; no job is lost.
 
-The contract runs on process, bwrap and forkserver; the microVM (a kernel per sandbox under
-emulation) has one smoke case: its guest python has no fleetless, so the batch runner's copy of
-``fleetless.outcomes`` is what the handler imports there."""
+The contract runs on process, bwrap and forkserver; on the microVM (a kernel per sandbox under
+emulation) the whole matrix too, per-job and batch (about 20 s here), and a smoke case: its guest
+python has no fleetless, so the batch runner's copy of ``fleetless.outcomes`` is what the handler
+imports there."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ CASES = ["discard", "snooze", "retry", "bad", "negative", "done"]
 
 
 def _drain(dsn: str, h: Path, tier: str, per_sandbox: int) -> Summary:
-    summary = Drainer(Queue(dsn), DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=per_sandbox,
-                                              concurrency=2, timeout=60)).run()
+    summary = Drainer(Queue(dsn), DrainConfig(handlers_dir=h, sandbox=tier, per_sandbox=per_sandbox, concurrency=2,
+                                              timeout=300 if tier == "microvm" else 60)).run()
     assert summary.claimed >= 1
     return summary
 
@@ -127,7 +128,7 @@ def _check(case: str, got: dict[str, Any], script: bool) -> None:
 
 
 @pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
-@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver"])
+@pytest.mark.parametrize("tier", ["process", "bwrap", "forkserver", "microvm"])
 def test_each_decision_on_each_tier(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
                                     require_tier: Callable[[str], None], tier: str, per_sandbox: int) -> None:
     require_tier(tier)
