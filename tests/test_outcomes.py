@@ -565,3 +565,52 @@ def test_a_handle_that_prints_past_the_cap_is_kept_marked_cut_as_a_script_is(
         assert len(result) == 65536 + len(RESULT_CUT_MARKER), len(result)
     out = fleetless("show", str(ids[0]), dsn=dsn)
     assert "\noutput (cut: only the first 64 KiB of stdout were kept):\n" in out.stdout, out.stdout[-600:]
+
+
+def test_the_drain_log_numbers_each_snooze_as_the_history_does(dsn: str, queue: Queue, sql: SQL, fleetless: Any,
+                                                               handlers: Callable[..., Path]) -> None:
+    """A job snoozing three times (each due at once) then done: the -v lines said `attempt 1:
+    snoozed` three times over, as the history did before its snooze column (issue 28: snooze #1
+    could not be told from #3). Now `attempt 1 (snooze 2)`, the history's label, and `snooze` in
+    --log-format json's event."""
+    h = handlers(**{"mod.py": COUNTING_MODULE.replace("< 2", "< 3")})
+    job = queue.enqueue("mod", {})
+    lines: list[str] = []
+    events: list[dict[str, Any]] = []
+    for _ in range(4):  # each snooze is due at once: one drain may take the job again, or the next
+        r = fleetless("-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+        assert r.returncode == 0, r.stderr
+        lines += re.findall(rf"^fleetless: job {job} \(mod\) (attempt .*?): (snoozed|done) in ", r.stderr, re.MULTILINE)
+        if sql("SELECT status FROM fleetless.jobs WHERE id = %s", job) == [("done",)]:
+            break
+    assert lines == [("attempt 1 (snooze 1)", "snoozed"), ("attempt 1 (snooze 2)", "snoozed"),
+                     ("attempt 1 (snooze 3)", "snoozed"), ("attempt 1", "done")], lines
+    again = queue.enqueue("mod", {})
+    for _ in range(4):
+        if sql("SELECT status FROM fleetless.jobs WHERE id = %s", again) == [("done",)]:
+            break
+        r = fleetless("--log-format", "json", "-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+        events += [e for e in map(json.loads, r.stderr.splitlines()) if e.get("event") == "job_finished"]
+    assert [(e["attempt"], e["snooze"], e["outcome"]) for e in events] == [
+        (1, 1, "snoozed"), (1, 2, "snoozed"), (1, 3, "snoozed"), (1, None, "done")], events
+
+
+def test_a_snooze_past_the_cap_is_reported_as_the_failure_the_history_records(
+        dsn: str, queue: Queue, sql: SQL, fleetless: Any, handlers: Callable[..., Path]) -> None:
+    """The table charges a snooze past MAX_SNOOZES as a failed attempt (history `failed`, or `dead`
+    on the last attempt), but the drain's line, its JSON event and its summary said `snoozed` with
+    the snooze's own reason: an operator read the job as snoozing on. Now they say what the
+    history says, with last_error's words."""
+    h = handlers(**{"mod.py": MODULE})
+    left, last = queue.enqueue("mod", {"do": "snooze"}, max_attempts=3), queue.enqueue("mod", {"do": "snooze"},
+                                                                                      max_attempts=1)
+    sql("UPDATE fleetless.jobs SET snoozes = %s", MAX_SNOOZES)
+    r = fleetless("-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    said = f"snoozed {MAX_SNOOZES} times already, the most a job may; charged as a failed attempt: snoozed for 1000 s"
+    assert re.search(rf"^fleetless: job {left} \(mod\) attempt 1: failed in [\d.]+ s on process, retry in 16\.7m: "
+                     rf"{said}", r.stderr, re.MULTILINE), r.stderr
+    assert re.search(rf"^fleetless: job {last} \(mod\) attempt 1: dead in [\d.]+ s on process: {said}", r.stderr,
+                     re.MULTILINE), r.stderr
+    assert r.stdout.startswith("drained: claimed 2, done 0, failed 1, dead 1 in "), r.stdout
+    assert [o for (o,) in sql("SELECT outcome FROM fleetless.job_attempts ORDER BY job_id")] == ["failed", "dead"]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from . import db
+from .events import finished_as
 from .job import Claim, Job, Outcome, Run, Status, claim_of
 from .queue import Queue
 from .retry import RetryPolicy
@@ -266,24 +267,15 @@ class Completer:
             status = written.get(claim_of(job))
             if self.on_written is not None:
                 self.on_written(job, outcome, status)
-            if status is None:
+            what = finished_as(job, outcome, status)
+            if what == "fenced_out":
                 c.fenced_out += 1
                 log.warning("job %d: finished, but its claim had expired and was taken over", job.id)
-            elif status is Status.CANCELLED:
-                c.cancelled += 1
-            elif outcome.action == "release":
-                c.released += 1
-            elif outcome.action == "snooze" and status is Status.PENDING:
-                c.snoozed += 1
-            elif status is Status.DONE:
-                c.done += 1
-            elif status is Status.DEAD:
+            elif what in ("dead", "discarded"):
                 c.dead += 1  # the drain's reporter says so (fleetless -v drain)
-                c.discarded += outcome.decided == "discard"
-            elif outcome.decided == "retry":
-                c.retried += 1
+                c.discarded += what == "discarded"
             else:
-                c.failed += 1
+                setattr(c, what, getattr(c, what) + 1)
 
     # -- batched mode -------------------------------------------------------------------------
 

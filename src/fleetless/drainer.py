@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import db, handlers, kinds, maintenance
 from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, Teardown, describe_failure, describe_run, job_env
 from .completer import Completer
-from .events import FinishedAs, JobFinished, NullReporter, Reporter
+from .events import SNOOZES_SPENT, JobFinished, NullReporter, Reporter, finished_as, snooze_spent
 from .failure import error_head
 from .job import Claim, Job, Outcome, Run, Status, claim_of
 from .queue import Queue
@@ -727,31 +727,20 @@ class Drainer:
             if self._cancelled:
                 self._cancelled.discard(_claim_of(job))
             return
-        what: FinishedAs
-        if status is None:
-            what = "fenced_out"
-        elif status is Status.CANCELLED:
-            what = "cancelled"
-        elif outcome.action == "release":
-            what = "released"
-        elif outcome.action == "snooze" and status is Status.PENDING:
-            what = "snoozed"
-        elif status is Status.DONE:
-            what = "done"
-        elif status is Status.DEAD:  # the history's word for a handler's Discard
-            what = "discarded" if outcome.decided == "discard" else "dead"
-        else:  # pending again, charged: the history's words (a handler's Retry, or a plain failure)
-            what = "retried" if outcome.decided == "retry" else "failed"
+        what = finished_as(job, outcome, status)
         started = self._claimed_at.pop(_claim_of(job), None)
         self._cancelled.discard(_claim_of(job))
         error = outcome.error
         if what == "cancelled" and error is not None and not error.startswith("cancelled:"):
             error = f"{CANCELLED}; its attempt ended: {error}"  # as the table's last_error says (queries.sql)
+        elif what in ("failed", "dead") and snooze_spent(job, outcome):
+            error = SNOOZES_SPENT.format(n=job.snoozes) + (error or "")  # likewise
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,
             tier=self._tier_of(job.kind), error_head=error_head(error),
-            retry_in=outcome.delay if what in ("failed", "retried") else None))
+            retry_in=outcome.delay if what in ("failed", "retried") else None,
+            snooze=job.snoozes + 1 if what == "snoozed" else None))
 
     @property
     def _grace(self) -> float:

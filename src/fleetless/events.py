@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
-from .job import Job
+from .job import Job, Outcome, Status
+from .outcomes import MAX_SNOOZES
 
-__all__ = ["FinishedAs", "JobFinished", "NullReporter", "Reporter"]
+__all__ = ["SNOOZES_SPENT", "FinishedAs", "JobFinished", "NullReporter", "Reporter", "finished_as", "snooze_spent"]
 
 #: What became of one claim, in the attempt history's words: ``done``, ``failed`` (an error, attempts
 #: left), ``retried`` (its handler raised Retry, attempts left), ``dead``, ``released`` (given back
@@ -22,6 +23,35 @@ __all__ = ["FinishedAs", "JobFinished", "NullReporter", "Reporter"]
 #: ``cancelled``, or ``fenced_out`` (the claim had been taken over). Before issue 28 a plain failure
 #: was reported ``retried`` too.
 FinishedAs = Literal["done", "failed", "retried", "dead", "discarded", "released", "snoozed", "fenced_out", "cancelled"]
+#: How last_error begins for a snooze past the cap, charged as a failed attempt (finish_many in
+#: queries.sql writes the same words): ``.format(n=...)``, the job's snoozes before it.
+SNOOZES_SPENT = "snoozed {n} times already, the most a job may; charged as a failed attempt: "
+
+
+def snooze_spent(job: Job, outcome: Outcome) -> bool:
+    """Whether ``outcome`` is a snooze the table charges as a failed attempt: the job had snoozed
+    MAX_SNOOZES times already (its count at the claim: only its claim's holder adds to it)."""
+    return outcome.action == "snooze" and job.snoozes >= MAX_SNOOZES
+
+
+def finished_as(job: Job, outcome: Outcome, status: Status | None) -> FinishedAs:
+    """What the table made of ``outcome`` (``status``: the job's new status, None when fenced out),
+    in the words of the history row the same statement wrote (finish_many): the drain's lines, JSON
+    events and summary say what ``fleetless show`` says."""
+    if status is None:
+        return "fenced_out"
+    if status is Status.CANCELLED:
+        return "cancelled"
+    if outcome.action == "release":
+        return "released"
+    if outcome.action == "snooze" and status is Status.PENDING and not snooze_spent(job, outcome):
+        return "snoozed"
+    if status is Status.DONE:
+        return "done"
+    if status is Status.DEAD:  # the history's word for a handler's Discard
+        return "discarded" if outcome.decided == "discard" else "dead"
+    # pending again, charged: a handler's Retry, or a plain failure (a snooze past the cap too)
+    return "retried" if outcome.decided == "retry" else "failed"
 
 
 @dataclass(frozen=True)
@@ -37,6 +67,9 @@ class JobFinished:
     tier: str
     error_head: str | None = None  # the first line of last_error, when the attempt failed
     retry_in: float | None = None  # failed or retried: seconds until the job is due again
+    #: snoozed: the job's snooze count after this one (1 for its first), as its history row's
+    #: ``snooze``; a snooze gives its attempt back, so ``attempt`` alone repeats (issue 28)
+    snooze: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -76,8 +76,10 @@ def job_line(e: JobFinished) -> str:
     """``job 12 (render-invoice) attempt 1: dead in 0.8 s on bwrap: exit code 1: ValueError: …``;
     an attempt that failed with attempts left says when it is due again:
     ``job 12 (render-invoice) attempt 1: failed in 0.8 s on bwrap, retry in 2.1m: exit code 1: …``
-    (``retried``, in the history's words, only when its handler raised Retry)."""
-    line = f"job {e.id} ({e.kind}) attempt {e.attempt}: {e.outcome.replace('_', ' ')} in {e.duration:.1f} s on {e.tier}"
+    (``retried``, in the history's words, only when its handler raised Retry); a snooze is labelled
+    as its history row is, ``attempt 1 (snooze 2): snoozed in …`` (it gives its attempt back)."""
+    label = f"{e.attempt}" if e.snooze is None else f"{e.attempt} (snooze {e.snooze})"
+    line = f"job {e.id} ({e.kind}) attempt {label}: {e.outcome.replace('_', ' ')} in {e.duration:.1f} s on {e.tier}"
     if e.retry_in is not None:
         line += f", retry in {age(e.retry_in)}"
     if e.error_head:
