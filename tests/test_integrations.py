@@ -96,3 +96,38 @@ def test_django_atomic_commit_keeps_the_job_and_an_exception_rolls_it_back(queue
     assert sql("SELECT id, kind, payload, queue, priority FROM fleetless.jobs ORDER BY id") == [
         (int(r.stdout), "render-invoice", {"id": 1}, "billing", 0), (int(r.stdout) + 1, "thumb", {}, "default", 3),
         (int(r.stdout) + 3, "audit", {"autocommit": True}, "default", 0)]
+
+
+def _brought_by(dist: str, extras: set[str]) -> set[str]:
+    """The distributions ``pip install 'dist[extras]'`` installs, read from the installed packages'
+    metadata (what a fresh venv would resolve), the test venv's other packages aside."""
+    from importlib.metadata import PackageNotFoundError, requires
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    brought: set[str] = set()
+    todo, seen = [(dist, frozenset(extras))], set()
+    while todo:
+        name, wanted = todo.pop()
+        if (name, wanted) in seen:
+            continue
+        seen.add((name, wanted))
+        try:
+            lines = requires(name) or []
+        except PackageNotFoundError:
+            continue
+        for line in lines:
+            req = Requirement(line)
+            if req.marker and not any(req.marker.evaluate({"extra": e}) for e in (wanted or {""})):
+                continue
+            brought.add(canonicalize_name(req.name))
+            todo.append((canonicalize_name(req.name), frozenset(req.extras)))
+    return brought
+
+
+def test_the_sqlalchemy_extra_brings_greenlet_which_an_async_session_needs() -> None:
+    """``pip install 'fleetless[sqlalchemy]'`` alone must let ``enqueue_async`` run: SQLAlchemy's
+    asyncio needs greenlet, which only ``sqlalchemy[asyncio]`` brings (the test extra hid its absence:
+    playwright depends on greenlet too)."""
+    assert "greenlet" in _brought_by("fleetless", {"sqlalchemy"})
