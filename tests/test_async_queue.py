@@ -184,3 +184,29 @@ def test_async_keyed_children_and_keyed_parents_in_a_graph(queue: Queue, dsn: st
     assert sql("SELECT parent_id, child_id FROM fleetless.job_dependencies ORDER BY 1") == [
         (parent, child), (root, leaf)]
     assert sql("SELECT count(*) FROM fleetless.jobs") == [(4,)]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_attempts_reads_the_history_in_its_words(queue: Queue, dsn: str, sql: Any, driver: str) -> None:
+    """AsyncQueue.attempts, as Queue.attempts: the history's words and a snooze's count (issue 28:
+    the async API had no read of it); JobNotFound for no such job, [] for one never run."""
+    from fleetless.queue import JobNotFound
+
+    job, fresh = queue.enqueue("k", {}), queue.enqueue("k", {})
+    sql("INSERT INTO fleetless.job_attempts (job_id, attempt, outcome, snooze) VALUES (%s, 1, 'failed', NULL),"
+        " (%s, 2, 'retried', NULL), (%s, 3, 'snoozed', 1), (%s, 3, 'retry', NULL)", job, job, job, job)
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        conn = await _connect(driver, dsn)
+        try:
+            q = AsyncQueue(conn)
+            with pytest.raises(JobNotFound):
+                await q.attempts(10**12)
+            return await q.attempts(job), await q.attempts(fresh)
+        finally:
+            await conn.close()
+
+    rows, none = asyncio.run(main())
+    assert [(r["attempt"], r["outcome"], r["snooze"]) for r in rows] == [
+        (1, "failed", None), (2, "retried", None), (3, "snoozed", 1), (3, "failed", None)], rows
+    assert rows == queue.attempts(job) and none == []

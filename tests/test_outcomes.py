@@ -357,6 +357,9 @@ def test_the_history_tells_a_failure_from_a_retry_and_numbers_snoozes(
     assert [tuple(re.split(r"\s{2,}", line)[:2]) for line in table[1:]] == [
         ("1", "failed"), ("2", "retried"), ("3 (snooze 1)", "snoozed"), ("3 (snooze 2)", "snoozed"), ("3", "done"),
         ("4", "failed")], table
+    assert [(a["attempt"], a["outcome"], a["snooze"]) for a in queue.attempts(job)] == [  # the Python read
+        (1, "failed", None), (2, "retried", None), (3, "snoozed", 1), (3, "snoozed", 2), (3, "done", None),
+        (4, "failed", None)]
     data = json.loads(fleetless("show", str(job), "--json", dsn=dsn).stdout)
     assert [(a["attempt"], a["outcome"], a["snooze"]) for a in data["attempts"]] == [
         (1, "failed", None), (2, "retried", None), (3, "snoozed", 1), (3, "snoozed", 2), (3, "done", None),

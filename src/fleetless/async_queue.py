@@ -278,6 +278,16 @@ class AsyncQueue:
             raise JobNotFound(f"no job with id {job_id}")
         return _decoded(rows[0])
 
+    async def attempts(self, job_id: int, *, conn: AnyConnection | None = None) -> list[dict[str, Any]]:
+        """The job's attempt history, oldest first, as :meth:`Queue.attempts` (outcome in the
+        history's words: failed, retried, snoozed with its ``snooze`` count, discarded, ...);
+        :class:`JobNotFound` when there is no such job."""
+        async with self._connection(conn) as c:
+            rows = await self._execute(c, "attempts", {"id": int(job_id)})
+            if not rows and not await self._execute(c, "status_of", {"id": int(job_id)}):
+                raise JobNotFound(f"no job with id {job_id}")
+        return [_decoded(r) for r in rows]
+
     async def wait(self, job_id: int, timeout: float | dt.timedelta | None = None) -> Finished:
         """As :meth:`Queue.wait`: until the job is done, dead or cancelled, woken by its finish's
         NOTIFY; :class:`WaitTimeout` after ``timeout`` seconds. Listens on a connection of its own
