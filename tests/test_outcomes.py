@@ -212,6 +212,35 @@ def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
                                             " 'an integer too large'"), got
 
 
+def test_a_retry_on_the_last_attempt_says_no_attempts_are_left_wherever_the_error_is_shown(
+        queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path], fleetless: Callable[..., Any]) -> None:
+    """The dead job's error does not read as a retry to come: it begins "no attempts left (N/N); " in
+    the table, `jobs --status dead`, `wait` and the job page, which shows it once (its history row
+    keeps the request as the handler made it)."""
+    h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
+    mod, scr = (queue.enqueue(kind, {"do": "retry"}, max_attempts=1) for kind in ("mod", "scr"))
+    _drain(dsn, h, "process", 1)
+    heads = {mod: "no attempts left (1/1); retry requested in 1000 s: 429 from upstream",
+             scr: "no attempts left (1/1); retry requested in 1000 s (exit code 92): 429 from upstream"}
+    for job_id, head in heads.items():
+        got = _row(sql, job_id)
+        assert (got["status"], got["error"].splitlines()[0]) == ("dead", head), got
+        assert got["history"][0][3].splitlines()[0] == head.removeprefix("no attempts left (1/1); "), got
+        r = fleetless("wait", str(job_id), dsn=dsn)
+        assert (r.returncode, r.stderr) == (4, f"fleetless: error: job {job_id} is dead: {head}\n"), r
+    assert sql("SELECT last_error FROM fleetless.jobs WHERE id = %s", scr)[0][0].splitlines()[1:] == [
+        "some noise first"]  # the script's stderr stays below the first line
+    listed = fleetless("jobs", "--status", "dead", dsn=dsn)
+    assert listed.returncode == 0 and listed.stdout.count("no attempts left (1/1); retry requested in 1000 s") == 2, \
+        listed.stdout
+    from starlette.testclient import TestClient
+
+    from fleetless.web import create_app
+
+    page = TestClient(create_app(queue)).get(f"/jobs/{mod}").text
+    assert page.count(heads[mod]) == 1, page  # its Error section; the history row has the request alone
+
+
 @pytest.mark.parametrize("per_sandbox", [1, 4], ids=["per-job", "batch"])
 def test_snoozes_are_bounded(queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path],
                              per_sandbox: int) -> None:

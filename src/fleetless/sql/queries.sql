@@ -994,7 +994,8 @@ SELECT id FROM gone;
 -- A job whose cancel was requested (cancel_requested_at, set by `fleetless cancel` while it ran)
 -- never goes back to pending: what would have been a retry or a give-back ends it cancelled, and
 -- its last_error leads with the cancel (the attempt's own end after it: a snooze's reason alone
--- would read as why it was cancelled); the history row keeps the attempt's own error.
+-- would read as why it was cancelled); the history row keeps the attempt's own error. A retry the
+-- handler asked for on its last attempt ends dead, its last_error led by "no attempts left (N/N); ".
 -- A no-handler give-back hands its start back to its kind's rate limit (unstarted, refunded).
 WITH finished AS (
 UPDATE {schema}.jobs AS j
@@ -1018,7 +1019,12 @@ SET status = CASE
       WHEN o.act = 'fail' AND NOT (j.attempts < j.max_attempts AND NOT o.permanent) THEN now()
       ELSE NULL END,
     last_error = CASE WHEN o.act <> 'done' AND j.cancel_requested_at IS NOT NULL AND o.err NOT LIKE 'cancelled:%%'
-                      THEN 'cancelled: an operator cancelled the job while it ran; its attempt ended: ' || o.err ELSE o.err END,
+                      THEN 'cancelled: an operator cancelled the job while it ran; its attempt ended: ' || o.err
+                      -- a retry the handler asked for on the last attempt: dead, and its error says so
+                      -- first (it read as if the job would run again; the history keeps the request)
+                      WHEN o.act = 'fail' AND o.decided = 'retry' AND NOT o.permanent AND j.attempts >= j.max_attempts
+                      THEN 'no attempts left (' || j.attempts || '/' || j.max_attempts || '); ' || o.err
+                      ELSE o.err END,
     releases = CASE WHEN o.act = 'release' THEN j.releases + 1 WHEN o.act = 'fail' THEN 0 ELSE j.releases END,
     snoozes = CASE WHEN o.act = 'snooze' THEN j.snoozes + 1 ELSE j.snoozes END,
     result = CASE WHEN o.act IN ('release', 'snooze') THEN j.result ELSE o.result END,

@@ -264,7 +264,8 @@ def job_page(job: Mapping[str, Any], attempts: Page[dict[str, Any]], *, root: st
             body += f"<pre id=snooze-detail>{e(job.get('last_error') or '')}</pre>"
     elif job.get("error_head"):
         body += f'<h2>Error</h2><p class="err" id="error-head">{e(job["error_head"])}</p>'
-        body += f"<pre id=last-error>{e(job.get('last_error') or '')}</pre>"
+        if (job.get("last_error") or "").strip() != job["error_head"]:  # a one-line error once, not twice
+            body += f"<pre id=last-error>{e(job.get('last_error') or '')}</pre>"
     # an empty stdout is no box (an empty "Result" box looked like output lost: issue 28)
     if job.get("result_json") is not None:  # what a handle() returned; what it printed is "result"
         body += (f"<h2>Result</h2><pre id=result-json>"
