@@ -183,6 +183,35 @@ def test_cli_kinds_shows_the_tier_and_interpreter_a_drain_would_use_for_each_kin
     assert (rows["plain"]["interpreter"], rows["own"]["interpreter"]) == ("/usr/bin/python3", "/usr/bin/python3.11")
 
 
+def test_status_and_kinds_name_pending_kinds_with_no_handler_and_what_they_may_mean(
+        dsn: str, queue: Queue, fleetless, handlers) -> None:
+    """A misspelt kind was invisible (issue 28 review): `fleetless enqueue sendemail` exits 0 and the
+    job is given back for ~15 minutes before it is dead. `status` and `kinds` given the handlers list
+    each kind with pending jobs and no handler there, with the handlers it may be a misspelling of."""
+    h = handlers(**{"send-email.py": "", "report.py": ""})
+    queue.enqueue_many([("sendemail", {}), ("sendemail", {}), ("send-email", {}), ("zzz", {})])
+    gone = queue.enqueue("gone", {})
+    queue.cancel(gone)  # not pending: not listed
+    line = f"no handler in {h} for kind sendemail (2 pending; did you mean send-email?)"
+    r = fleetless("status", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    assert line in r.stdout.splitlines() and f"no handler in {h} for kind zzz (1 pending)" in r.stdout, r.stdout
+    assert "kind gone" not in r.stdout and "kind send-email" not in r.stdout, r.stdout
+    r = fleetless("status", "--handlers", str(h), "--json", dsn=dsn)
+    assert json.loads(r.stdout)["no_handler"] == [{"kind": "sendemail", "pending": 2, "did_you_mean": ["send-email"]},
+                                                  {"kind": "zzz", "pending": 1, "did_you_mean": []}], r.stdout
+    assert "no_handler" not in json.loads(fleetless("status", "--json", dsn=dsn).stdout)  # no handlers: no claim
+    r = fleetless("kinds", "--handlers", str(h), dsn=dsn)
+    assert r.returncode == 0 and line in r.stdout.splitlines(), r
+    rows = {row["kind"]: row for row in json.loads(fleetless("kinds", "--handlers", str(h), "--json", dsn=dsn).stdout)}
+    assert sorted(rows) == ["report", "send-email", "sendemail", "zzz"], rows
+    assert [rows["sendemail"][k] for k in ("handler", "pending", "did_you_mean")] == [False, 2, ["send-email"]]
+    r = fleetless("kinds", "--handlers", str(h), "--json")  # no database given: the directory alone, as before
+    assert r.returncode == 0 and sorted(row["kind"] for row in json.loads(r.stdout)) == ["report", "send-email"], r
+    r = fleetless("status", "--handlers", str(h / "nope"), dsn=dsn)
+    assert (r.returncode, r.stderr) == (1, f"fleetless: error: handlers directory {h / 'nope'} does not exist\n"), r
+
+
 def test_cli_enqueue_of_a_misspelt_kind_says_which_it_may_have_meant_and_enqueues_it(
         dsn: str, queue: Queue, fleetless, handlers, sql) -> None:
     """Issue 28: `fleetless enqueue resise` was accepted without a word and the job died ~15

@@ -454,10 +454,19 @@ def reap(ctx: click.Context, older_than: float | None, as_json: bool) -> None:
 @json_option
 @click.pass_context
 def status(ctx: click.Context, handlers_dir: Path | None, as_json: bool) -> None:
-    """Counts by status and kind, oldest due job's wait, next due, what a pause or limit holds back."""
-    from . import kinds
+    """Counts by status and kind, oldest due job's wait, next due, what a pause or limit holds back;
+    with --handlers, the kinds with pending jobs and no handler there."""
+    from . import handlers, kinds
 
-    s = _insights(ctx).stats(kinds.load(handlers_dir) if handlers_dir is not None else None)
+    folder = None
+    if handlers_dir is not None:
+        try:
+            folder = handlers.check_dir(handlers_dir)
+        except handlers.HandlersDirError as exc:
+            _fail(str(exc))
+    s = _insights(ctx).stats(kinds.load(folder) if folder is not None else None)
+    if folder is not None:
+        s["no_handler"] = _without_handler(folder, {k: c.get("pending", 0) for k, c in s["by_kind"].items()})
     if as_json:
         _echo_json(s)
         return
@@ -472,6 +481,24 @@ def status(ctx: click.Context, handlers_dir: Path | None, as_json: bool) -> None
         click.echo("kind".ljust(width) + "".join(st.rjust(10) for st in statuses))
         for kind, counts in sorted(s["by_kind"].items()):
             click.echo(kind.ljust(width) + "".join(str(counts.get(st, 0)).rjust(10) for st in statuses))
+    _echo_without_handler(s.get("no_handler", []), folder)
+
+
+def _without_handler(folder: Path, pending: dict[str, int]) -> list[dict[str, Any]]:
+    """The kinds with pending jobs and no handler in ``folder`` (a misspelt enqueue, or a handler
+    not deployed yet: a drain gives their jobs back until it is dead), each with the handlers' kinds
+    it may be a misspelling of."""
+    from . import handlers
+
+    have = handlers.kinds(folder)
+    return [{"kind": kind, "pending": n, "did_you_mean": handlers.close_kinds(kind, have)}
+            for kind, n in sorted(pending.items()) if n and kind not in have]
+
+
+def _echo_without_handler(rows: list[dict[str, Any]], folder: Path | None) -> None:
+    for r in rows:
+        hint = f"; did you mean {' or '.join(r['did_you_mean'])}?" if r["did_you_mean"] else ""
+        click.echo(f"no handler in {folder} for kind {printable(r['kind'])} ({r['pending']} pending{hint})")
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
@@ -683,9 +710,11 @@ def prune(ctx: click.Context, older_than: float, statuses: str, include_dead: bo
               envvar="FLEETLESS_SANDBOX", help="The drain's tier, for kinds without their own [env FLEETLESS_SANDBOX].")
 @click.option("--python", "python", default=None, help="The drain's interpreter for .py handlers.")
 @json_option
-def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json: bool) -> None:
+@click.pass_context
+def kinds_command(ctx: click.Context, handlers_dir: Path, sandbox: str, python: str | None, as_json: bool) -> None:
     """The kinds with a handler (and those only in fleetless.toml), with their effective settings
-    under the drain's default flags (--sandbox and --python as a drain would get them)."""
+    under the drain's default flags (--sandbox and --python as a drain would get them); given a
+    database, also the kinds with pending jobs and no handler."""
     from . import handlers, kinds
     from .sandbox import Template, choose_tier, get_backend
 
@@ -695,12 +724,16 @@ def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json:
         _fail(str(exc))
     settings = kinds.load(folder)
     have = set(kinds.found(folder))
+    unhandled = []
+    if ctx.obj["dsn"]:  # a database to read: which pending kinds no handler here runs
+        by_kind = _insights(ctx).stats()["by_kind"]
+        unhandled = _without_handler(folder, {k: c.get("pending", 0) for k, c in by_kind.items()})
     defaults = kinds.KindSettings(timeout=600, ttl=900, backoff_base=60, backoff_cap=7 * 86400, jitter=30,
                                   memory=512 * 1024**2, cpus=1.0, pids=128, network=False, max_attempts=3,
                                   batch_isolation="process")
     drain_tier = choose_tier(sandbox)[0]
     rows = []
-    for kind in sorted(have | set(settings)):
+    for kind in sorted(have | set(settings) | {u["kind"] for u in unhandled}):
         own = settings.get(kind, kinds.KindSettings())
         tier = own.tier or drain_tier
         effective = {"batch_size": None, "concurrency": None, "rate": None, **defaults.describe(),
@@ -710,6 +743,9 @@ def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json:
             folder, handler, own.interpreter or python,
             functools.partial(get_backend(tier).handler_python, Template(handlers_dir=folder)))
         rows.append({"kind": kind, "handler": kind in have, "set_in_file": sorted(own.describe()), **effective})
+        for u in unhandled:  # pending jobs and no handler: how many, and what it may be a misspelling of
+            if u["kind"] == kind:
+                rows[-1] |= {"pending": u["pending"], "did_you_mean": u["did_you_mean"]}
     if as_json:
         _echo_json(rows)
         return
@@ -721,6 +757,7 @@ def kinds_command(handlers_dir: Path, sandbox: str, python: str | None, as_json:
     _table(rows, ["kind", "handler", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter",
                   "memory", "cpus", "pids", "network", "interpreter", "tier", "batch_size", "batch_isolation",
                   "concurrency", "rate", "set_in_file"])
+    _echo_without_handler(unhandled, folder)
 
 
 @cli.group()

@@ -117,12 +117,18 @@ def kinds(handlers_dir: Path) -> frozenset[str]:
     return frozenset(h.kind for h in _all(handlers_dir))
 
 
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """``did you mean resize?`` when ``name`` looks like a misspelling of known kinds (difflib, as
-    the queue commands' typo warning), else ``""``: for the warnings about a kind with no handler."""
+def close_kinds(name: str, known: Iterable[str]) -> list[str]:
+    """The known kinds ``name`` looks like a misspelling of (difflib, as the queue commands' typo
+    warning), closest first, at most three."""
     import difflib
 
-    close = difflib.get_close_matches(name, sorted(set(known) - {name}), n=3)
+    return difflib.get_close_matches(name, sorted(set(known) - {name}), n=3)
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``did you mean resize?`` when ``name`` looks like a misspelling of known kinds, else ``""``:
+    for the warnings about a kind with no handler."""
+    close = close_kinds(name, known)
     return f"did you mean {' or '.join(close)}?" if close else ""
 
 
