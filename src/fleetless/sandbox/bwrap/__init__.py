@@ -238,12 +238,12 @@ def _warn_once() -> None:
     caps = cgroups.available()
     missing = [n for n in ("memory", "pids", "cpu") if not getattr(caps, n)]
     if missing:
-        log.warning(
-            "bwrap sandbox: no writable cgroup for %s (%s); enforcing only: %s",
-            ", ".join(missing),
-            caps.reason or "not root, or controller not delegated",
-            "; ".join(enforced_caps()),
-        )
+        # one short line (issue 28): the reason only where it says more than the line itself
+        # (v2: which directory is not writable); how each cap holds instead is the drain's caps
+        # lines' and doctor's (enforced_caps, tier_caps)
+        why = caps.reason or "not root, or controller not delegated"
+        log.warning("bwrap sandbox: no writable cgroup for %s%s; rlimits hold its jobs instead",
+                    ", ".join(missing), "" if why.startswith("no writable") else f" ({why})")
 
 
 def sweep() -> int:
