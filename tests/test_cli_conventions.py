@@ -89,6 +89,23 @@ def test_lease_graces_help_states_its_floor(fleetless: Any) -> None:
     assert "at least 3 s" in " ".join(fleetless("drain", "--help").stdout.split())
 
 
+def test_a_misspelt_status_is_a_usage_error_naming_the_one_it_may_mean(dsn: str, queue: Queue, fleetless: Any) -> None:
+    """`jobs --status ded` exited 1 with the list alone; a bad option value is a usage error (exit 2,
+    as click's own), and it names the close status (prune's --status list too)."""
+    known = "one of pending, running, done, dead, cancelled, waiting"
+    for args in (["jobs", "--status", "ded"], ["prune", "--status", "done,ded"]):
+        r = fleetless(*args, dsn=dsn)
+        assert (r.returncode, r.stdout) == (2, ""), r
+        assert r.stderr == (f"fleetless: error: Invalid value for '--status': unknown status 'ded' (did you mean "
+                            f"dead?); {known} (see 'fleetless {args[0]} --help')\n"), r.stderr
+    r = fleetless("jobs", "--status", "zzz", dsn=dsn)
+    assert r.returncode == 2 and "unknown status 'zzz'; one of" in r.stderr, r.stderr
+    assert fleetless("jobs", "--status", "dead", dsn=dsn).returncode == 0
+    r = fleetless("prune", "--status", "pending", dsn=dsn)  # a status, but not one prune deletes: as before
+    assert (r.returncode, r.stderr) == (
+        1, "fleetless: error: cannot prune status 'pending': only done, cancelled, dead\n"), r
+
+
 def test_ctrl_c_winds_the_drain_down_and_exits_130(dsn: str, queue: Queue, handlers: Any, sql: Any,
                                                  tmp_path: Path) -> None:
     started = tmp_path / "started"

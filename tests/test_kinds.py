@@ -63,7 +63,8 @@ def test_the_settings_file_is_read_with_units(handlers, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("text", "error"), [
-    ("[kinds.a]\ntimout = 5\n", "[kinds.a] timout: unknown key (known: backoff_base, "),
+    ("[kinds.a]\ntimout = 5\n", "[kinds.a] timout: unknown key, did you mean timeout? (known: backoff_base, "),
+    ("[kinds.a]\nzzz = 5\n", "[kinds.a] zzz: unknown key (known: backoff_base, "),  # nothing close: no guess
     ("[kinds.a]\ntimeout = \"soon\"\n", "[kinds.a] timeout: invalid duration 'soon'"),
     ("[kinds.a]\ntimeout = -1\n", "[kinds.a] timeout: must be positive, not -1"),
     ("[kinds.a]\nnetwork = \"yes\"\n", "[kinds.a] network: true or false, not 'yes'"),
@@ -87,6 +88,15 @@ def test_bad_settings_are_one_line_errors_naming_file_kind_and_key(handlers, tex
         load(h)
     message = str(err.value)
     assert "\n" not in message and message.startswith(f"{h}/fleetless.toml: ") and error in message, message
+
+
+def test_a_misspelt_schedule_key_is_named_with_the_one_it_may_mean(handlers) -> None:
+    from fleetless.kinds import load_schedules
+
+    h = settings_file(handlers(), "[schedules.s]\ncron = '* * * * *'\nkind = 'a'\ntimezon = 'UTC'\n")
+    with pytest.raises(SettingsError) as err:
+        load_schedules(h)
+    assert "[schedules.s] timezon: unknown key, did you mean timezone? (known: cron, " in str(err.value), err
 
 
 def test_a_bad_settings_file_stops_the_drain_before_it_claims(queue: Queue, sql, handlers) -> None:

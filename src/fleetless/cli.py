@@ -81,6 +81,23 @@ def _duration(_: click.Context | None, param: click.Parameter | None, value: str
         raise click.BadParameter(str(exc)) from None
 
 
+def _status(_: click.Context | None, param: click.Parameter | None, value: str | None) -> str | None:
+    """A job status, or a usage error (exit 2) naming the one it may be a misspelling of."""
+    import difflib
+
+    from .job import Status
+
+    if value is None:
+        return None
+    known = [st.value for st in Status]
+    for one in value.split(",") if param is not None and param.name == "statuses" else [value]:
+        if one.strip() and one.strip() not in known:
+            close = difflib.get_close_matches(one.strip(), known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise click.BadParameter(f"unknown status {one.strip()!r}{hint}; one of {', '.join(known)}")
+    return value
+
+
 def _size(_: click.Context | None, param: click.Parameter | None, value: str | None) -> int | None:
     if value is None:
         return None
@@ -511,7 +528,7 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> None:
 
 
 @cli.command()
-@click.option("--status", "status_", help="pending, running, done, dead, cancelled or waiting.")
+@click.option("--status", "status_", callback=_status, help="pending, running, done, dead, cancelled or waiting.")
 @click.option("--kind")
 @click.option("--queue", "queue_name")
 @click.option("--limit", type=int, default=50, show_default=True)
@@ -683,7 +700,7 @@ def delete(ctx: click.Context, job_id: int, as_json: bool) -> None:
 
 @cli.command()
 @click.option("--older-than", callback=_duration, default="7d", show_default=True)
-@click.option("--status", "statuses", default="done,cancelled", show_default=True,
+@click.option("--status", "statuses", default="done,cancelled", show_default=True, callback=_status,
               help="Comma-separated: which finished statuses to delete (done, cancelled, dead).")
 @click.option("--include-dead", is_flag=True, help="Delete dead jobs too (same as adding dead to --status).")
 @click.option("--batch-size", type=int, default=1000, show_default=True,

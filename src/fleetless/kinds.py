@@ -34,6 +34,7 @@ anything is claimed.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -249,8 +250,8 @@ def load_schedules(handlers_dir: Path) -> list[Schedule]:
             raise SettingsError(f"{where} must be a table")
         unknown = set(table) - _SCHEDULE_KEYS
         if unknown:
-            known = ", ".join(sorted(_SCHEDULE_KEYS))
-            raise SettingsError(f"{where} {sorted(unknown)[0]}: unknown key (known: {known})")
+            key = sorted(unknown)[0]
+            raise SettingsError(f"{where} {key}: {_unknown_key(key, _SCHEDULE_KEYS)}")
         for required in ("cron", "kind"):
             if required not in table:
                 raise SettingsError(f"{where}: needs {required}")
@@ -268,6 +269,15 @@ def load_schedules(handlers_dir: Path) -> list[Schedule]:
         except (ValueError, TypeError) as exc:
             raise SettingsError(f"{where}: {exc}") from None
     return out
+
+
+def _unknown_key(key: str, known: Iterable[str]) -> str:
+    """``unknown key, did you mean timeout? (known: …)``: the close one first, then every one."""
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    hint = f", did you mean {close[0]}?" if close else ""
+    return f"unknown key{hint} (known: {', '.join(sorted(known))})"
 
 
 def load(handlers_dir: Path) -> dict[str, KindSettings]:
@@ -288,7 +298,7 @@ def load(handlers_dir: Path) -> dict[str, KindSettings]:
         for key, value in table.items():
             where = f"{path}: [kinds.{kind}] {key}"
             if key not in _PARSERS:
-                raise SettingsError(f"{where}: unknown key (known: {', '.join(sorted(_PARSERS))})")
+                raise SettingsError(f"{where}: {_unknown_key(key, _PARSERS)}")
             try:
                 values[key] = _PARSERS[key](value)
             except ValueError as exc:
