@@ -266,6 +266,9 @@ def test_show_and_the_job_page_name_the_decision(queue: Queue, dsn: str, handler
     _drain(dsn, h, "process", 1)
     out = fleetless("show", str(snoozed), dsn=dsn)
     assert out.returncode == 0 and "snoozed" in out.stdout and "\nsnoozes: 1\n" in out.stdout, out
+    # one field line about snoozes: the count (a derived "snoozed: True/False" beside it read as a second count)
+    assert [line for line in out.stdout.splitlines() if line.startswith("snooze")] == ["snoozes: 1"], out.stdout
+    assert json.loads(fleetless("show", str(snoozed), "--json", dsn=dsn).stdout)["snoozed"] is True
     out = fleetless("show", str(discarded), "--json", dsn=dsn)
     assert out.returncode == 0, out
     assert "discarded" in out.stdout, out.stdout

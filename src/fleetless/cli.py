@@ -593,6 +593,7 @@ def show(ctx: click.Context, job_id: int, as_json: bool) -> None:
         _echo_json({**row, "attempts": attempts, **graph})
         return
     row.pop("error_head", None)
+    row.pop("snoozed", None)  # derived: last_error (shown) says a snooze's note; "snoozes" counts them
     for key, value in row.items():
         if key == "result" and result_was_cut(value):
             # a handle() that returned a value (result_json) and printed: its prints are its output
