@@ -64,6 +64,30 @@ def test_wait_on_a_finished_job_returns_at_once_and_a_timeout_names_the_status(q
         queue.wait(999_999, timeout=1)
 
 
+@pytest.mark.parametrize("driver", ["psycopg", "asyncpg"])
+def test_wait_on_an_id_with_no_job_says_it_may_not_be_committed_yet(queue: Queue, dsn: str, fleetless: Any,
+                                                                     driver: str) -> None:
+    """The usual cause: the enqueue's transaction has not committed. One line, saying so (it was a
+    bare "no job with id 1"), from Queue.wait, AsyncQueue.wait and `fleetless wait`."""
+    import asyncio
+
+    from fleetless import AsyncQueue
+
+    said = "no job with id 999999 (not committed yet? wait sees a job once its enqueue commits)"
+    with pytest.raises(JobNotFound) as err:
+        queue.wait(999_999, timeout=1)
+    assert str(err.value) == said
+
+    async def main() -> None:
+        with pytest.raises(JobNotFound) as err:
+            await AsyncQueue(dsn, driver=driver).wait(999_999, timeout=1)
+        assert str(err.value) == said
+
+    asyncio.run(main())
+    r = fleetless("wait", "999999", dsn=dsn)
+    assert (r.returncode, r.stdout, r.stderr) == (1, "", f"fleetless: error: {said}\n"), r
+
+
 def test_a_rolled_back_finish_wakes_no_one_and_only_waited_jobs_are_notified(queue: Queue, dsn: str,
                                                                              sql: Any) -> None:
     import psycopg

@@ -40,6 +40,7 @@ from .queue import (
     finished_channel,
     keyed_answer,
     no_job_with_ids,
+    not_to_wait_for,
     notify_payloads,
     with_defaults,
 )
@@ -300,7 +301,7 @@ class AsyncQueue:
         channel = finished_channel(self.schema)
         async with self._connection() as c, self._listening(c, channel) as woken:
             if not await self._execute(c, "wait_mark", {"id": job_id}):
-                raise JobNotFound(f"no job with id {job_id}")
+                raise JobNotFound(not_to_wait_for(job_id))
             try:
                 found = await self._wait_read(c, job_id)
                 while found and found[0]["status"] not in FINAL_STATUSES:

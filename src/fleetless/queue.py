@@ -171,6 +171,12 @@ def no_job_with_ids(missing: Sequence[int]) -> str:
     return f"no job with id {listed}" + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
 
 
+def not_to_wait_for(job_id: int) -> str:
+    """wait's one line for an id with no job: most often one whose enqueue has not committed yet
+    (the waiter sees only committed rows), so the line says so."""
+    return f"no job with id {job_id} (not committed yet? wait sees a job once its enqueue commits)"
+
+
 def keyed_answer(params: Mapping[str, Any], row: Mapping[str, Any], parents: Sequence[int] = ()) -> Enqueued:
     """What a keyed enqueue returns, from its statement's row (enqueue_keyed or
     enqueue_keyed_waiting): the new job, or the one holding the key; :class:`DuplicateJob` for
@@ -1274,7 +1280,7 @@ class Queue:
             try:
                 with conn.cursor(row_factory=dict_row) as cur:
                     if cur.execute(self._q["wait_mark"], {"id": job_id}).fetchone() is None:
-                        raise JobNotFound(f"no job with id {job_id}")
+                        raise JobNotFound(not_to_wait_for(job_id))
                     row = self._wait_read(cur, job_id)
                     while row is not None and row["status"] not in FINAL_STATUSES:
                         left = None if deadline is None else deadline - time.monotonic()
