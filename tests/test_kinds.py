@@ -165,14 +165,27 @@ def test_cli_kinds_lists_handlers_with_effective_settings(fleetless, handlers) -
     assert (rows["a"]["handler"], rows["a"]["timeout"], rows["a"]["ttl"], rows["a"]["set_in_file"]) == (
         True, 120.0, 900, ["timeout"])
     assert (rows["b"]["timeout"], rows["b"]["set_in_file"]) == (600, [])
+    assert all(type(r[k]) is float for r in rows.values() for k in ("timeout", "ttl", "jitter")), rows  # not 600, 120.0
     assert (rows["ghost"]["handler"], rows["ghost"]["pids"]) == (False, 9)
     assert [rows["ghost"][k] for k in ("concurrency", "rate", "tier", "batch_size")] == [3, "10/60s", "process", 20]
     assert [rows["a"][k] for k in ("concurrency", "rate", "batch_size")] == [None] * 3  # the drain's
     assert (rows["ghost"]["batch_isolation"], rows["a"]["batch_isolation"]) == ("shared", "process")
     assert rows["a"]["tier"] == choose_tier(os.environ["FLEETLESS_SANDBOX"])[0]  # the drain's, resolved as it does
-    text = fleetless("kinds", "--handlers", str(h)).stdout.splitlines()
-    assert text[0].split()[:3] == ["kind", "handler", "timeout"] and "MISSING" in text[3]
-    assert "batch_isolation" in text[0].split() and "shared" in text[3].split()
+    # the text: two tables under 120 columns (one was ~240), durations as fleetless.toml writes them
+    # (a timeout read 600 beside 120.0), a value the file sets marked *
+    text = fleetless("kinds", "--handlers", str(h), env={"FLEETLESS_SANDBOX": "process"}).stdout.splitlines()
+    runs, limits = {line.split()[0]: line.split() for line in text[:4]}, {line.split()[0]: line.split()
+                                                                           for line in text[5:9]}
+    assert runs["kind"] == ["kind", "handler", "tier", "interpreter", "batch_size", "batch_isolation",
+                            "concurrency", "rate"], text
+    assert runs["ghost"] == ["ghost", "MISSING", "process*", "-", "20*", "shared*", "3*", "10/60s*"], text
+    assert runs["a"][1:3] == ["yes", "process"] and runs["a"][4:] == ["-", "process", "-", "-"], text
+    assert limits["kind"] == ["kind", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter",
+                              "memory", "cpus", "pids", "network"], text
+    assert limits["a"][1:] == ["2m*", "15m", "3", "1m", "7d", "30s", "512", "MiB", "1", "128", "off"], text
+    assert limits["b"][1:3] == ["10m", "15m"] and limits["ghost"][-2:] == ["9*", "off"], text
+    assert text[9:] == [f"* set in {h / 'fleetless.toml'}"], text
+    assert max(len(line) for line in text[:9]) <= 120, text
 
 
 def test_cli_kinds_shows_the_tier_and_interpreter_a_drain_would_use_for_each_kind(fleetless, handlers) -> None:

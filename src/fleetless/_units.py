@@ -1,4 +1,4 @@
-"""Parsing of durations ("30m") and sizes ("512M") given on the command line."""
+"""Parsing of durations ("30m") and sizes ("512M") given on the command line, and writing them back."""
 
 from __future__ import annotations
 
@@ -32,3 +32,14 @@ def format_size(n: int) -> str:
         if n >= factor and n % factor == 0:
             return f"{n // factor} {unit}"
     return f"{n} B"
+
+
+def format_duration(seconds: float) -> str:
+    """``10m``, ``30s``, ``7d``, ``90s``, ``1.5s``, ``500ms``: the largest unit that holds it whole,
+    as a user would write it in fleetless.toml (parse_duration reads it back)."""
+    for unit, span in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= span and float(seconds / span).is_integer():
+            return f"{int(seconds / span)}{unit}"
+    if 0 < seconds < 1 and float(seconds * 1000).is_integer():
+        return f"{int(seconds * 1000)}ms"
+    return f"{seconds:g}s"

@@ -17,7 +17,7 @@ from typing import Any, Literal, NoReturn, TypeVar
 import click
 
 from . import db, maintenance
-from ._units import format_size, parse_duration, parse_size
+from ._units import format_duration, format_size, parse_duration, parse_size
 from .drainer import DrainConfig, Drainer, DrainError
 from .events import NullReporter, Reporter
 from .insights import Insights, age, attempt_label, payload_lines, printable
@@ -746,7 +746,7 @@ def kinds_command(ctx: click.Context, handlers_dir: Path, sandbox: str, python: 
     if ctx.obj["dsn"]:  # a database to read: which pending kinds no handler here runs
         by_kind = _insights(ctx).stats()["by_kind"]
         unhandled = _without_handler(folder, {k: c.get("pending", 0) for k, c in by_kind.items()})
-    defaults = kinds.KindSettings(timeout=600, ttl=900, backoff_base=60, backoff_cap=7 * 86400, jitter=30,
+    defaults = kinds.KindSettings(timeout=600.0, ttl=900.0, backoff_base=60.0, backoff_cap=7 * 86400.0, jitter=30.0,
                                   memory=512 * 1024**2, cpus=1.0, pids=128, network=False, max_attempts=3,
                                   batch_isolation="process")
     drain_tier = choose_tier(sandbox)[0]
@@ -767,14 +767,23 @@ def kinds_command(ctx: click.Context, handlers_dir: Path, sandbox: str, python: 
     if as_json:
         _echo_json(rows)
         return
+    # Two tables of ~100 columns (one was ~240): how each kind runs, then its limits; a value its
+    # [kinds.X] table sets is marked *. The names are fleetless.toml's keys; durations as written there.
+    shown: dict[str, Callable[[Any], str]] = {
+        "timeout": format_duration, "ttl": format_duration, "backoff_base": format_duration,
+        "backoff_cap": format_duration, "jitter": format_duration, "memory": lambda v: format_size(int(v)),
+        "cpus": lambda v: f"{v:g}", "network": lambda v: "on" if v else "off"}
+    cells = []
     for r in rows:
-        r["handler"] = "yes" if r["handler"] else "MISSING"
-        r["memory"] = format_size(int(r["memory"]))
-        r["network"] = "on" if r["network"] else "off"
-        r["set_in_file"] = ",".join(r["set_in_file"]) or "-"
-    _table(rows, ["kind", "handler", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter",
-                  "memory", "cpus", "pids", "network", "interpreter", "tier", "batch_size", "batch_isolation",
-                  "concurrency", "rate", "set_in_file"])
+        cell = {k: ("-" if v is None else shown.get(k, str)(v)) + ("*" if k in r["set_in_file"] else "")
+                for k, v in r.items() if k not in ("kind", "handler", "set_in_file")}
+        cells.append(cell | {"kind": r["kind"], "handler": "yes" if r["handler"] else "MISSING"})
+    _table(cells, ["kind", "handler", "tier", "interpreter", "batch_size", "batch_isolation", "concurrency", "rate"])
+    click.echo("")
+    _table(cells, ["kind", "timeout", "ttl", "max_attempts", "backoff_base", "backoff_cap", "jitter", "memory",
+                   "cpus", "pids", "network"])
+    if any(r["set_in_file"] for r in rows):
+        click.echo(f"* set in {folder / 'fleetless.toml'}")
     _echo_without_handler(unhandled, folder)
 
 
