@@ -82,3 +82,19 @@ def test_indexes_built_concurrently_before_init_are_kept_by_its_migrations(dsn: 
                                " WHERE c.relname = ANY(%s) AND c.relnamespace = 'prebuilt'::regnamespace"
                                " AND i.indisvalid", (names,)).fetchall())
     assert after == before
+
+
+def test_migration_28_labels_the_workflow_graphs_written_before_it(dsn: str) -> None:
+    """Each job with an edge takes its graph's smallest id as graph_id (retention prunes a graph
+    as a whole by it); a job without edges none. A chain given out of order, a fan-in, a pair."""
+    _old_schema(dsn, "fleetless", 27)
+    with psycopg.connect(dsn, autocommit=True) as c:
+        c.execute("INSERT INTO fleetless.jobs (id, kind, payload) SELECT i, 'k', '{}' FROM generate_series(1, 12) i")
+        c.execute("INSERT INTO fleetless.job_dependencies (parent_id, child_id)"
+                  " VALUES (5, 6), (1, 2), (3, 4), (2, 3), (4, 5), (7, 9), (8, 9), (11, 12)")
+    q = Queue(dsn)
+    assert q.init() == [28]
+    q.close()
+    with psycopg.connect(dsn) as c:
+        labels = c.execute("SELECT id, graph_id FROM fleetless.jobs ORDER BY id").fetchall()
+    assert labels == [*((i, 1) for i in range(1, 7)), (7, 7), (8, 7), (9, 7), (10, None), (11, 11), (12, 11)]

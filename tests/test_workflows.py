@@ -311,6 +311,89 @@ def test_retention_keeps_a_parent_while_a_child_waits(queue: Queue, sql: SQL) ->
     assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
 
 
+def _labels(sql: SQL, *ids: int) -> list[int | None]:
+    rows = dict(sql("SELECT id, graph_id FROM fleetless.jobs WHERE id = ANY(%s)", list(ids)))
+    return [rows[i] for i in ids]
+
+
+def test_retention_prunes_a_graph_as_a_whole(queue: Queue, sql: SQL) -> None:
+    """A finished job goes only once every job of its graph has finished and is past its age: not
+    a grandparent while its grandchild waits, nor a sibling while another runs (both went before,
+    when only a job's own children were looked at), nor any while one of them is young."""
+    plain = queue.enqueue("echo", {})
+    a = queue.enqueue("echo", {})
+    b = queue.enqueue("echo", {}, after=[a])
+    e = queue.enqueue("echo", {}, after=[a])           # b's sibling, a leaf
+    d = queue.enqueue("echo", {})
+    c = queue.enqueue("echo", {}, after=[b, d])        # a's grandchild, also waiting for d
+    assert _labels(sql, plain, a, b, e, d, c) == [None, a, a, a, a, a]
+    old = "UPDATE fleetless.jobs SET status = 'done', finished_at = now() - interval '30 days' WHERE id = ANY(%s)"
+    sql(old, [plain, a, b, e])
+    assert _status(sql, c) == ["waiting"]
+    assert queue.prune_batch({"done": 86400.0}) == 1   # plain only: c still waits, d is pending
+    (job,) = queue.claim(5)
+    assert job.id == d
+    queue.complete(job, None)
+    (job,) = queue.claim(5)
+    assert job.id == c
+    queue.complete(job, None)
+    assert queue.prune_batch({"done": 86400.0}) == 0   # all done, c and d inside their age
+    sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days' WHERE id = %s", d)
+    assert queue.prune_batch({"done": 86400.0}) == 0   # c still is
+    assert queue.prune(86400.0) == 0
+    sql("UPDATE fleetless.jobs SET finished_at = now() - interval '30 days' WHERE id = %s", c)
+    sql("UPDATE fleetless.jobs SET status = 'dead' WHERE id = %s", e)
+    assert queue.prune_batch({"done": 86400.0}) == 0   # a dead job kept (no age for dead) keeps its graph
+    assert queue.prune_batch({"done": 86400.0, "dead": 86400.0}) == 5
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(0,)]
+    assert sql("SELECT count(*) FROM fleetless.job_dependencies") == [(0,)]
+
+
+def test_a_child_joining_two_graphs_makes_them_one(queue: Queue, sql: SQL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every job of a connected graph carries the graph's smallest id, also when a later child, or
+    a later lot of one enqueue_many, joins graphs labelled apart before."""
+    p1 = queue.enqueue("echo", {})
+    q1 = queue.enqueue("echo", {}, after=[p1])
+    p2 = queue.enqueue("echo", {})
+    q2 = queue.enqueue("echo", {}, after=[p2])
+    assert _labels(sql, p1, q1, p2, q2) == [p1, p1, p2, p2]
+    r = queue.enqueue("echo", {}, after=[q2, q1])
+    assert _labels(sql, p1, q1, p2, q2, r) == [p1] * 5
+    import fleetless.queue as queue_module
+    monkeypatch.setattr(queue_module, "ENQUEUE_CHUNK", 3)  # one enqueue_many, written in lots of 3
+    ids = queue.enqueue_many([
+        {"kind": "echo", "payload": {}, "name": "x"},
+        {"kind": "echo", "payload": {}, "name": "x1", "after": ["x"]},
+        {"kind": "echo", "payload": {}, "name": "y"},
+        {"kind": "echo", "payload": {}, "name": "y1", "after": ["y"]},
+        {"kind": "echo", "payload": {}, "name": "z"},
+        {"kind": "echo", "payload": {}, "name": "z1", "after": ["z", "y1"]},
+        {"kind": "echo", "payload": {}, "after": ["x1", "z1"]},
+        {"kind": "echo", "payload": {}},
+    ])
+    assert _labels(sql, *ids) == [ids[0]] * 7 + [None]
+
+
+def test_a_child_added_to_a_graph_while_it_is_relabelled_takes_the_new_label(
+        queue: Queue, dsn: str, sql: SQL) -> None:
+    """An enqueue joins two graphs (relabelling the larger-labelled one) while another, uncommitted,
+    adds a child to that one: the relabel waits for it and, run again until it moves no job, takes
+    its child too (run once, it left the child with a label no other job had: pruned on its own)."""
+    p1 = queue.enqueue("echo", {})
+    p2 = queue.enqueue("echo", {})
+    q2 = queue.enqueue("echo", {}, after=[p2])
+    with psycopg.connect(dsn) as conn:
+        late = queue.enqueue("echo", {}, after=[q2], conn=conn)
+        holder = conn.info.backend_pid
+        out: list[Any] = []
+        joining = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[p1, q2]), out)
+        wait_for(lambda: _blocked_behind(sql, holder), what="the relabel to wait for the uncommitted child")
+        conn.commit()
+    joining.join(10)
+    (r,) = out
+    assert _labels(sql, p1, p2, q2, late, r) == [p1] * 5
+
+
 def test_the_dashboards_job_page_shows_the_workflow(queue: Queue) -> None:
     from starlette.testclient import TestClient
 
@@ -674,3 +757,38 @@ def test_show_prints_a_childs_parent_results_one_parent_a_line(queue: Queue, dsn
     import json
     assert json.loads(fleetless("show", str(child), "--json", dsn=dsn).stdout)["payload"]["_parents"] == {
         str(a): {"rows": 3}, str(b): long}
+
+
+def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
+
+
+def test_retention_probes_a_graph_and_never_walks_it(queue: Queue, dsn: str, sql: SQL) -> None:
+    """Retention beside two old chains of 2,000 done jobs, the older one held by one job still
+    waiting: the pass skips the held graph's jobs and deletes 500 of the other's, each job's check a
+    few probes of jobs_graph_idx that stop at their first entry (EXPLAIN ANALYZE), not a read of its
+    graph (2,000 rows for each of 2,000 jobs)."""
+    from fleetless.attempt_totals import DURATION_BUCKETS, bucket_params
+    # written as drains would have left them (inserted so: no dead row versions for the probes to
+    # step over, which only a vacuum would clear on a machine whose other transactions hold it back)
+    sql("""INSERT INTO fleetless.jobs (id, kind, payload, status, attempts, finished_at, graph_id)
+           SELECT i, 'echo', '{}', CASE WHEN i = 2000 THEN 'waiting' ELSE 'done' END, 1,
+                  CASE WHEN i < 2000 OR i > 2000 THEN now() - interval '30 days' + make_interval(secs => i) END,
+                  CASE WHEN i <= 2000 THEN 1 ELSE 2001 END
+           FROM generate_series(1, 4000) i""")
+    sql("""INSERT INTO fleetless.job_dependencies (parent_id, child_id)
+           SELECT i, i + 1 FROM generate_series(1, 3999) i WHERE i <> 2000""")
+    sql("ANALYZE fleetless.jobs")
+    held, free = list(range(1, 2001)), list(range(2001, 4001))
+    params = {"done": 86400.0, "cancelled": None, "dead": None, "limit": 500,
+              **bucket_params([float(b) for b in DURATION_BUCKETS])}
+    with psycopg.connect(dsn) as c:
+        (plan,) = c.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queue._q["prune_batch"], params).fetchone()
+        c.rollback()
+    probes = [n for n in _plan_nodes(plan[0]["Plan"]) if n.get("Index Name") == "jobs_graph_idx"]
+    assert probes and max(n["Actual Loops"] for n in probes) >= 2000  # per candidate, the held graph's too
+    for n in probes:
+        assert n["Actual Rows"] + n.get("Rows Removed by Filter", 0) <= 1, n
+    assert queue.prune_batch({"done": 86400.0}, limit=500) == 500
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", held) == [(2000,)]
+    assert sql("SELECT min(id) FROM fleetless.jobs WHERE id = ANY(%s)", free) == [(free[500],)]

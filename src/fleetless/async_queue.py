@@ -23,6 +23,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 
 from . import db
+from .graphs import Labels
 from .job import MAX_PAYLOAD_BYTES
 from .queue import (
     FINAL_STATUSES,
@@ -163,14 +164,30 @@ class AsyncQueue:
         async with self._connection(conn) as c:
             if parents:
                 async with self._atomic(c):
+                    labels = Labels()
                     if key is not None:
-                        return await self._enqueue_keyed_after(c, {**params, "parents": parents})
+                        return await self._enqueue_keyed_after(c, {**params, "parents": parents}, labels)
                     child = await self._enqueue_waiting(c, {**params, "parents": parents})
-                    await self._execute(c, "settle_children", {"ids": [child], "channel": self.channel})
+                    labels.child(child, parents)
+                    await self._settle(c, labels, [child])
                     return Enqueued(child)
             return await self._enqueue_params(c, params)
 
-    async def _enqueue_keyed_after(self, conn: AnyConnection, params: dict[str, Any]) -> Enqueued:
+    async def _settle(self, conn: AnyConnection, labels: Labels, children: list[int]) -> None:
+        """As :meth:`Queue._settle`: the children's graphs labelled, then the children settled."""
+        found: dict[int, int] = {}
+        ids = labels.unread()
+        if ids:
+            await self._execute(conn, "graph_label_fresh", {"ids": ids})
+            found = {r["id"]: r["graph_id"] for r in await self._execute(conn, "graph_labels", {"ids": ids})
+                     if r["graph_id"] is not None}
+        relabel, assign = labels.step(found, children)
+        while relabel["old"] and (await self._execute(conn, "graph_relabel", relabel))[0]["n"]:
+            pass  # again, with a new snapshot: a child another enqueue added meanwhile
+        await self._execute(conn, "graph_label_set", assign)
+        await self._execute(conn, "settle_children", {"ids": children, "channel": self.channel})
+
+    async def _enqueue_keyed_after(self, conn: AnyConnection, params: dict[str, Any], labels: Labels) -> Enqueued:
         """As :meth:`Queue._enqueue_keyed_after`: a keyed child, or the job holding its key."""
         parents = params["parents"]
         missing = [r["id"] for r in await self._execute(conn, "lock_parents_missing", {"ids": parents})]
@@ -181,7 +198,8 @@ class AsyncQueue:
                                        {**params, "after": sorted(parents), "channel": self.channel})
             if rows:
                 if rows[0]["inserted"]:
-                    await self._execute(conn, "settle_children", {"ids": [rows[0]["id"]], "channel": self.channel})
+                    labels.child(rows[0]["id"], parents)
+                    await self._settle(conn, labels, [rows[0]["id"]])
                 return keyed_answer(params, rows[0], parents)
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
@@ -246,15 +264,17 @@ class AsyncQueue:
         names: dict[str, int] = {}
         ids: list[int] = []
         children: list[int] = []
+        labels = Labels()
         async with self._connection(conn) as c, self._atomic(c):
             for i, item in enumerate(items):
                 r = self._shape.item_params(i, item, names)
                 if r["parents"]:
                     try:
-                        if r["key"] is not None:  # settled by its own statement, or an existing job
-                            job_id = int(await self._enqueue_keyed_after(c, r))
+                        if r["key"] is not None:  # settled by its own statements, or an existing job
+                            job_id = int(await self._enqueue_keyed_after(c, r, labels))
                         else:
                             job_id = await self._enqueue_waiting(c, r)
+                            labels.child(job_id, r["parents"])
                             children.append(job_id)
                     except DuplicateJob:
                         raise
@@ -266,7 +286,7 @@ class AsyncQueue:
                     names[r["name"]] = job_id
                 ids.append(job_id)
             if children:
-                await self._execute(c, "settle_children", {"ids": children, "channel": self.channel})
+                await self._settle(c, labels, children)
         return ids
 
     # -- reads -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from psycopg.rows import dict_row, tuple_row
 
 from . import db
 from .attempt_totals import DURATION_BUCKETS, bucket_params
+from .graphs import Labels
 from .job import (
     MAX_PAYLOAD_BYTES,
     Claim,
@@ -194,6 +195,11 @@ def keyed_answer(params: Mapping[str, Any], row: Mapping[str, Any], parents: Seq
                          f" than this enqueue's ({wanted:.80}); replace never rewires a workflow: cancel it and"
                          " enqueue again")
     return Enqueued(job_id, existing=True, replaced=bool(row["replaced"]))
+
+
+def _count(row: tuple[Any, ...] | None) -> int:
+    """A ``SELECT count(*)`` statement's answer."""
+    return int(row[0]) if row else 0
 
 
 def _parent_ids(after: Iterable[int]) -> list[int]:
@@ -537,7 +543,7 @@ class Queue:
             if parents:
                 with db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c):
                     if key is not None:
-                        return self._enqueue_keyed_after(c, params, parents)
+                        return self._enqueue_keyed_after(c, params, parents, Labels())
                     return self._enqueue_after(c, params, parents)
         if key is None:  # the hot path: one statement, one tuple row (a dict row cost ~10% of an enqueue)
             name, params = ("enqueue_default", {"kind": params["kind"], "payload": params["payload"]}) \
@@ -559,8 +565,28 @@ class Queue:
             if row is None:
                 missing = [r[0] for r in cur.execute(self._q["missing_jobs"], {"ids": parents}).fetchall()]
                 raise ValueError(f"after: {no_job_with_ids(missing)}")
-            cur.execute(self._q["settle_children"], {"ids": [row[0]], "channel": self.channel})
-            return Enqueued(row[0])
+        labels = Labels()
+        labels.child(row[0], parents)
+        self._settle(conn, labels, [row[0]])
+        return Enqueued(row[0])
+
+    def _settle(self, conn: psycopg.Connection[Any], labels: Labels, children: list[int]) -> None:
+        """Children just written (waiting, with their edges): their graphs labelled (fleetless.graphs:
+        the parents new to a graph first, then the parents' labels read under a share lock, the
+        graphs a child joined relabelled until no job is left behind, the children's labels set),
+        then settled, all in the caller's transaction."""
+        with conn.cursor(row_factory=tuple_row) as cur:
+            found: dict[int, int] = {}
+            ids = labels.unread()
+            if ids:
+                cur.execute(self._q["graph_label_fresh"], {"ids": ids})
+                found = {i: g for i, g in cur.execute(self._q["graph_labels"], {"ids": ids}).fetchall()
+                         if g is not None}
+            relabel, assign = labels.step(found, children)
+            while relabel["old"] and _count(cur.execute(self._q["graph_relabel"], relabel).fetchone()):
+                pass  # again, with a new snapshot: a child another enqueue added meanwhile
+            cur.execute(self._q["graph_label_set"], assign)
+            cur.execute(self._q["settle_children"], {"ids": children, "channel": self.channel})
 
     def _enqueue_keyed(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Enqueued:
         for _ in range(5):  # a duplicate committed after the statement's snapshot: look again
@@ -570,7 +596,7 @@ class Queue:
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
     def _enqueue_keyed_after(self, conn: psycopg.Connection[Any], params: dict[str, Any],
-                             parents: list[int]) -> Enqueued:
+                             parents: list[int], labels: Labels) -> Enqueued:
         """A workflow's child with a key (in the caller's transaction, or one of its own): its
         parents locked and checked, then written waiting and settled, or the job already holding
         the key returned (enqueue_keyed_waiting says how a replace is decided)."""
@@ -583,7 +609,8 @@ class Queue:
                              conn)
             if rows:
                 if rows[0]["inserted"]:
-                    self._run("settle_children", {"ids": [rows[0]["id"]], "channel": self.channel}, conn)
+                    labels.child(rows[0]["id"], parents)
+                    self._settle(conn, labels, [rows[0]["id"]])
                 return keyed_answer(params, rows[0], parents)
         raise RuntimeError(f"key {params['key']!r}: the job holding it kept changing; try again")
 
@@ -664,6 +691,7 @@ class Queue:
         ids: list[int] = []
         queues: set[str] = set()
         names: dict[str, int] = {}
+        labels = Labels()  # the call's workflow graphs
         with (db.errors_translated(self.schema), self._connection(conn) as c, db.atomic(c),
               c.cursor(row_factory=tuple_row) as cur):
             pending: Iterator[tuple[int, Any]] = itertools.chain([first], items)
@@ -721,11 +749,11 @@ class Queue:
                                      r["queue"], r["priority"], r["timeout"], r["max_attempts_default"])
                                 )
                     if children:
-                        self._copy_children(cur, children, now)
+                        self._copy_children(c, cur, children, now, labels)
                     if keyed is not None:
                         i, r = keyed
                         try:
-                            r["id"] = (self._enqueue_keyed_after(c, r, r["parents"]) if r["parents"]
+                            r["id"] = (self._enqueue_keyed_after(c, r, r["parents"], labels) if r["parents"]
                                        else self._enqueue_keyed(c, r))
                         except DuplicateJob:
                             raise
@@ -738,9 +766,10 @@ class Queue:
             cur.execute(self._q["notify"], {"channel": self.channel, "payloads": notify_payloads(queues)})
         return ids
 
-    def _copy_children(self, cur: psycopg.Cursor[Any], children: list[dict[str, Any]], now: dt.datetime) -> None:
-        """enqueue_many's items with parents: COPYed waiting with their edges, then settled in one
-        statement (settle_children), in the call's transaction."""
+    def _copy_children(self, conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], children: list[dict[str, Any]],
+                       now: dt.datetime, labels: Labels) -> None:
+        """enqueue_many's items with parents: COPYed waiting with their edges, then labelled and
+        settled (:meth:`_settle`), in the call's transaction."""
         with cur.copy(self._q["copy_waiting_jobs"]) as copy:
             for r in children:
                 run_after = r["run_after"] or now + dt.timedelta(seconds=r["delay"])
@@ -755,7 +784,9 @@ class Queue:
         missing = [row[0] for row in cur.execute(self._q["lock_parents_missing"], {"ids": parents}).fetchall()]
         if missing:
             raise ValueError(f"after: {no_job_with_ids(missing)}")
-        cur.execute(self._q["settle_children"], {"ids": [r["id"] for r in children], "channel": self.channel})
+        for r in children:
+            labels.child(r["id"], r["parents"])
+        self._settle(conn, labels, [r["id"] for r in children])
 
     # -- the drainer's side ------------------------------------------------------------------
 

@@ -203,6 +203,41 @@ WITH locked AS (
 )
 SELECT s.id, s.status FROM settled s, notified;
 
+-- name: graph_label_fresh
+-- The graph labels (jobs.graph_id, migration 028) of an enqueue's parents written before this
+-- call that are in no graph yet: each becomes a graph of its own (its own id), before any of them
+-- is locked FOR SHARE (graph_labels). Two enqueues of children of one fresh parent take turns
+-- here (the second then finds it labelled and writes nothing); labelling it later, under the
+-- share lock both hold, would deadlock them.
+UPDATE {schema}.jobs SET graph_id = id WHERE id = ANY(%(ids)s::bigint[]) AND graph_id IS NULL;
+
+-- name: graph_labels
+-- Those parents' graph labels, locked FOR SHARE (in id order, as settle_children locks them): no
+-- relabel (graph_relabel, another enqueue's) can change them until this transaction ends, and one
+-- that committed while this waited is read here (a locking read returns the newest version).
+SELECT id, graph_id FROM {schema}.jobs WHERE id = ANY(%(ids)s::bigint[]) ORDER BY id FOR SHARE;
+
+-- name: graph_relabel
+-- Existing graphs that a new child joins together become one: every job labelled old takes new
+-- (the smaller). By the graph index. The caller runs it again until it changes no row: a child
+-- another enqueue added to an old graph while this one waited for its lock on that enqueue's
+-- parent committed after this statement's snapshot, and the next run (a new snapshot) sees it;
+-- an enqueue that comes later waits for this transaction's row locks and reads the new label.
+WITH moved AS (
+  UPDATE {schema}.jobs AS j SET graph_id = x.new
+  FROM unnest(%(old)s::bigint[], %(new)s::bigint[]) AS x(old, new)
+  WHERE j.graph_id = x.old
+  RETURNING 1
+)
+SELECT count(*) AS n FROM moved;
+
+-- name: graph_label_set
+-- The jobs an enqueue wrote into graphs (its children, and its own jobs that are their parents)
+-- take their graph's label, by primary key; rows of this transaction only.
+UPDATE {schema}.jobs AS j SET graph_id = x.label
+FROM unnest(%(ids)s::bigint[], %(labels)s::bigint[]) AS x(id, label)
+WHERE j.id = x.id AND j.graph_id IS DISTINCT FROM x.label;
+
 -- name: job_parents
 -- `fleetless show` and the dashboard's job page: a job's parents, by the edges' child index.
 SELECT j.id, j.kind, j.status, j.finished_at FROM {schema}.job_dependencies d
@@ -904,10 +939,17 @@ ORDER BY 1 DESC, 2;
 -- history goes with it (the CTE "history"). As delete does (and after fold_lock, likewise), the
 -- deleted jobs' attempts no scrape has folded yet are added to attempt_totals first, so pruning
 -- inside the fold margin never lowers the counters.
--- Workflows: a finished job is kept while any child of it has not ended (the child may still
--- read its result and show its parents), so a graph goes once all of it has ended; the deleted
--- jobs' edges go with them. The check is a probe of the edges' primary key per candidate, the
--- child's status a scalar subquery by its primary key (as a join, the planner scanned jobs).
+-- Workflows: a job of a graph (graph_id, migration 028) goes only once every job of its graph
+-- has finished and is past its status' age, so a graph goes as a whole: no job is pruned while a
+-- descendant, a sibling or any other job of its graph waits, runs or is young (a grandparent went
+-- while its grandchild waited, when only the job's own children were looked at). A graph larger
+-- than a batch goes over the run's next batches (each of its jobs then passes the same check).
+-- The check is at most four probes of jobs_graph_idx per candidate, stopping at the first that
+-- finds a job (one still waiting, pending or running; a done, a cancelled, a dead one inside its
+-- age: a NULL age keeps that status forever, so any), each the first entry of an index range,
+-- never a walk of the graph; a job in no graph skips them. (Written out in each status' scan: as
+-- a SQL function the check was not inlined, and planned anew per row, 1.6 ms each.)
+-- The deleted jobs' edges go with them.
 WITH gone AS (
 DELETE FROM {schema}.jobs
 WHERE id IN (
@@ -916,23 +958,44 @@ WHERE id IN (
     SELECT due.id FROM (
       (SELECT id, finished_at FROM {schema}.jobs
        WHERE status = 'done' AND finished_at < now() - make_interval(secs => %(done)s::float8)
-         AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
-                         AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
-                             IN ('waiting', 'pending', 'running'))
+         AND (graph_id IS NULL OR NOT EXISTS (
+               (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id
+                  AND m.status IN ('waiting', 'pending', 'running') LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'done'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(done)s::float8), '-infinity') LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'cancelled'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(cancelled)s::float8), '-infinity')
+                  LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'dead'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1)))
        ORDER BY status, finished_at LIMIT %(limit)s)
       UNION ALL
       (SELECT id, finished_at FROM {schema}.jobs
        WHERE status = 'cancelled' AND finished_at < now() - make_interval(secs => %(cancelled)s::float8)
-         AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
-                         AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
-                             IN ('waiting', 'pending', 'running'))
+         AND (graph_id IS NULL OR NOT EXISTS (
+               (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id
+                  AND m.status IN ('waiting', 'pending', 'running') LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'done'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(done)s::float8), '-infinity') LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'cancelled'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(cancelled)s::float8), '-infinity')
+                  LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'dead'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1)))
        ORDER BY status, finished_at LIMIT %(limit)s)
       UNION ALL
       (SELECT id, finished_at FROM {schema}.jobs
        WHERE status = 'dead' AND finished_at < now() - make_interval(secs => %(dead)s::float8)
-         AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
-                         AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
-                             IN ('waiting', 'pending', 'running'))
+         AND (graph_id IS NULL OR NOT EXISTS (
+               (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id
+                  AND m.status IN ('waiting', 'pending', 'running') LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'done'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(done)s::float8), '-infinity') LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'cancelled'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(cancelled)s::float8), '-infinity')
+                  LIMIT 1)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'dead'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1)))
        ORDER BY status, finished_at LIMIT %(limit)s)
     ) AS due
     ORDER BY due.finished_at LIMIT %(limit)s))

@@ -1,0 +1,74 @@
+"""Workflow graphs' labels: which connected graph of jobs each job of a workflow belongs to.
+
+Retention prunes a graph as a whole (docs/workflows.md), so it must tell, for a finished job,
+whether any job of its graph still runs, waits or is young, without walking the graph: every job
+of a graph carries the graph's label in ``jobs.graph_id`` (migration 028), the smallest job id of
+the graph. An enqueue with parents (one job, or an ``enqueue_many`` graph) collects its edges
+here; once its jobs are written, :meth:`Labels.step` says what to write in the same
+transaction: the labels of the call's own jobs, and the relabelling of the existing graphs a new
+child joined together (their larger labels become the smallest). Queue and AsyncQueue run the
+statements, each on its own driver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+
+class Labels:
+    """A union-find of job ids: the graphs an enqueue's edges make, each led by its smallest id.
+
+    An enqueue feeds it each child it wrote (:meth:`child`) and, after each write of children,
+    runs :meth:`step`'s statements: so an ``enqueue_many`` that writes its items in several
+    statements labels each lot before settling it, and relabels in the database what an earlier
+    lot labelled once a later child joins that graph to a smaller one."""
+
+    def __init__(self) -> None:
+        self._up: dict[int, int] = {}
+        self._children: set[int] = set()
+        self._read: set[int] = set()
+        self._stored: set[int] = set()  # the labels the database holds for jobs of these graphs
+
+    def _find(self, job_id: int) -> int:
+        up = self._up
+        root = job_id
+        while up.setdefault(root, root) != root:
+            root = up[root]
+        while up[job_id] != root:  # path compression
+            up[job_id], job_id = root, up[job_id]
+        return root
+
+    def _union(self, a: int, b: int) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:  # the smaller id leads: the label every job of the graph takes
+            self._up[max(ra, rb)] = min(ra, rb)
+
+    def child(self, child: int, parents: Iterable[int]) -> None:
+        """A child this call wrote, with its parents (jobs of this call or existing ones)."""
+        self._children.add(child)
+        self._find(child)
+        for parent in parents:
+            self._union(child, parent)
+
+    def unread(self) -> list[int]:
+        """The parents not read yet that are no child of this call (jobs written before it, or by
+        it without parents), whose labels the database holds: graph_label_fresh gives those in no
+        graph yet one of their own, graph_labels locks and reads them. Marked read."""
+        ids = sorted(j for j in self._up if j not in self._children and j not in self._read)
+        self._read.update(ids)
+        return ids
+
+    def step(self, found: Mapping[int, int], children: Sequence[int]) -> tuple[dict[str, list[int]],
+                                                                            dict[str, list[int]]]:
+        """Given the labels graph_labels read (``found``: id -> graph_id), the parameters of
+        graph_relabel (labels the database holds that are no longer their graph's: old -> new;
+        empty unless this call joined two labelled graphs) and of graph_label_set (``children``,
+        the ones just written -> their label)."""
+        for job_id, label in found.items():
+            self._union(job_id, label)
+        self._stored.update(found.values())
+        olds = sorted(label for label in self._stored if self._find(label) != label)
+        relabel = {"old": olds, "new": [self._find(label) for label in olds]}
+        assign = {"ids": list(children), "labels": [self._find(j) for j in children]}
+        self._stored = {self._find(label) for label in self._stored} | set(assign["labels"])
+        return relabel, assign
