@@ -281,7 +281,10 @@ class AsyncQueue:
                     except ValueError as exc:
                         raise ValueError(f"job #{i}: {exc}") from None
                 else:
-                    job_id = int(await self._enqueue_params(c, r))
+                    written = await self._enqueue_params(c, r)
+                    job_id = int(written)
+                    if r["name"] is not None and not written.existing:
+                        labels.wrote(job_id)
                 if r["name"] is not None:
                     names[r["name"]] = job_id
                 ids.append(job_id)

@@ -26,6 +26,8 @@ class Labels:
     def __init__(self) -> None:
         self._up: dict[int, int] = {}
         self._children: set[int] = set()
+        self._own: set[int] = set()  # jobs this call wrote without parents, that may be parents
+        self._unset: set[int] = set()  # those of them now in a graph, their label not set yet
         self._read: set[int] = set()
         self._stored: set[int] = set()  # the labels the database holds for jobs of these graphs
 
@@ -43,18 +45,25 @@ class Labels:
         if ra != rb:  # the smaller id leads: the label every job of the graph takes
             self._up[max(ra, rb)] = min(ra, rb)
 
+    def wrote(self, job_id: int) -> None:
+        """A job this call wrote without parents that a later child may name: no other transaction
+        sees it, so its label is set with the children's (graph_label_set), never read first."""
+        self._own.add(job_id)
+
     def child(self, child: int, parents: Iterable[int]) -> None:
         """A child this call wrote, with its parents (jobs of this call or existing ones)."""
         self._children.add(child)
         self._find(child)
         for parent in parents:
+            if parent in self._own and parent not in self._up:
+                self._unset.add(parent)
             self._union(child, parent)
 
     def unread(self) -> list[int]:
         """The parents not read yet that are no child of this call (jobs written before it, or by
         it without parents), whose labels the database holds: graph_label_fresh gives those in no
         graph yet one of their own, graph_labels locks and reads them. Marked read."""
-        ids = sorted(j for j in self._up if j not in self._children and j not in self._read)
+        ids = sorted(j for j in self._up if j not in self._children and j not in self._own and j not in self._read)
         self._read.update(ids)
         return ids
 
@@ -63,12 +72,15 @@ class Labels:
         """Given the labels graph_labels read (``found``: id -> graph_id), the parameters of
         graph_relabel (labels the database holds that are no longer their graph's: old -> new;
         empty unless this call joined two labelled graphs) and of graph_label_set (``children``,
-        the ones just written -> their label)."""
+        the ones just written, and this call's own parents of theirs not labelled yet -> their
+        label)."""
         for job_id, label in found.items():
             self._union(job_id, label)
         self._stored.update(found.values())
         olds = sorted(label for label in self._stored if self._find(label) != label)
         relabel = {"old": olds, "new": [self._find(label) for label in olds]}
-        assign = {"ids": list(children), "labels": [self._find(j) for j in children]}
+        ids = [*children, *sorted(self._unset)]
+        self._unset.clear()
+        assign = {"ids": ids, "labels": [self._find(j) for j in ids]}
         self._stored = {self._find(label) for label in self._stored} | set(assign["labels"])
         return relabel, assign

@@ -732,6 +732,8 @@ class Queue:
                             r["id"] = job_id
                             if r["name"] is not None:
                                 names[r["name"]] = job_id
+                                if not r["parents"]:
+                                    labels.wrote(job_id)
                             if r["parents"]:
                                 children.append(r)
                             elif _all_default(r):
@@ -761,6 +763,8 @@ class Queue:
                             raise ValueError(f"job #{i}: {exc}") from None
                         if r["name"] is not None:
                             names[r["name"]] = r["id"]
+                            if not r["parents"] and not r["id"].existing:
+                                labels.wrote(r["id"])
                 ids.extend(r["id"] for r in rows)
                 queues.update(r["queue"] for r in rows)
             cur.execute(self._q["notify"], {"channel": self.channel, "payloads": notify_payloads(queues)})
