@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from .sandbox import Template, available_backends, default_python, get_backend
-from .sandbox._caps import caps_line
+from .sandbox._caps import caps_in_full
 
 RUNS = 3
 
@@ -138,8 +138,9 @@ def run(handlers_dir: Path | None = None) -> None:
     for tier in report["tiers"]:
         python = f"; .py handlers run under {tier['python']}" if tier["python"] else ""
         click.echo(f"{tier['name']:<8} {'ok' if tier['ok'] else 'unavailable':<12} {tier['detail']}{python}")
-        if tier["caps"]:
-            click.echo(f"         {caps_line(tier['name'], tier['caps'])}")
+        if tier["caps"]:  # a line a cap (they were one line of ~1,000 characters)
+            for line in caps_in_full(tier["name"], tier["caps"]):
+                click.echo(f"         {line}")
         for kind, why in (tier.get("kinds") or {}).items():
             click.echo(f"         kind {kind}: " + ("runs" if why is None else f"not claimed here: {why}"))
     if report.get("shared_kinds"):

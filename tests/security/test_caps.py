@@ -280,10 +280,14 @@ def test_doctor_and_the_drain_say_which_caps_hold_for_an_unprivileged_drainer(
     r = subprocess.run(["/usr/bin/python3", "-m", "fleetless.cli", "doctor"], capture_output=True, text=True,
                        timeout=300, cwd="/", env=env, **creds)
     assert r.returncode == 0, r.stderr
+    out = [li.strip() for li in r.stdout.splitlines()]
     for tier in TIERS:
-        line = next(li for li in r.stdout.splitlines() if li.strip().startswith(f"caps ({tier}):"))
-        for name in CAPS:
-            assert f" {name} capped by " in line or f" {name} {NOT}" in line, line
+        start = out.index(f"caps ({tier}), in full:")  # then a line a cap
+        said = out[start + 1:start + 1 + len(CAPS)]
+        assert [li.split()[0] for li in said] == list(CAPS), said
+        for li in said:
+            assert li.split(" ", 1)[1].startswith(("capped by ", NOT)), li
+        line = " " + " ".join(said)
         assert " pids capped by " in line and " memory capped by " in line, line
         # no memory cgroup: the watch says what it counts, memfds included, and what it does not
         assert "memory capped by RLIMIT_AS per process" in line, line

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from . import Limits
 
-__all__ = ["CAPS", "JOB_NICE", "NOT", "Cap", "caps_line", "caps_lines", "held", "nproc_counts_per_namespace",
+__all__ = ["CAPS", "JOB_NICE", "NOT", "Cap", "caps_in_full", "caps_lines", "held", "nproc_counts_per_namespace",
            "short", "tier_caps", "workspaces_capped", "workspaces_uncapped_why"]
 
 #: The caps every tier reports, in this order.
@@ -70,9 +70,10 @@ def held(caps: dict[str, str]) -> dict[str, bool]:
     return {name: not text.startswith(NOT) for name, text in caps.items()}
 
 
-def caps_line(tier: str, caps: dict[str, str]) -> str:
-    """One line, in full (doctor): ``caps (bwrap): pids capped by ...; memory NOT capped: ...; ...``."""
-    return f"caps ({tier}): " + "; ".join(f"{name} {caps[name]}" for name in CAPS if name in caps)
+def caps_in_full(tier: str, caps: dict[str, str]) -> list[str]:
+    """Doctor's lines: a heading, then each cap in full on a line of its own (``  memory capped
+    by RLIMIT_AS per process (512 MiB each) and the drainer summing ...``)."""
+    return [f"caps ({tier}), in full:"] + [f"  {name} {caps[name]}" for name in CAPS if name in caps]
 
 
 def caps_lines(tier: str, caps: dict[str, str], unfiltered: str | None = None) -> list[str]:
