@@ -96,6 +96,33 @@ def test_leases_of_another_drainer_process_are_respected_and_freed_when_it_dies(
         x.release()
 
 
+def test_lease_files_are_one_line_written_in_place_and_an_older_drainers_lines_read_alike(run_dir: Path) -> None:
+    """A lease writes its pid and a release blanks it, over the same fixed-width line (no truncate:
+    one cost 1.5-2.8 ms on this host's ext4, three a job); a blank line is clean, as an older
+    fleetless's empty file is, and an older fleetless's shorter cursor line is read as before."""
+    folder = run_dir / "job-uids"
+    a = _hostuid.lease(RANGE)
+    line = (folder / str(a.uid)).read_bytes()
+    assert line.strip() == str(os.getpid()).encode() and len(line) == 12
+    a.release()
+    assert (folder / str(a.uid)).read_bytes() == b" " * 11 + b"\n"
+    assert (folder / "next").read_bytes() == f"{a.uid + 1}".ljust(11).encode() + b"\n"
+    # a process runs as a.uid, but its file is blank (clean): leased again without a look at /proc
+    job = subprocess.Popen(["sleep", "600"], user=a.uid, group=a.uid, extra_groups=[])
+    try:
+        (folder / "next").write_text(f"{a.uid}\n")  # as an older fleetless wrote it
+        again = _hostuid.lease(RANGE)
+        assert again.uid == a.uid and len((folder / "next").read_bytes()) == 12
+        (folder / str(a.uid + 1)).write_text("")  # an older fleetless's clean file: leased
+        older = _hostuid.lease(RANGE)
+        assert older.uid == a.uid + 1
+        again.release()
+        older.release()
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_a_range_that_is_not_uids_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     for text, message in [("12", "is not FIRST-LAST"), ("9-3", "first <= last"), ("0-10", "within 1-"),
                           ("60000-70000", "65534")]:

@@ -20,8 +20,9 @@ Leases are ``flock``-ed files ``<uid>`` under ``$FLEETLESS_RUN_DIR/job-uids`` (d
 ``/run/fleetless/job-uids``), one directory for every drainer of the host. The kernel drops a lock
 when its holder dies, even by SIGKILL; the job of such a holder may still be running for a moment
 (its drainer's watchdog is killing it). So a lease writes its pid into the file and :meth:`Lease.release`
-(called once the job is dead) empties it: a uid whose file is not empty is handed out again only
-after ``/proc`` shows no process running as it. Each lease is also claimed host-wide (an
+(called once the job is dead) blanks it (both write one fixed-width line over the last: no
+truncate): a uid whose file holds a pid is handed out again only after ``/proc`` shows no process
+running as it. Each lease is also claimed host-wide (an
 abstract Unix socket name per uid, :func:`_claim`), so drainers whose lease files are elsewhere (a
 non-root drainer's directory follows its environment) or whose ranges overlap never share a uid,
 as long as they share a network namespace (the name's scope) or the run directory.
@@ -36,6 +37,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import grp
+import itertools
 import os
 import pwd
 import socket
@@ -254,7 +256,7 @@ class Lease:
             return
         try:
             if clean:
-                os.ftruncate(fd, 0)  # the next holder need not look for stragglers
+                _overwrite(fd, "")  # blank: the next holder need not look for stragglers
         finally:
             os.close(fd)  # drops the flock
             if self._claim is not None:
@@ -271,6 +273,20 @@ class Lease:
 
     def __repr__(self) -> str:
         return f"<Lease uid={self.uid}{'' if self._fd is not None else ' released'}>"
+
+
+#: The width of a lease file's one line (a uid or a pid, padded with blanks, and its newline).
+_LINE = 12
+
+
+def _overwrite(fd: int, text: str) -> None:
+    """Replace a lease file's one line by ``text`` (at most a uid's ten digits), padded to :data:`_LINE`
+    bytes: written over the old line in place, never truncated (an ``ftruncate`` that frees a block
+    cost 1.5-2.8 ms on an ext4 mounted ``discard``, three times a job; this write costs 5 us)."""
+    data = text.ljust(_LINE - 1).encode() + b"\n"
+    os.pwrite(fd, data, 0)
+    if os.fstat(fd).st_size > len(data):  # a longer line of an older fleetless's
+        os.ftruncate(fd, len(data))
 
 
 def _cursor(folder: Path, ids: UidRange) -> tuple[int, int]:
@@ -310,8 +326,7 @@ def lease(uids: UidRange | None = None, folder: Path | None = None) -> Lease:
     try:
         job = _lease_from(ids, folder, start)
         if job is not None:
-            os.ftruncate(cursor, 0)
-            os.pwrite(cursor, f"{job.uid + 1 if job.uid < ids.last else ids.first}\n".encode(), 0)
+            _overwrite(cursor, str(job.uid + 1 if job.uid < ids.last else ids.first))
             return job
     finally:
         os.close(cursor)  # (drops its lock)
@@ -340,7 +355,7 @@ def _claim(uid: int) -> socket.socket | None:
 
 def _lease_from(ids: UidRange, folder: Path, start: int) -> Lease | None:
     """The first free uid of ``ids`` from ``start`` on, round the range; None if every one is held."""
-    for uid in (*range(start, ids.last + 1), *range(ids.first, start)):
+    for uid in itertools.chain(range(start, ids.last + 1), range(ids.first, start)):  # (lazily: 65,536 uids)
         fd = os.open(f"{folder}/{uid}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -351,7 +366,7 @@ def _lease_from(ids: UidRange, folder: Path, start: int) -> Lease | None:
             raise
         claim = None
         try:
-            stale = os.pread(fd, 32, 0)
+            stale = os.pread(fd, 32, 0).strip()  # a holder's pid, or blank (or empty) when clean
             if stale and _in_use(uid):  # its last holder died holding it and the job still runs
                 os.close(fd)
                 continue
@@ -359,8 +374,7 @@ def _lease_from(ids: UidRange, folder: Path, start: int) -> Lease | None:
             if claim is None:  # leased by a drainer whose lease files are elsewhere
                 os.close(fd)
                 continue
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            _overwrite(fd, str(os.getpid()))
         except BaseException:
             os.close(fd)
             if claim is not None:
