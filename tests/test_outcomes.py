@@ -649,3 +649,25 @@ def test_a_snooze_past_the_cap_is_reported_as_the_failure_the_history_records(
                      re.MULTILINE), r.stderr
     assert r.stdout.startswith("drained: claimed 2, done 0, failed 1, dead 1 in "), r.stdout
     assert [o for (o,) in sql("SELECT outcome FROM fleetless.job_attempts ORDER BY job_id")] == ["failed", "dead"]
+
+
+def test_a_release_past_the_cap_is_reported_as_the_failure_the_history_records(
+        dsn: str, queue: Queue, sql: SQL, fleetless: Any, handlers: Callable[..., Path]) -> None:
+    """A kind with no handler here is given back uncharged (issue 28's rolling deploy), but the
+    fifth give-back in a row is charged: the history says `failed` (or `dead`), while the drain's
+    line said `released …; given back uncharged` and the summary counted it released. Now they
+    say what the history says, with last_error's words."""
+    from fleetless.queue import MAX_RELEASES
+
+    h = handlers(**{"mod.py": MODULE})
+    left, last = queue.enqueue("absent", {}, max_attempts=3), queue.enqueue("absent", {}, max_attempts=1)
+    sql("UPDATE fleetless.jobs SET releases = %s", MAX_RELEASES - 1)
+    r = fleetless("-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    assert r.returncode == 0, r.stderr
+    said = f"released {MAX_RELEASES} times in a row; charged as an attempt: no handler for kind 'absent'"
+    assert re.search(rf"^fleetless: job {left} \(absent\) attempt 1: failed in [\d.]+ s on process, retry in "
+                     rf"1\.0m: {said}", r.stderr, re.MULTILINE), r.stderr
+    assert re.search(rf"^fleetless: job {last} \(absent\) attempt 1: dead in [\d.]+ s on process: {said}", r.stderr,
+                     re.MULTILINE), r.stderr
+    assert r.stdout.startswith("drained: claimed 2, done 0, failed 1, dead 1 in "), r.stdout
+    assert [o for (o,) in sql("SELECT outcome FROM fleetless.job_attempts ORDER BY job_id")] == ["failed", "dead"]

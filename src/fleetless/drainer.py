@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import db, handlers, kinds, maintenance
 from .batch import CANCELLED, RELEASED_STOPPING, Runner, Slot, Teardown, describe_failure, describe_run, job_env
 from .completer import Completer
-from .events import SNOOZES_SPENT, JobFinished, NullReporter, Reporter, finished_as, snooze_spent
+from .events import JobFinished, NullReporter, Reporter, finished_as, spent_words
 from .failure import error_head
 from .job import Claim, Job, Outcome, Run, Status, claim_of
 from .queue import Queue
@@ -747,8 +747,8 @@ class Drainer:
         error = outcome.error
         if what == "cancelled" and error is not None and not error.startswith("cancelled:"):
             error = f"{CANCELLED}; its attempt ended: {error}"  # as the table's last_error says (queries.sql)
-        elif what in ("failed", "dead") and snooze_spent(job, outcome):
-            error = SNOOZES_SPENT.format(n=job.snoozes) + (error or "")  # likewise
+        elif what in ("failed", "dead") and (spent := spent_words(job, outcome)) is not None:
+            error = spent + (error or "")  # likewise (a snooze or a release past its cap: charged)
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,

@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, Protocol
 
-from .job import Job, Outcome, Status
+from .job import MAX_RELEASES, Job, Outcome, Status
 from .outcomes import MAX_SNOOZES
 
-__all__ = ["SNOOZES_SPENT", "FinishedAs", "JobFinished", "NullReporter", "Reporter", "finished_as", "snooze_spent"]
+__all__ = ["RELEASES_SPENT", "SNOOZES_SPENT", "FinishedAs", "JobFinished", "NullReporter", "Reporter", "finished_as",
+           "spent_words"]
 
 #: What became of one claim, in the attempt history's words: ``done``, ``failed`` (an error, attempts
 #: left), ``retried`` (its handler raised Retry, attempts left), ``dead``, ``released`` (given back
@@ -28,10 +29,19 @@ FinishedAs = Literal["done", "failed", "retried", "dead", "discarded", "released
 SNOOZES_SPENT = "snoozed {n} times already, the most a job may; charged as a failed attempt: "
 
 
-def snooze_spent(job: Job, outcome: Outcome) -> bool:
-    """Whether ``outcome`` is a snooze the table charges as a failed attempt: the job had snoozed
-    MAX_SNOOZES times already (its count at the claim: only its claim's holder adds to it)."""
-    return outcome.action == "snooze" and job.snoozes >= MAX_SNOOZES
+#: The same for a release, the MAX_RELEASES-th in a row: ``.format(n=...)``, counting it.
+RELEASES_SPENT = "released {n} times in a row; charged as an attempt: "
+
+
+def spent_words(job: Job, outcome: Outcome) -> str | None:
+    """How last_error begins when the table charges ``outcome`` as a failed attempt although it
+    gives its attempt back (a snooze past MAX_SNOOZES, the MAX_RELEASES-th release in a row), else
+    None. From the job's counts at the claim: only its claim's holder changes them meanwhile."""
+    if outcome.action == "snooze" and job.snoozes >= MAX_SNOOZES:
+        return SNOOZES_SPENT.format(n=job.snoozes)
+    if outcome.action == "release" and job.releases + 1 >= MAX_RELEASES:
+        return RELEASES_SPENT.format(n=job.releases + 1)
+    return None
 
 
 def finished_as(job: Job, outcome: Outcome, status: Status | None) -> FinishedAs:
@@ -42,15 +52,16 @@ def finished_as(job: Job, outcome: Outcome, status: Status | None) -> FinishedAs
         return "fenced_out"
     if status is Status.CANCELLED:
         return "cancelled"
-    if outcome.action == "release":
+    spent = spent_words(job, outcome) is not None
+    if outcome.action == "release" and not spent:
         return "released"
-    if outcome.action == "snooze" and status is Status.PENDING and not snooze_spent(job, outcome):
+    if outcome.action == "snooze" and status is Status.PENDING and not spent:
         return "snoozed"
     if status is Status.DONE:
         return "done"
     if status is Status.DEAD:  # the history's word for a handler's Discard
         return "discarded" if outcome.decided == "discard" else "dead"
-    # pending again, charged: a handler's Retry, or a plain failure (a snooze past the cap too)
+    # pending again, charged: a handler's Retry, or a plain failure (a snooze or release past its cap too)
     return "retried" if outcome.decided == "retry" else "failed"
 
 

@@ -46,6 +46,11 @@ class Status(StrEnum):
     WAITING = "waiting"  # a workflow's job whose parents have not all ended yet (never claimed)
 
 
+#: Every this-many-th release of a job in a row is charged as a failed attempt (Queue.release,
+#: finish_many).
+MAX_RELEASES = 5
+
+
 @dataclass(frozen=True)
 class Job:
     """A job as a drainer holds it after a claim."""
@@ -61,6 +66,7 @@ class Job:
     priority: int = 0
     lease_seconds: float | None = None  # the lease left when the claim returned, by the database's clock
     snoozes: int = 0  # how many times its handler snoozed it so far (FLEETLESS_SNOOZES)
+    releases: int = 0  # its give-backs in a row so far (the MAX_RELEASES-th is charged)
 
     @property
     def payload(self) -> Any:

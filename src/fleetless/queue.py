@@ -30,6 +30,7 @@ from .attempt_totals import DURATION_BUCKETS, bucket_params
 from .graphs import Labels
 from .job import (
     MAX_PAYLOAD_BYTES,
+    MAX_RELEASES,
     Claim,
     Job,
     Outcome,
@@ -63,8 +64,6 @@ RESULT_CUT_MARKER = "\n[fleetless: output cut here; only the first 64 KiB of std
 MAX_ATTEMPTS_CEILING = 1000
 #: A job enqueued without max_attempts: its kind's (fleetless.toml, applied by the claiming drain), else this.
 DEFAULT_MAX_ATTEMPTS = 3
-#: Every this-many-th release of a job in a row is charged as a failed attempt (see ``release``).
-MAX_RELEASES = 5
 #: retry_all_dead runs its statement again when a keyed enqueue committed under it took a key:
 #: this many times at most (each run skips the keys held by then).
 RETRY_ALL_DEAD_TRIES = 10
@@ -1616,7 +1615,7 @@ def _jobs(rows: list[dict[str, Any]]) -> list[Job]:
         Job(id=r["id"], kind=r["kind"], payload_json=r["payload_json"], attempts=r["attempts"],
             max_attempts=r["max_attempts"], claim_token=r["claim_token"],
             timeout_seconds=r["timeout_seconds"], queue=r["queue"], priority=r["priority"],
-            lease_seconds=r["lease_seconds"], snoozes=r["snoozes"])
+            lease_seconds=r["lease_seconds"], snoozes=r["snoozes"], releases=r["releases"])
         for r in rows
     ]
     jobs.sort(key=lambda j: (-j.priority, j.id))

@@ -404,7 +404,7 @@ WHERE j.id = ANY(ARRAY(
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes;
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes, j.releases;
 
 -- name: claimed_with
 -- The rows one claim statement took, found by its token: the reply to a committed claim was lost
@@ -413,7 +413,7 @@ RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attem
 -- levels deep cannot crash a drain).
 SELECT j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
        j.timeout_seconds, j.queue, j.priority,
-       extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes
+       extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes, j.releases
 FROM {schema}.jobs AS j
 WHERE j.status = 'running' AND j.claim_token = %(token)s;
 
@@ -1096,7 +1096,8 @@ SET status = CASE
     locked_at = NULL, lease_expires_at = NULL
 FROM (SELECT u.*, was.attempts AS was_attempts, was.started_at AS was_started_at, was.tier AS was_tier,
              -- a release that is the max_releases-th in a row is charged: it becomes a failure
-             -- so is a snooze past the job's max_snoozes
+             -- so is a snooze past the job's max_snoozes (the drain's report says the same words:
+             -- events.spent_words, from the job's counts at its claim)
              CASE WHEN u.action = 'release' AND was.releases + 1 >= %(max_releases)s THEN 'fail'
                   WHEN u.action = 'snooze' AND was.snoozes >= %(max_snoozes)s THEN 'fail'
                   ELSE u.action END AS act,
@@ -1257,7 +1258,7 @@ WHERE j.id = ANY(ARRAY(
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes
+          extract(epoch FROM j.lease_expires_at - now())::float8 AS lease_seconds, j.snoozes, j.releases
 )
 SELECT * FROM claimed ORDER BY priority DESC, id;
 
@@ -1360,7 +1361,7 @@ WITH t AS (
   )
   RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
             j.timeout_seconds, j.queue, j.priority,
-            extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds, j.snoozes
+            extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds, j.snoozes, j.releases
 ), logged AS (
   INSERT INTO {schema}.kind_starts (kind, started_at)
   SELECT %(kind)s, t.at FROM claimed, t WHERE %(rate)s::int IS NOT NULL
@@ -1472,7 +1473,7 @@ WHERE j.id = ANY(ARRAY(
 ))
 RETURNING j.id, j.kind, j.payload::text AS payload_json, j.attempts, j.max_attempts, j.claim_token,
           j.timeout_seconds, j.queue, j.priority,
-          extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds, j.snoozes
+          extract(epoch FROM j.lease_expires_at - t.at)::float8 AS lease_seconds, j.snoozes, j.releases
 )
 SELECT * FROM claimed ORDER BY priority DESC, id;
 
