@@ -171,12 +171,17 @@ _lock = threading.Lock()
 _wake = threading.Condition(_lock)
 _trees: set[Watched] = set()
 _thread: threading.Thread | None = None
+_idle = False  # the thread waits for a tree to watch (only then does :func:`watch` wake it)
 
 
 def watch(root: int, cap: int, over: Callable[[], None],
           memfds: Callable[[list[int]], int] = memfd_bytes) -> Watched:
     """Watch the processes below ``root``; ``over()`` (once, from the watch's thread) when their
-    resident memory and open memfds (counted by ``memfds``) pass ``cap`` bytes."""
+    resident memory and open memfds (counted by ``memfds``) pass ``cap`` bytes. The first look is
+    the watch's next round, at most :data:`INTERVAL` from now, not at once: the tree's job has only
+    just started, so a look now would see nothing that round will not (a round asks each IPC
+    namespace's System V segments of a Python helper started for it: issue 27, a job shorter than a
+    round starts none; before, every new tree's look at once started one for most short jobs)."""
     global _thread
     w = Watched(root, cap, over, memfds)
     with _lock:
@@ -184,7 +189,8 @@ def watch(root: int, cap: int, over: Callable[[], None],
         if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_run, name="fleetless-memory-watch", daemon=True)
             _thread.start()
-        _wake.notify()
+        elif _idle:
+            _wake.notify()  # it waits for a tree: it waits a round more, then looks
     return w
 
 
@@ -206,10 +212,17 @@ def _held(w: Watched) -> int:
 
 
 def _run() -> None:
+    global _idle
+    with _lock:
+        _wake.wait(INTERVAL)  # (a round after the tree that started it)
     while True:
         with _lock:
             while not _trees:
+                _idle = True
                 _wake.wait()
+                _idle = False
+                if _trees:  # a tree came: its job has only just started
+                    _wake.wait(INTERVAL)
             trees = list(_trees)
         for w in trees:
             if _held(w) > w.cap:
