@@ -9,9 +9,8 @@ their claims back without charging an attempt).
 
 A unit of work is one claim's jobs of one kind in one sandbox (``per_sandbox`` > 1, batch mode)
 or one job (per-job mode); :mod:`fleetless.batch` runs it, :mod:`fleetless.completer` writes its
-outcomes: inline in per-job mode (written with the drain's next claim), batched in batch mode,
-where the drainer also renews the leases of every job it holds with one fenced statement. While
-every slot runs, the next batch (per-job mode: the next job, while jobs are short) is claimed ahead.
+outcomes: inline in per-job mode (written before the slot claims again), batched in batch mode,
+where the drainer also renews the leases of every job it holds with one fenced statement.
 """
 
 from __future__ import annotations
@@ -64,11 +63,6 @@ LIMIT_POLL_SECONDS = 1.0
 #: long, doubling up to UNCLAIMABLE_MAX_SECONDS, instead of at once (a loop of claims and commits).
 UNCLAIMABLE_FIRST_SECONDS = 0.05
 UNCLAIMABLE_MAX_SECONDS = 1.0
-#: Per-job mode: while every slot runs a job and the last job took less than this, the next job is
-#: claimed (with the outcomes that wait) beside them, so the slot that frees first starts it without
-#: a claim's round trip and commit between jobs (issue 27). Never for longer jobs: a job claimed
-#: ahead waits for a slot, and another drainer could have run it meanwhile.
-AHEAD_BELOW_SECONDS = 0.25
 #: The least --lease-grace: the grace pays for creating the sandbox and for tearing it down and
 #: writing the outcome, so that a lease does not expire under a live drainer.
 MIN_LEASE_GRACE = 3.0
@@ -256,8 +250,7 @@ class Drainer:
         self._had_handler: frozenset[str] = frozenset()  # kinds with a handler when the drain started
         self._next_cancel_poll = 0.0
         self._unclaimable = 0.0  # watch mode: the current wait for a due job the claim could not take
-        self._ahead: list[Job] = []  # the next batch (per-job mode: job), claimed while every slot runs
-        self._last_unit: float | None = None  # per-job mode: how long the last unit ran (AHEAD_BELOW_SECONDS)
+        self._ahead: list[Job] = []  # batch mode: the next batch, claimed while every slot runs
         self._written_at_claim = 0  # batch mode: the completer's written count when the last claim was sent
         self._teardown = Teardown(config.concurrency)  # a job's sandbox dies beside its slot's next claim
 
@@ -446,7 +439,6 @@ class Drainer:
         budget_end = started + c.max_runtime if c.max_runtime else None
         idle_since: float | None = None
         next_beat = float("inf")  # the next lease renewal: set by the claims themselves
-        submitted: dict[Future[_Result], float] = {}  # when each running unit was handed to its thread
         while True:
             self._maintenance()  # a no-op until the maintenance interval has passed
             may_claim = (
@@ -479,7 +471,6 @@ class Drainer:
                         if jobs:
                             slot = Slot()
                             fut = pool.submit(self._run_unit, runner, jobs, slot)
-                            submitted[fut] = time.monotonic()
                             # Leases run from the claim, the timeout from the exec: renew within a
                             # third of a lease, so a slow sandbox start or teardown never lets a
                             # lease expire under a live drainer (batch mode: jobs also wait in line).
@@ -489,16 +480,12 @@ class Drainer:
                     if got < want:
                         short = True
                         break
-                if (not short and not self._ahead and not self._limited and len(running) == c.concurrency
-                        and (self._batched or (self._last_unit is not None and self._last_unit < AHEAD_BELOW_SECONDS))):
+                if (not short and self._batched and not self._ahead and not self._limited
+                        and len(running) == c.concurrency):
                     # Every slot busy, more may be due: claim the next batch now, while they run,
                     # so the slot that frees first starts it at once (a claim of thousands of rows
-                    # takes a while; the slot would otherwise stand idle for it). Per-job mode: one
-                    # job, claimed with the outcomes that wait, while the jobs are short.
-                    if self._batched:
-                        units, want = self._claim_batch()
-                    else:
-                        units, want = [self._claimed(self._claim(1, with_outcomes=True))], 1
+                    # takes a while; the slot would otherwise stand idle for it).
+                    units, want = self._claim_batch()
                     self._ahead = units[0]
                     if self._ahead:
                         next_beat = min(next_beat, time.monotonic() + self._lease_beat(self._ahead))
@@ -555,7 +542,6 @@ class Drainer:
             for fut in [f for f in running if f.done()]:
                 result = fut.result()  # a unit that raised stays in running: its claims are given back
                 running.pop(fut)
-                self._last_unit = time.monotonic() - submitted.pop(fut, 0.0)
                 self._record(result)  # per-job mode: written with the next claim, at the loop's top
 
     def _claim_batch(self) -> tuple[list[list[Job]], int]:
@@ -761,9 +747,8 @@ class Drainer:
         return self.config.lease_grace + max(b.overhead_seconds for b in self._backends.values())
 
     def _record(self, result: _Result) -> None:
-        """A unit's outcomes go to the completer. In per-job mode the loop writes them with its next
-        claim, in its transaction (the next job's, or the one it claims ahead), or alone when it
-        claims nothing."""
+        """A unit's outcomes go to the completer. In per-job mode the loop writes them before its
+        slot claims again: with that claim, in its transaction, or alone when it claims nothing."""
         outcomes, fatal = result
         for job, outcome in outcomes:
             self._completer.add(job, outcome)
