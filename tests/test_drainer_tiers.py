@@ -104,3 +104,39 @@ def test_sigkill_of_a_bwrap_drainer_leaves_no_process_and_the_next_drain_sweeps_
     leftovers = [e for base in bases if base.is_dir() for e in base.iterdir()
                  if cgroups._owner_pid(e.name) == proc.pid]
     assert leftovers == []  # the next drain swept the dead drainer's cgroups
+
+
+def test_sigkill_of_a_per_job_drainer_charges_only_the_job_it_was_running(
+        dsn: str, queue: Queue, handlers, sql, private_workdir: Path) -> None:
+    """guarantees.md: a kill costs at most the drainer's concurrency in attempts. A per-job drain
+    holds no job it has not started (a job claimed ahead of a free slot, as 541b5f4 did for short
+    jobs, was charged by the reaper though it never ran: dead at once with max_attempts 1)."""
+    kind = f"slow{os.getpid()}x"
+    h = handlers(**{"quick.py": "print('ok')", f"{kind}.py": "import time; time.sleep(600)"})
+    first = [int(queue.enqueue("quick", {})) for _ in range(3)]
+    slow = queue.enqueue(kind, {}, timeout=3)
+    after = queue.enqueue("quick", {}, max_attempts=1)
+    env = {**os.environ, "DATABASE_URL": dsn, "FLEETLESS_WORKDIR": str(private_workdir)}
+    proc = subprocess.Popen([sys.executable, "-m", "fleetless.cli", "drain", "--handlers", str(h),
+                             "--sandbox", "process", "--concurrency", "1", "--lease-grace", "3"], env=env,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: pids_with(f"{kind}.py"), timeout=60, what="the slow job to start")
+        # A drain that claims ahead does so within a loop turn of starting the slow job: watch a
+        # while for the job behind it to be claimed (it must not be), then kill the drainer.
+        with pytest.raises(AssertionError):
+            wait_for(lambda: sql("SELECT status FROM fleetless.jobs WHERE id = %s", after) != [("pending",)],
+                     timeout=1.5, what="the job behind the slow one to stay pending")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    wait_for(lambda: not pids_with(f"{kind}.py"), timeout=30, what="the slow job's tree to end with its drainer")
+    wait_for(lambda: sql("SELECT bool_and(lease_expires_at < now()) FROM fleetless.jobs WHERE status = 'running'")
+             in ([(True,)], [(None,)]), timeout=60, what="the killed drainer's leases to run out")
+    reaped = subprocess.run([sys.executable, "-m", "fleetless.cli", "reap"], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert reaped.returncode == 0, reaped.stderr
+    rows = {r[0]: r[1:] for r in sql("SELECT id, status, attempts FROM fleetless.jobs")}
+    assert [rows[j] for j in first] == [("done", 1)] * 3
+    assert rows[slow] == ("pending", 1)  # the one job it was running: charged, due again
+    assert rows[after] == ("pending", 0)  # never started: never charged
