@@ -5,16 +5,20 @@ finish."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import asyncpg
 import psycopg
 import pytest
+from test_workflows import _blocked_behind
 
 import fleetless.queue as queue_module
 from fleetless import AsyncQueue, Queue, WaitTimeout
 from fleetless.async_queue import asyncpg_dsn
 from fleetless.queue import DuplicateJob
+
+from proctools import wait_for
 
 DRIVERS = ["psycopg", "asyncpg"]
 
@@ -210,3 +214,39 @@ def test_attempts_reads_the_history_in_its_words(queue: Queue, dsn: str, sql: An
     assert [(r["attempt"], r["outcome"], r["snooze"]) for r in rows] == [
         (1, "failed", None), (2, "retried", None), (3, "snoozed", 1), (3, "failed", None)], rows
     assert rows == queue.attempts(job) and none == []
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_two_async_enqueues_joining_the_same_two_graphs_at_once_take_turns(queue: Queue, dsn: str, sql: Any,
+                                                                          driver: str) -> None:
+    """As test_workflows.py::test_two_enqueues_joining_the_same_two_graphs_at_once_take_turns, on
+    AsyncQueue: the second join waits for the first's graph_joins slots, not a deadlock."""
+    a = queue.enqueue("echo", {})
+    a1 = queue.enqueue("echo", {}, after=[a])
+    b = queue.enqueue("echo", {})
+    b1 = queue.enqueue("echo", {}, after=[b])
+    out: list[Any] = []
+
+    def join(after: list[int]) -> threading.Thread:
+        async def main() -> None:
+            try:
+                out.append(await AsyncQueue(dsn, driver=driver).enqueue("echo", {}, after=after))
+            except Exception as exc:
+                out.append(exc)
+        t = threading.Thread(target=asyncio.run, args=(main(),))
+        t.start()
+        return t
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR SHARE", (b1,))
+        pid = holder.info.backend_pid
+        one = join([a, b])
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 1, what="the first join's relabel waiting for b1")
+        two = join([a1, b1])
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 2, what="the second join waiting too")
+        holder.rollback()
+    one.join(30)
+    two.join(30)
+    assert all(isinstance(x, int) for x in out) and len(out) == 2, out
+    rows = dict(sql("SELECT id, graph_id FROM fleetless.jobs WHERE id = ANY(%s)", [a1, b, b1, *out]))
+    assert set(rows.values()) == {a}

@@ -64,6 +64,7 @@ def drain_cli(dsn: str, h: Path, *args: str) -> subprocess.CompletedProcess[str]
     "LOCK TABLE fleetless.migrations IN ACCESS EXCLUSIVE MODE",
     "SELECT 1 FROM fleetless.jobs FOR UPDATE",
     "SELECT 1 FROM fleetless.watchers FOR UPDATE",
+    "SELECT 1 FROM fleetless.graph_joins FOR UPDATE",
     "LOCK TABLE fleetless.watchers IN ACCESS EXCLUSIVE MODE",
     "INSERT INTO fleetless.watchers VALUES ('*', 'x', now() + interval '1 year', 1e9)",
 ])

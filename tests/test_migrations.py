@@ -93,7 +93,7 @@ def test_migration_28_labels_the_workflow_graphs_written_before_it(dsn: str) -> 
         c.execute("INSERT INTO fleetless.job_dependencies (parent_id, child_id)"
                   " VALUES (5, 6), (1, 2), (3, 4), (2, 3), (4, 5), (7, 9), (8, 9), (11, 12)")
     q = Queue(dsn)
-    assert q.init() == [28]
+    assert q.init() == list(range(28, db.latest_migration() + 1))
     q.close()
     with psycopg.connect(dsn) as c:
         labels = c.execute("SELECT id, graph_id FROM fleetless.jobs ORDER BY id").fetchall()

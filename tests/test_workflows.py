@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fleetless import Queue
+from fleetless import Enqueued, Queue
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.queue import DuplicateJob
 
@@ -792,3 +792,29 @@ def test_retention_probes_a_graph_and_never_walks_it(queue: Queue, dsn: str, sql
     assert queue.prune_batch({"done": 86400.0}, limit=500) == 500
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", held) == [(2000,)]
     assert sql("SELECT min(id) FROM fleetless.jobs WHERE id = ANY(%s)", free) == [(free[500],)]
+
+
+def test_two_enqueues_joining_the_same_two_graphs_at_once_take_turns(queue: Queue, dsn: str, sql: SQL) -> None:
+    """Two enqueues whose children join graphs A and B at the same moment each held a share lock
+    on a parent that the other's relabel of B rewrote: a deadlock, which PostgreSQL broke by
+    aborting one (DatabaseUnavailable, the enqueue lost). A third session's share lock on a job
+    of B holds the first relabel after its share locks until the second has taken its own; with
+    the joins' graph_joins slots, the second waits for the first's instead, and both commit."""
+    a = queue.enqueue("echo", {})
+    a1 = queue.enqueue("echo", {}, after=[a])
+    b = queue.enqueue("echo", {})
+    b1 = queue.enqueue("echo", {}, after=[b])
+    first: list[Any] = []
+    second: list[Any] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR SHARE", (b1,))
+        pid = holder.info.backend_pid
+        one = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[a, b]), first)
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 1, what="the first join's relabel waiting for b1")
+        two = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[a1, b1]), second)
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 2, what="the second join waiting too")
+        holder.rollback()
+    one.join(30)
+    two.join(30)
+    assert [type(x) for x in first + second] == [Enqueued, Enqueued], first + second
+    assert _labels(sql, a, a1, b, b1, *first, *second) == [a] * 6

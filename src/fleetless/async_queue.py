@@ -52,6 +52,10 @@ __all__ = ["AsyncQueue"]
 AnyConnection = Any
 
 
+class _StartOver(Exception):
+    """Rolls a savepoint back to take its locks again (AsyncQueue._read_labels)."""
+
+
 def _is_asyncpg(conn: object) -> bool:
     return type(conn).__module__.startswith("asyncpg")
 
@@ -178,14 +182,38 @@ class AsyncQueue:
         found: dict[int, int] = {}
         ids = labels.unread()
         if ids:
-            await self._execute(conn, "graph_label_fresh", {"ids": ids})
-            found = {r["id"]: r["graph_id"] for r in await self._execute(conn, "graph_labels", {"ids": ids})
-                     if r["graph_id"] is not None}
+            found = await self._read_labels(conn, labels, ids)
         relabel, assign = labels.step(found, children)
         while relabel["old"] and (await self._execute(conn, "graph_relabel", relabel))[0]["n"]:
             pass  # again, with a new snapshot: a child another enqueue added meanwhile
         await self._execute(conn, "graph_label_set", assign)
         await self._execute(conn, "settle_children", {"ids": children, "channel": self.channel})
+
+    async def _read_labels(self, conn: AnyConnection, labels: Labels, ids: list[int]) -> dict[int, int]:
+        """As :meth:`Queue._read_labels`: a join locks its graphs' slots first, in order, and
+        starts over (a savepoint rolled back) should one have joined another meanwhile."""
+        slots: list[int] = []
+        if labels.may_join(ids):
+            peek = await self._execute(conn, "graph_labels_peek", {"ids": ids})
+            slots = labels.join_slots({r["id"]: r["graph_id"] for r in peek})
+        while slots:
+            try:
+                async with conn.transaction():
+                    await self._execute(conn, "graph_join_lock", {"slots": slots})
+                    found = await self._locked_labels(conn, ids)
+                    more = set(labels.join_slots(found)) - set(slots)
+                    if not more:
+                        return found
+                    slots = sorted({*slots, *more})
+                    raise _StartOver  # this savepoint's locks go back
+            except _StartOver:
+                pass
+        return await self._locked_labels(conn, ids)  # one graph: it stays one (graphs only ever merge)
+
+    async def _locked_labels(self, conn: AnyConnection, ids: list[int]) -> dict[int, int]:
+        await self._execute(conn, "graph_label_fresh", {"ids": ids})
+        return {r["id"]: r["graph_id"] for r in await self._execute(conn, "graph_labels", {"ids": ids})
+                if r["graph_id"] is not None}
 
     async def _enqueue_keyed_after(self, conn: AnyConnection, params: dict[str, Any], labels: Labels) -> Enqueued:
         """As :meth:`Queue._enqueue_keyed_after`: a keyed child, or the job holding its key."""

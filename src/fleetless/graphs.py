@@ -8,11 +8,19 @@ here; once its jobs are written, :meth:`Labels.step` says what to write in the s
 transaction: the labels of the call's own jobs, and the relabelling of the existing graphs a new
 child joined together (their larger labels become the smallest). Queue and AsyncQueue run the
 statements, each on its own driver.
+
+A call that joins two or more graphs first locks each one's row of ``graph_joins`` (migration 029;
+:meth:`Labels.join_slots` says which), in slot order, before it locks any job of them: two joins
+of a common graph take turns instead of each holding a share lock on a job the other relabels (a
+deadlock). Calls that join nothing lock no slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+
+#: The rows of graph_joins (migration 029): a graph's slot is its label modulo this.
+JOIN_SLOTS = 1024
 
 
 class Labels:
@@ -66,6 +74,23 @@ class Labels:
         ids = sorted(j for j in self._up if j not in self._children and j not in self._own and j not in self._read)
         self._read.update(ids)
         return ids
+
+    def may_join(self, ids: Sequence[int]) -> bool:
+        """Whether reading these parents' labels could show a join: more than one graph among them
+        and the call's labelled graphs. A single parent of a call that has none (a chain's or a
+        fan-out's enqueue) joins nothing, and costs no read to say so."""
+        return len(ids) + len(self._stored) > 1
+
+    def join_slots(self, read: Mapping[int, int | None]) -> list[int]:
+        """Given these parents' labels (id -> graph_id; None, in no graph yet: it will be its own),
+        the graph_joins slots to lock, in order, before locking any of them: those of every graph
+        the call's graph joins to another (its stored labels count); empty when it joins none."""
+        graphs: dict[int, set[int]] = {}
+        for label in self._stored:
+            graphs.setdefault(self._find(label), set()).add(label)
+        for job_id, read_label in read.items():
+            graphs.setdefault(self._find(job_id), set()).add(job_id if read_label is None else read_label)
+        return sorted({label % JOIN_SLOTS for labels in graphs.values() if len(labels) > 1 for label in labels})
 
     def step(self, found: Mapping[int, int], children: Sequence[int]) -> tuple[dict[str, list[int]],
                                                                             dict[str, list[int]]]:

@@ -578,14 +578,37 @@ class Queue:
             found: dict[int, int] = {}
             ids = labels.unread()
             if ids:
-                cur.execute(self._q["graph_label_fresh"], {"ids": ids})
-                found = {i: g for i, g in cur.execute(self._q["graph_labels"], {"ids": ids}).fetchall()
-                         if g is not None}
+                found = self._read_labels(conn, cur, labels, ids)
             relabel, assign = labels.step(found, children)
             while relabel["old"] and _count(cur.execute(self._q["graph_relabel"], relabel).fetchone()):
                 pass  # again, with a new snapshot: a child another enqueue added meanwhile
             cur.execute(self._q["graph_label_set"], assign)
             cur.execute(self._q["settle_children"], {"ids": children, "channel": self.channel})
+
+    def _read_labels(self, conn: psycopg.Connection[Any], cur: psycopg.Cursor[Any], labels: Labels,
+                     ids: list[int]) -> dict[int, int]:
+        """The parents' labels, read under a share lock (graph_labels) after those in no graph
+        are given their own (graph_label_fresh). A call that joins graphs first locks their slots
+        (graph_join_lock, fleetless.graphs); should a graph have joined another meanwhile (its
+        label moved to one whose slot is not held), the locks go back (a savepoint) and it starts
+        over with that slot too, so slots are always taken in order."""
+        slots: list[int] = []
+        if labels.may_join(ids):
+            slots = labels.join_slots(dict(cur.execute(self._q["graph_labels_peek"], {"ids": ids}).fetchall()))
+        while slots:
+            with conn.transaction():
+                cur.execute(self._q["graph_join_lock"], {"slots": slots})
+                found = self._locked_labels(cur, ids)
+                more = set(labels.join_slots(found)) - set(slots)
+                if not more:
+                    return found
+                slots = sorted({*slots, *more})
+                raise psycopg.Rollback()  # this savepoint's locks go back
+        return self._locked_labels(cur, ids)  # one graph: it stays one (graphs only ever merge)
+
+    def _locked_labels(self, cur: psycopg.Cursor[Any], ids: list[int]) -> dict[int, int]:
+        cur.execute(self._q["graph_label_fresh"], {"ids": ids})
+        return {i: g for i, g in cur.execute(self._q["graph_labels"], {"ids": ids}).fetchall() if g is not None}
 
     def _enqueue_keyed(self, conn: psycopg.Connection[Any], params: dict[str, Any]) -> Enqueued:
         for _ in range(5):  # a duplicate committed after the statement's snapshot: look again

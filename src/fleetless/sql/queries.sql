@@ -203,6 +203,18 @@ WITH locked AS (
 )
 SELECT s.id, s.status FROM settled s, notified;
 
+-- name: graph_labels_peek
+-- An enqueue's parents' graph labels, read without a lock (NULL: in no graph yet), only to tell
+-- whether the call joins two or more graphs and which graph_joins slots it must lock first
+-- (fleetless.graphs.Labels.join_slots); graph_labels reads them again under its lock.
+SELECT id, graph_id FROM {schema}.jobs WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: graph_join_lock
+-- An enqueue that joins graphs: the slots of every graph it joins (migration 029), locked in
+-- slot order before any job of those graphs is locked, so joins of a common graph take turns
+-- (two at once held share locks on jobs the other relabelled: a deadlock).
+SELECT slot FROM {schema}.graph_joins WHERE slot = ANY(%(slots)s::int[]) ORDER BY slot FOR UPDATE;
+
 -- name: graph_label_fresh
 -- The graph labels (jobs.graph_id, migration 028) of an enqueue's parents written before this
 -- call that are in no graph yet: each becomes a graph of its own (its own id), before any of them
