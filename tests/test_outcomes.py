@@ -215,14 +215,16 @@ def test_a_retry_on_the_last_attempt_is_dead_and_a_default_retry_backs_off(
 def test_a_retry_on_the_last_attempt_says_no_attempts_are_left_wherever_the_error_is_shown(
         queue: Queue, dsn: str, sql: SQL, handlers: Callable[..., Path], fleetless: Callable[..., Any]) -> None:
     """The dead job's error does not read as a retry to come: it begins "no attempts left (N/N); " in
-    the table, `jobs --status dead`, `wait` and the job page, which shows it once (its history row
-    keeps the request as the handler made it)."""
+    the table, the drain's line and event, `jobs --status dead`, `wait` and the job page, which
+    shows it once (its history row keeps the request as the handler made it)."""
     h = handlers(**{"mod.py": MODULE, "scr.py": SCRIPT})
     mod, scr = (queue.enqueue(kind, {"do": "retry"}, max_attempts=1) for kind in ("mod", "scr"))
-    _drain(dsn, h, "process", 1)
+    r = fleetless("--log-format", "json", "-v", "drain", "--handlers", str(h), "--sandbox", "process", dsn=dsn)
+    events = {e["id"]: e for e in map(json.loads, r.stderr.splitlines()) if e.get("event") == "job_finished"}
     heads = {mod: "no attempts left (1/1); retry requested in 1000 s: 429 from upstream",
              scr: "no attempts left (1/1); retry requested in 1000 s (exit code 92): 429 from upstream"}
     for job_id, head in heads.items():
+        assert (events[job_id]["outcome"], events[job_id]["error_head"]) == ("dead", head), events  # the drain's line
         got = _row(sql, job_id)
         assert (got["status"], got["error"].splitlines()[0]) == ("dead", head), got
         assert got["history"][0][3].splitlines()[0] == head.removeprefix("no attempts left (1/1); "), got

@@ -735,6 +735,8 @@ class Drainer:
             error = f"{CANCELLED}; its attempt ended: {error}"  # as the table's last_error says (queries.sql)
         elif what in ("failed", "dead") and (spent := spent_words(job, outcome)) is not None:
             error = spent + (error or "")  # likewise (a snooze or a release past its cap: charged)
+        elif what == "dead" and outcome.decided == "retry" and not outcome.permanent:
+            error = f"no attempts left ({job.attempts}/{job.max_attempts}); {error or ''}"  # likewise (finish_many)
         self.reporter.finished(JobFinished(
             id=job.id, kind=job.kind, queue=job.queue, attempt=job.attempts, outcome=what,
             duration=time.monotonic() - started if started is not None else 0.0,
