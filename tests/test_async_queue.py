@@ -14,7 +14,7 @@ import pytest
 from test_workflows import _blocked_behind
 
 import fleetless.queue as queue_module
-from fleetless import AsyncQueue, Queue, WaitTimeout
+from fleetless import AsyncQueue, Queue, WaitTimeout, db
 from fleetless.async_queue import asyncpg_dsn
 from fleetless.queue import DuplicateJob
 
@@ -250,3 +250,42 @@ def test_two_async_enqueues_joining_the_same_two_graphs_at_once_take_turns(queue
     assert all(isinstance(x, int) for x in out) and len(out) == 2, out
     rows = dict(sql("SELECT id, graph_id FROM fleetless.jobs WHERE id = ANY(%s)", [a1, b, b1, *out]))
     assert set(rows.values()) == {a}
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_a_deadlock_that_aborts_an_async_enqueue_says_so_and_to_retry(queue: Queue, dsn: str, sql: Any,
+                                                                      driver: str) -> None:
+    """As test_workflows.py::test_a_deadlock_that_aborts_an_enqueue_says_so_and_to_retry, on both
+    drivers: asyncpg's said 'database: deadlock detected' with its DETAIL lines, psycopg's
+    'database unavailable: deadlock detected'."""
+    p = queue.enqueue("echo", {})
+    q = queue.enqueue("echo", {})
+
+    async def main() -> None:
+        conn = await _connect(driver, dsn)
+        aq = AsyncQueue(dsn, driver=driver)
+        tx = conn.transaction() if driver == "asyncpg" else None
+        if tx is not None:
+            await tx.start()
+        with psycopg.connect(dsn) as other:
+            try:
+                await aq.enqueue("echo", {}, after=[p], conn=conn)  # p FOR SHARE until the transaction ends
+                pid = await conn.fetchval("SELECT pg_backend_pid()") if tx is not None else conn.info.backend_pid
+                other.execute("SET deadlock_timeout = '1min'")  # the app's session is the one that breaks it
+                other.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR UPDATE", (q,))
+                updating = threading.Thread(target=other.execute,
+                                            args=("UPDATE fleetless.jobs SET priority = 1 WHERE id = %s", (p,)))
+                updating.start()
+                await asyncio.to_thread(wait_for, lambda: _blocked_behind(sql, pid),
+                                        what="the update waiting for the app's lock")
+                with pytest.raises(db.TransactionConflict) as raised:
+                    await aq.enqueue("echo", {}, after=[q], conn=conn)
+                assert str(raised.value) == "deadlock detected: retry the transaction"
+            finally:
+                await (tx.rollback() if tx is not None else conn.rollback())
+                await conn.close()
+            updating.join(30)
+            other.commit()
+
+    asyncio.run(main())
+    assert sql("SELECT priority FROM fleetless.jobs WHERE id = %s", p) == [(1,)]

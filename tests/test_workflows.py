@@ -12,7 +12,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from fleetless import Enqueued, Queue
+from fleetless import Enqueued, Queue, db
 from fleetless.drainer import DrainConfig, Drainer
 from fleetless.queue import DuplicateJob
 
@@ -818,3 +818,31 @@ def test_two_enqueues_joining_the_same_two_graphs_at_once_take_turns(queue: Queu
     two.join(30)
     assert [type(x) for x in first + second] == [Enqueued, Enqueued], first + second
     assert _labels(sql, a, a1, b, b1, *first, *second) == [a] * 6
+
+
+def test_a_deadlock_that_aborts_an_enqueue_says_so_and_to_retry(queue: Queue, dsn: str, sql: SQL) -> None:
+    """A deadlock PostgreSQL breaks by aborting an enqueue (here: the app's transaction holds a
+    parent FOR SHARE, another session waits to update it while holding the next parent) was
+    DatabaseUnavailable, 'database unavailable: deadlock detected', as if the server were away:
+    now TransactionConflict, one line that says what happened and what to do (still a
+    DatabaseUnavailable, so what retried it before retries it)."""
+    p = queue.enqueue("echo", {})
+    q = queue.enqueue("echo", {})
+    with psycopg.connect(dsn) as app, psycopg.connect(dsn) as other:
+        queue.enqueue("echo", {}, after=[p], conn=app)  # p FOR SHARE until the app's transaction ends
+        other.execute("SET deadlock_timeout = '1min'")  # the app's session is the one that breaks it
+        other.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR UPDATE", (q,))
+        updating = threading.Thread(target=other.execute,
+                                    args=("UPDATE fleetless.jobs SET priority = 1 WHERE id = %s", (p,)))
+        updating.start()
+        try:
+            wait_for(lambda: _blocked_behind(sql, app.info.backend_pid), what="the update waiting for the app's lock")
+            with pytest.raises(db.TransactionConflict) as raised:
+                queue.enqueue("echo", {}, after=[q], conn=app)
+        finally:
+            app.rollback()
+            updating.join(30)
+        assert str(raised.value) == "deadlock detected: retry the transaction"
+        assert isinstance(raised.value, db.DatabaseUnavailable)
+        other.commit()
+    assert sql("SELECT priority FROM fleetless.jobs WHERE id = %s", p) == [(1,)]

@@ -128,8 +128,10 @@ class AsyncQueue:
                     f"schema {self.schema} is not initialised: run 'fleetless init'") from exc
             except (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError) as exc:
                 raise db.ValueNotStorable(f"database refused a value: {exc}") from exc
+            except asyncpg.TransactionRollbackError as exc:  # a deadlock, a serialization failure
+                raise db.TransactionConflict(f"{db._first_line(exc)}: retry the transaction") from exc
             except asyncpg.PostgresError as exc:
-                raise db.DatabaseError(f"database: {exc}") from exc
+                raise db.DatabaseError(f"database: {db._first_line(exc)}") from exc
             return [dict(r) for r in rows]
         with db.errors_translated(self.schema):
             async with conn.cursor(row_factory=dict_row) as cur:

@@ -22,6 +22,7 @@ __all__ = [
     "LockTimeout",
     "PoolerError",
     "SchemaNotInitialised",
+    "TransactionConflict",
     "ValueNotStorable",
     "atomic",
     "connect",
@@ -54,6 +55,14 @@ class DatabaseError(RuntimeError):
 
 class DatabaseUnavailable(DatabaseError, ConnectionError):
     """The connection is lost, refused or was terminated: the same call may work after a retry."""
+
+
+class TransactionConflict(DatabaseUnavailable):
+    """PostgreSQL aborted the transaction to break a deadlock or a serialization conflict with
+    another session (SQLSTATE class 40): the connection is fine, the transaction is lost; run it
+    again from its start. Said as ``deadlock detected: retry the transaction``. A
+    DatabaseUnavailable, so that what retries those (the drain's own writes, an app's retry loop)
+    retries this as before; its name and line no longer call it an outage."""
 
 
 class SchemaNotInitialised(DatabaseError):
@@ -108,6 +117,8 @@ def errors_translated(schema: str = DEFAULT_SCHEMA) -> Iterator[None]:
     except (psycopg.errors.InsufficientPrivilege, psycopg.errors.ReadOnlySqlTransaction) as exc:
         raise CannotWrite(f"database: {_first_line(exc)}") from exc
     except psycopg.OperationalError as exc:  # includes terminated backends and admin shutdown
+        if (exc.sqlstate or "").startswith("40"):  # a deadlock (40P01), a serialization failure (40001)
+            raise TransactionConflict(f"{_first_line(exc)}: retry the transaction") from exc
         raise DatabaseUnavailable(f"database unavailable: {_first_line(exc)}") from exc
     except psycopg.errors.UndefinedTable as exc:
         if f'"{schema}.jobs"' in str(exc):
