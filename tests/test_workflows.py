@@ -846,3 +846,31 @@ def test_a_deadlock_that_aborts_an_enqueue_says_so_and_to_retry(queue: Queue, ds
         assert isinstance(raised.value, db.DatabaseUnavailable)
         other.commit()
     assert sql("SELECT priority FROM fleetless.jobs WHERE id = %s", p) == [(1,)]
+
+
+def test_a_child_of_two_jobs_of_a_graph_and_a_join_of_that_graph_at_once_do_not_deadlock(
+        queue: Queue, dsn: str, sql: SQL) -> None:
+    """An enqueue of a child of q1 and q2 (one graph: it joins nothing) share-locks them in id
+    order; a join relabelling their graph at the same moment locked its jobs in the order its plan
+    met them (q2 first: q1's row was written again since). Each then waited for the other. A third
+    session's share lock on q1 holds the relabel between the two."""
+    a = queue.enqueue("echo", {})
+    queue.enqueue("echo", {}, after=[a])
+    b = queue.enqueue("echo", {})
+    q1 = queue.enqueue("echo", {}, after=[b])
+    q2 = queue.enqueue("echo", {}, after=[b])
+    sql("UPDATE fleetless.jobs SET priority = 1 WHERE id = %s", q1)  # q1's row now after q2's
+    joined: list[Any] = []
+    child: list[Any] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.jobs WHERE id = %s FOR SHARE", (q1,))
+        pid = holder.info.backend_pid
+        joining = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[a, b]), joined)
+        wait_for(lambda: len(_blocked_behind(sql, pid)) == 1, what="the relabel waiting for q1")
+        adding = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[q1, q2]), child)
+        wait_for(lambda: child or len(_blocked_behind(sql, pid)) == 2, what="the child written or waiting")
+        holder.rollback()
+    joining.join(30)
+    adding.join(30)
+    assert [type(x) for x in joined + child] == [Enqueued, Enqueued], joined + child
+    assert set(_labels(sql, b, q1, q2, *joined, *child)) == {a}

@@ -235,10 +235,18 @@ SELECT id, graph_id FROM {schema}.jobs WHERE id = ANY(%(ids)s::bigint[]) ORDER B
 -- another enqueue added to an old graph while this one waited for its lock on that enqueue's
 -- parent committed after this statement's snapshot, and the next run (a new snapshot) sees it;
 -- an enqueue that comes later waits for this transaction's row locks and reads the new label.
-WITH moved AS (
-  UPDATE {schema}.jobs AS j SET graph_id = x.new
-  FROM unnest(%(old)s::bigint[], %(new)s::bigint[]) AS x(old, new)
-  WHERE j.graph_id = x.old
+-- The jobs are locked first in id order, as graph_labels and settle_children lock parents: an
+-- enqueue of a child of two jobs of the graph (it joins nothing, so takes no graph_joins slot)
+-- holding the first FOR SHARE while waiting for the second, which an UPDATE in its plan's order
+-- had locked before reaching the first, deadlocked with it
+-- (test_workflows.py::test_a_child_of_two_jobs_of_a_graph_and_a_join_of_that_graph_at_once_do_not_deadlock).
+WITH locked AS (
+  SELECT j.id, x.new FROM {schema}.jobs AS j
+  JOIN unnest(%(old)s::bigint[], %(new)s::bigint[]) AS x(old, new) ON j.graph_id = x.old
+  ORDER BY j.id FOR NO KEY UPDATE OF j
+), moved AS (
+  UPDATE {schema}.jobs AS j SET graph_id = l.new FROM locked l
+  WHERE j.id = l.id
   RETURNING 1
 )
 SELECT count(*) AS n FROM moved;
