@@ -289,3 +289,37 @@ def test_a_deadlock_that_aborts_an_async_enqueue_says_so_and_to_retry(queue: Que
 
     asyncio.run(main())
     assert sql("SELECT priority FROM fleetless.jobs WHERE id = %s", p) == [(1,)]
+
+
+@pytest.mark.parametrize("driver", DRIVERS)
+def test_an_async_join_whose_graph_joined_another_meanwhile_takes_that_graphs_slot_too(
+        queue: Queue, dsn: str, sql: Any, driver: str) -> None:
+    """As test_workflows.py::test_a_join_whose_graph_joined_another_meanwhile_takes_that_graphs_slot_too,
+    on AsyncQueue: the savepoint given back and the slots taken again, on both drivers."""
+    from fleetless.graphs import JOIN_SLOTS
+
+    a = queue.enqueue("echo", {})
+    queue.enqueue("echo", {}, after=[a])
+    b = queue.enqueue("echo", {})
+    b1 = queue.enqueue("echo", {}, after=[b])
+    c = queue.enqueue("echo", {})
+    c1 = queue.enqueue("echo", {}, after=[c])
+    out: list[Any] = []
+
+    async def main() -> None:
+        try:
+            out.append(await AsyncQueue(dsn, driver=driver).enqueue("echo", {}, after=[b1, c1]))
+        except Exception as exc:
+            out.append(exc)
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.graph_joins WHERE slot = %s FOR UPDATE", (c % JOIN_SLOTS,))
+        joining = threading.Thread(target=asyncio.run, args=(main(),))
+        joining.start()
+        wait_for(lambda: _blocked_behind(sql, holder.info.backend_pid), what="the join waiting for C's slot")
+        holder.execute("UPDATE fleetless.jobs SET graph_id = %s WHERE graph_id = %s", (a, c))
+        holder.commit()
+    joining.join(30)
+    assert len(out) == 1 and isinstance(out[0], int), out
+    rows = dict(sql("SELECT id, graph_id FROM fleetless.jobs WHERE id = ANY(%s)", [b, b1, c, c1, out[0]]))
+    assert set(rows.values()) == {a}

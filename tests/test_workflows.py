@@ -874,3 +874,29 @@ def test_a_child_of_two_jobs_of_a_graph_and_a_join_of_that_graph_at_once_do_not_
     adding.join(30)
     assert [type(x) for x in joined + child] == [Enqueued, Enqueued], joined + child
     assert set(_labels(sql, b, q1, q2, *joined, *child)) == {a}
+
+
+def test_a_join_whose_graph_joined_another_meanwhile_takes_that_graphs_slot_too(
+        queue: Queue, dsn: str, sql: SQL) -> None:
+    """An enqueue joining graphs B and C read their labels, then waited for C's graph_joins slot;
+    meanwhile C joined A (here by hand, as a join does: C's slot held, C's jobs relabelled). It
+    finds its parent in A, whose slot it does not hold: it gives its locks back (a savepoint) and
+    takes A's, B's and C's in order, then joins A and B."""
+    from fleetless.graphs import JOIN_SLOTS
+
+    a = queue.enqueue("echo", {})
+    queue.enqueue("echo", {}, after=[a])
+    b = queue.enqueue("echo", {})
+    b1 = queue.enqueue("echo", {}, after=[b])
+    c = queue.enqueue("echo", {})
+    c1 = queue.enqueue("echo", {}, after=[c])
+    out: list[Any] = []
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT FROM fleetless.graph_joins WHERE slot = %s FOR UPDATE", (c % JOIN_SLOTS,))
+        joining = _in_thread(dsn, lambda q: q.enqueue("echo", {}, after=[b1, c1]), out)
+        wait_for(lambda: _blocked_behind(sql, holder.info.backend_pid), what="the join waiting for C's slot")
+        holder.execute("UPDATE fleetless.jobs SET graph_id = %s WHERE graph_id = %s", (a, c))
+        holder.commit()
+    joining.join(30)
+    assert [type(x) for x in out] == [Enqueued], out
+    assert set(_labels(sql, b, b1, c, c1, *out)) == {a}
