@@ -161,7 +161,7 @@ def test_a_scrape_beside_an_unfolded_history_reads_a_bounded_tail_and_folds_a_bo
     assert_reads_little(root, most=STEP_FOLD_BATCH)
 
 
-AGES = {"done": 7 * 86400.0, "cancelled": 7 * 86400.0, "dead": 30 * 86400.0, "limit": 500, **BOUNDS}
+AGES = {"done": 7 * 86400.0, "cancelled": 7 * 86400.0, "dead": 30 * 86400.0, "limit": 500, "graphs": [], **BOUNDS}
 
 
 def test_a_retention_pass_with_nothing_due_reads_no_finished_rows(big: Queue) -> None:

@@ -763,12 +763,29 @@ def _plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(n for child in node.get("Plans", []) for n in _plan_nodes(child))]
 
 
+def _read(node: dict[str, Any]) -> int:
+    """Rows a plan node looked at: those it returned and those its filter removed, every loop."""
+    return int((node.get("Actual Rows", 0) + node.get("Rows Removed by Filter", 0)) * node.get("Actual Loops", 1))
+
+
+def _prune_plan(queue: Queue, dsn: str, ages: dict[str, float | None], graphs: list[int]) -> dict[str, Any]:
+    """EXPLAIN ANALYZE of one retention pass's statement (500 rows, the graphs given), rolled back."""
+    from fleetless.attempt_totals import DURATION_BUCKETS, bucket_params
+    params = {"done": None, "cancelled": None, "dead": None, **ages, "limit": 500, "graphs": graphs,
+              **bucket_params([float(b) for b in DURATION_BUCKETS])}
+    with psycopg.connect(dsn) as c:
+        (plan,) = c.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queue._q["prune_batch"], params).fetchone()
+        c.rollback()
+    return plan[0]["Plan"]  # type: ignore[no-any-return]
+
+
 def test_retention_probes_a_graph_and_never_walks_it(queue: Queue, dsn: str, sql: SQL) -> None:
     """Retention beside two old chains of 2,000 done jobs, the older one held by one job still
-    waiting: the pass skips the held graph's jobs and deletes 500 of the other's, each job's check a
-    few probes of jobs_graph_idx that stop at their first entry (EXPLAIN ANALYZE), not a read of its
-    graph (2,000 rows for each of 2,000 jobs)."""
-    from fleetless.attempt_totals import DURATION_BUCKETS, bucket_params
+    waiting: the pass checks each graph once, a few probes of jobs_graph_idx that stop at their
+    first entry (EXPLAIN ANALYZE), not once per job (2,000 probes for the held chain before), and
+    deletes 500 of the free chain's jobs; the run's next passes go on with that chain from where
+    the pass left off, until only the held chain is left."""
+    from fleetless.maintenance import pruner
     # written as drains would have left them (inserted so: no dead row versions for the probes to
     # step over, which only a vacuum would clear on a machine whose other transactions hold it back)
     sql("""INSERT INTO fleetless.jobs (id, kind, payload, status, attempts, finished_at, graph_id)
@@ -780,19 +797,106 @@ def test_retention_probes_a_graph_and_never_walks_it(queue: Queue, dsn: str, sql
            SELECT i, i + 1 FROM generate_series(1, 3999) i WHERE i <> 2000""")
     sql("ANALYZE fleetless.jobs")
     held, free = list(range(1, 2001)), list(range(2001, 4001))
-    params = {"done": 86400.0, "cancelled": None, "dead": None, "limit": 500,
-              **bucket_params([float(b) for b in DURATION_BUCKETS])}
-    with psycopg.connect(dsn) as c:
-        (plan,) = c.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queue._q["prune_batch"], params).fetchone()
-        c.rollback()
-    probes = [n for n in _plan_nodes(plan[0]["Plan"]) if n.get("Index Name") == "jobs_graph_idx"]
-    assert probes and max(n["Actual Loops"] for n in probes) >= 2000  # per candidate, the held graph's too
-    for n in probes:
-        assert n["Actual Rows"] + n.get("Rows Removed by Filter", 0) <= 1, n
-    assert queue.prune_batch({"done": 86400.0}, limit=500) == 500
+    plan = _prune_plan(queue, dsn, {"done": 86400.0}, [1, 2001])
+    graph_scans = [n for n in _plan_nodes(plan) if n.get("Index Name") == "jobs_graph_idx"]
+    assert graph_scans and max(n["Actual Loops"] for n in graph_scans) <= 2  # per graph, not per job
+    assert sum(_read(n) for n in graph_scans) <= 500 + 8  # the free chain's 500 rows and the probes
+    assert queue.prune_pass({"done": 86400.0}, limit=500) == (500, True)
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", held) == [(2000,)]
-    assert sql("SELECT min(id) FROM fleetless.jobs WHERE id = ANY(%s)", free) == [(free[500],)]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", free) == [(1500,)]
+    assert sql("SELECT position FROM fleetless.maintenance_runs WHERE name = 'retention_graphs'") == [(2000,)]
+    result = pruner.run_once(queue, pruner.Settings(ages=(("done", 86400.0),), batch_size=500))
+    assert (result.deleted, result.more) == (1500, False)
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", held) == [(2000,)]
+    assert sql("SELECT count(*) FROM fleetless.jobs") == [(2000,)]
 
+
+def test_a_retention_pass_beside_many_old_held_graphs_reads_none_of_their_jobs(
+        queue: Queue, dsn: str, sql: SQL) -> None:
+    """Audit (issue 29): 4 graphs of 1,000 done jobs, each held by one job still waiting and older
+    than every other finished job, lay at the front of every pass's scan, which probed each of
+    their jobs (1M such rows: 2.7-5.6 s a pass). Now the pass's scans of jobs read about the 500
+    rows it deletes (EXPLAIN ANALYZE; 4,496 rows in one scan before), the held graphs each cost a probe, and the
+    same pass prunes the 500 oldest due jobs in no graph."""
+    sql("""INSERT INTO fleetless.jobs (id, kind, payload, status, attempts, finished_at, graph_id)
+           SELECT i, 'echo', '{}', CASE WHEN i % 1000 = 0 THEN 'waiting' ELSE 'done' END, 1,
+                  CASE WHEN i % 1000 <> 0 THEN now() - interval '60 days' + make_interval(secs => i) END,
+                  (i - 1) / 1000 * 1000 + 1
+           FROM generate_series(1, 4000) i""")
+    sql("""INSERT INTO fleetless.jobs (id, kind, payload, status, attempts, finished_at)
+           SELECT i, 'echo', '{}', 'done', 1, now() - interval '30 days' + make_interval(secs => i)
+           FROM generate_series(4001, 4600) i""")
+    sql("ANALYZE fleetless.jobs")
+    plan = _prune_plan(queue, dsn, {"done": 86400.0}, [1, 1001, 2001, 3001])
+    scans = [(n["Node Type"], n.get("Index Name"), _read(n)) for n in _plan_nodes(plan)
+             if n.get("Relation Name") == "jobs" and n["Node Type"] != "ModifyTable"]
+    assert all(read <= 500 for _, _, read in scans), scans  # the due rows, found and re-checked
+    assert sum(read for _, index, read in scans if index == "jobs_graph_idx") <= 4, scans  # a probe a graph
+    assert [r["id"] for r in queue._run("prune_graphs_next", {"after": 0, "graphs": 500})] == [1, 1001, 2001, 3001]
+    assert queue.prune_batch({"done": 86400.0}, limit=500) == 500
+    assert sql("SELECT min(id), count(*) FROM fleetless.jobs WHERE id > 4000") == [(4501, 100)]
+    assert sql("SELECT count(*) FROM fleetless.jobs WHERE id <= 4000") == [(4000,)]
+
+
+
+def test_retention_looks_at_a_bounded_number_of_graphs_a_pass_from_where_the_last_left_off(
+        queue: Queue, sql: SQL) -> None:
+    """A pass looks at as many graphs as its batch size, after the last graph the pass before it
+    looked at (kept in the database), then goes round again from the first."""
+    graphs = []
+    for _ in range(3):
+        first = queue.enqueue("echo", {})
+        graphs.append((first, queue.enqueue("echo", {}, after=[first])))
+    (a1, _), (b1, _), (c1, c2) = graphs
+    sql("UPDATE fleetless.jobs SET status = 'done', attempts = 1, finished_at = now() - interval '30 days'"
+        " WHERE id = ANY(%s)", [a1, b1, c1, c2])
+    ages = {"done": 86400.0}
+    assert queue.prune_pass(ages, limit=2) == (0, True)  # a and b, held by their waiting children
+    assert queue.prune_pass(ages, limit=2) == (2, True)  # c, as a whole (it may have had more)
+    assert queue.prune_pass(ages, limit=2) == (0, False)  # none after c: round again from a
+    assert queue.prune_pass(ages, limit=2) == (0, True)
+    assert sorted(r[0] for r in sql("SELECT id FROM fleetless.jobs")) == [a for g in graphs[:2] for a in g]
+
+def test_retention_keeps_a_parent_an_older_enqueuer_wrote_while_its_child_waits(queue: Queue, sql: SQL) -> None:
+    """Mixed versions (audit, issue 29): an enqueuer older than migration 028 writes a workflow's
+    edges with no graph labels. A finished parent of such a child still waiting is kept (the child
+    reads its result when it is released): it was pruned, its result lost to the child's _parents.
+    So is a labelled graph's job that such an enqueuer gave an unlabelled child."""
+    parent, other, child = (queue.enqueue("echo", {}) for _ in range(3))
+    a = queue.enqueue("echo", {})
+    b = queue.enqueue("echo", {}, after=[a])
+    late = queue.enqueue("echo", {})
+    sql("UPDATE fleetless.jobs SET status = 'waiting' WHERE id = ANY(%s)", [child, late])
+    sql("INSERT INTO fleetless.job_dependencies (parent_id, child_id) VALUES (%s, %s), (%s, %s), (%s, %s)",
+        parent, child, other, child, b, late)
+    sql("UPDATE fleetless.jobs SET status = 'done', attempts = 1, finished_at = now() - interval '30 days'"
+        " WHERE id = ANY(%s)", [parent, a, b])
+    assert _labels(sql, parent, other, child, a, b, late) == [None, None, None, a, a, None]
+    assert queue.prune_batch({"done": 86400.0}) == 1  # a only: b's unlabelled child waits
+    assert queue.prune_batch({"done": 86400.0}, limit=500) == 0
+    assert sorted(r[0] for r in sql("SELECT id FROM fleetless.jobs")) == sorted([parent, other, child, b, late])
+    sql("UPDATE fleetless.jobs SET status = 'done', finished_at = now() - interval '30 days'"
+        " WHERE id = ANY(%s)", [other, child, late])
+    assert queue.prune_batch({"done": 86400.0}, limit=500) == 5
+
+
+
+def test_retention_racing_an_open_enqueue_of_a_child_keeps_its_parent(queue: Queue, dsn: str, sql: SQL) -> None:
+    """docs/workflows.md's known limit: a graph g1 -> g2, finished and old; an enqueue of a child
+    after g2 whose transaction is still open while retention runs. Retention skips g2 (the enqueue
+    holds it) and prunes g1; once the enqueue commits, the child is released with g2's result."""
+    g1 = queue.enqueue("echo", {})
+    g2 = queue.enqueue("echo", {}, after=[g1])
+    sql("UPDATE fleetless.jobs SET status = 'done', attempts = 1, result = 'g2',"
+        " finished_at = now() - interval '30 days' WHERE id = ANY(%s)", [g1, g2])
+    with psycopg.connect(dsn) as t:
+        child = int(queue.enqueue("echo", {}, after=[g2], conn=t))
+        assert queue.prune_batch({"done": 86400.0}, limit=500) == 1
+        t.commit()
+    assert sorted(r[0] for r in sql("SELECT id FROM fleetless.jobs")) == [g2, child]
+    assert _status(sql, child) == ["pending"]
+    (job,) = queue.claim(1)
+    assert job.id == child and job.payload["_parents"] == {str(g2): "g2"}
 
 def test_two_enqueues_joining_the_same_two_graphs_at_once_take_turns(queue: Queue, dsn: str, sql: SQL) -> None:
     """Two enqueues whose children join graphs A and B at the same moment each held a share lock

@@ -1203,22 +1203,27 @@ class Queue:
                              " (cancel it first)")
 
     def _delete_folding(self, name: str, params: dict[str, Any], *, wait: bool = True) -> list[dict[str, Any]]:
-        """Run ``delete`` or ``prune_batch``, which add the deleted jobs' not yet folded attempts
+        """Run ``delete``, which adds the deleted jobs' not yet folded attempts
         to /metrics' running totals, after the fold's lock in the same transaction (see
         ``fold_lock``): deleting jobs never lowers the attempt counters. ``wait=False``: delete
         nothing (an empty list) when a fold or another such delete holds the lock."""
         params = {**params, **bucket_params([float(b) for b in DURATION_BUCKETS])}
         with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
               c.cursor(row_factory=dict_row) as cur):
-            if wait:
-                cur.execute(self._q["fold_lock"])
-            else:
-                cur.execute(self._q["fold_try_lock"])
-                got = cur.fetchone()
-                if not got or not got["got"]:
-                    return []
+            if not self._fold_locked(cur, wait):
+                return []
             cur.execute(self._q[name], params, prepare=False)
             return cur.fetchall()
+
+    def _fold_locked(self, cur: psycopg.Cursor[dict[str, Any]], wait: bool) -> bool:
+        """The fold's lock (``fold_lock``) for this transaction; ``wait=False``: False at once
+        when a fold or another such delete holds it."""
+        if wait:
+            cur.execute(self._q["fold_lock"])
+            return True
+        cur.execute(self._q["fold_try_lock"])
+        got = cur.fetchone()
+        return bool(got and got["got"])
 
     def maintenance_turn(self, name: str, every: float) -> bool:
         """Whether this caller runs the periodic task ``name`` now: True for the one caller, of any
@@ -1504,9 +1509,48 @@ class Queue:
         unknown = set(ages) - {"done", "cancelled", "dead"}
         if unknown:
             raise ValueError(f"cannot prune status {', '.join(sorted(unknown))}: only done, cancelled, dead")
+        return self.prune_pass(ages, limit=limit, wait=wait)[0]
+
+    def prune_pass(self, ages: Mapping[str, float], *, limit: int | None = None,
+                   wait: bool = True) -> tuple[int, bool]:
+        """``prune_batch``, and whether workflow graphs are left that this pass did not look at.
+
+        Jobs in no graph are read oldest first. Graphs are looked at a bounded number a pass
+        (``limit``, as many as the rows), from where the last pass left off (a cursor kept in the
+        database, across runs and drains), round and round; each graph is checked once (a few
+        index probes) and, once all of it has finished and is past its ages, deleted as a whole,
+        first in the batch. So a pass costs about the same however many old jobs of graphs still
+        held there are. ``limit=None``: every graph, from the first."""
+        unknown = set(ages) - {"done", "cancelled", "dead"}
+        if unknown:
+            raise ValueError(f"cannot prune status {', '.join(sorted(unknown))}: only done, cancelled, dead")
         params: dict[str, Any] = {s: _as_float(ages.get(s), f"{s} age") for s in ("done", "cancelled", "dead")}
         params["limit"] = limit
-        return len(self._delete_folding("prune_batch", params, wait=wait))
+        params.update(bucket_params([float(b) for b in DURATION_BUCKETS]))
+        with (db.errors_translated(self.schema), self._connection() as c, db.atomic(c),
+              c.cursor(row_factory=dict_row) as cur):
+            if not self._fold_locked(cur, wait):
+                return 0, False
+            after = 0
+            if limit is not None:
+                cur.execute(self._q["prune_graphs_at"])
+                at = cur.fetchone()
+                after = (at and at["position"]) or 0
+            cur.execute(self._q["prune_graphs_next"], {"after": after, "graphs": limit})
+            looked = [row["id"] for row in cur.fetchall()]
+            cur.execute(self._q["prune_batch"], {**params, "graphs": looked}, prepare=False)
+            gone = cur.fetchall()
+            if limit is None:
+                return len(gone), False
+            in_graphs = [row["graph_id"] for row in gone if row["graph_id"] is not None]
+            if len(in_graphs) >= limit:  # the last graph deleted from may have more: again next pass
+                position, left = max(in_graphs) - 1, True
+            elif len(looked) < limit:  # the last graph: round again from the first
+                position, left = 0, False
+            else:
+                position, left = looked[-1], True
+            cur.execute(self._q["prune_graphs_mark"], {"position": position})
+            return len(gone), left
 
     def prune(self, older_than: float | dt.timedelta, *, include_dead: bool = False) -> int:
         """Delete done and cancelled (and, if asked, dead) jobs finished longer ago than that."""

@@ -2,7 +2,9 @@
 
 What it does: deletes ``done``, ``cancelled`` and ``dead`` jobs that finished longer ago than the
 age given for their status (a status without an age is kept), oldest first, ``batch_size`` rows per
-statement, until none is left or ``max_batches`` statements ran. Small batches keep each
+statement, until none is left or ``max_batches`` statements ran. Workflow graphs go as a whole,
+looked at ``batch_size`` graphs a statement from where the last one left off
+(``Queue.prune_pass``), so a run goes on while graphs are left that it has not looked at. Small batches keep each
 transaction short, so a big backlog never holds locks or bloats WAL in one go; rows another
 pruner is deleting are skipped, not waited on.
 
@@ -50,16 +52,16 @@ class Settings:
 @dataclass(frozen=True)
 class Result:
     deleted: int = 0
-    more: bool = False  # stopped at max_batches with a full last batch
+    more: bool = False  # stopped at max_batches with a full last batch, or graphs not looked at yet
 
 
 def run_once(queue: Queue, settings: Settings = Settings()) -> Result:
     ages = dict(settings.ages)
     deleted = batches = 0
     while settings.max_batches is None or batches < settings.max_batches:
-        n = queue.prune_batch(ages, limit=settings.batch_size, wait=settings.wait)
+        n, graphs_left = queue.prune_pass(ages, limit=settings.batch_size, wait=settings.wait)
         deleted += n
         batches += 1
-        if n < settings.batch_size:
+        if n < settings.batch_size and not graphs_left:
             return Result(deleted, more=False)
     return Result(deleted, more=True)

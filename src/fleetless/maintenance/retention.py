@@ -4,7 +4,10 @@ What it does: up to ``batches`` pruner batches per run (each at most ``batch_siz
 short statement; 20 x 500 by default, 10,000 rows a run) with the retention ages:
 ``done`` and ``cancelled`` jobs 7 days after they finished, ``dead`` ones after 30 (they are the
 evidence of what went wrong, so they are kept longer). A drain that finds more due leaves the rest
-to the next run; a long-running drain runs it again on its maintenance timer. At most one run per
+to the next run; a long-running drain runs it again on its maintenance timer. Workflow graphs go
+as a whole, ``batch_size`` graphs looked at a batch from where the last batch left off (a cursor
+in the database), so old jobs of graphs still held cost a batch one probe a graph, not one a
+job; a run goes on while graphs are left that it has not looked at. At most one run per
 database every ``every`` seconds (60), by whichever drain comes first: the others skip it at the
 cost of one short statement, and a run that finds a metrics fold or another pruner at work skips
 too, rather than wait (drains used to queue behind one another here). Each run also folds the job

@@ -948,77 +948,105 @@ FROM unnest(%(kinds)s::text[], %(concurrency)s::int[], %(rate)s::int[], %(second
      AS k(kind, concurrency, rate, seconds)
 ORDER BY 1 DESC, 2;
 
+-- name: prune_graphs_at
+-- Where retention's graph step left off (prune_graphs_mark): the last graph label it looked at.
+SELECT position FROM {schema}.maintenance_runs WHERE name = 'retention_graphs';
+
+-- name: prune_graphs_next
+-- Retention's graph step: the labels of the next %(graphs)s workflow graphs (NULL: all) after
+-- %(after)s, in label order, by a loose scan of jobs_graph_idx: each label the first entry after
+-- the one before, so a graph costs the step one probe here however many jobs it has.
+WITH RECURSIVE g(id, n) AS (
+  SELECT (SELECT min(graph_id) FROM {schema}.jobs WHERE graph_id > %(after)s::bigint), 1
+  UNION ALL
+  SELECT (SELECT min(j.graph_id) FROM {schema}.jobs j WHERE j.graph_id > g.id), g.n + 1
+  FROM g WHERE g.id IS NOT NULL AND (%(graphs)s::int IS NULL OR g.n < %(graphs)s::int)
+)
+SELECT id FROM g WHERE id IS NOT NULL;
+
+-- name: prune_graphs_mark
+-- Retention's graph step moves its cursor (kept between passes, runs and drains; pruners take
+-- turns under fold_lock, so one writes it at a time).
+INSERT INTO {schema}.maintenance_runs (name, last_at, position) VALUES ('retention_graphs', now(), %(position)s)
+ON CONFLICT (name) DO UPDATE SET last_at = now(), position = EXCLUDED.position;
+
 -- name: prune_batch
 -- The pruner (retention, and `fleetless prune`): finished jobs older than the age given for their
--- status (NULL: that status is kept), oldest first, at most %(limit)s rows (NULL: all) so that one
--- statement stays short. Each status is one range of jobs_finished_status_idx (status, finished_at)
--- read from its oldest row, so a pass reads the rows it deletes and stops, however many younger
--- finished rows there are (filtering by a per-status age over one finished_at index read all of
--- them: 1.0-1.2 s at 5M). SKIP LOCKED: two pruners at once split the rows instead of queueing
--- behind each other; a row's status and age are checked again once it is locked. A job's attempt
--- history goes with it (the CTE "history"). As delete does (and after fold_lock, likewise), the
--- deleted jobs' attempts no scrape has folded yet are added to attempt_totals first, so pruning
--- inside the fold margin never lowers the counters.
--- Workflows: a job of a graph (graph_id, migration 028) goes only once every job of its graph
--- has finished and is past its status' age, so a graph goes as a whole: no job is pruned while a
--- descendant, a sibling or any other job of its graph waits, runs or is young (a grandparent went
--- while its grandchild waited, when only the job's own children were looked at). A graph larger
--- than a batch goes over the run's next batches (each of its jobs then passes the same check).
--- The check is at most four probes of jobs_graph_idx per candidate, stopping at the first that
--- finds a job (one still waiting, pending or running; a done, a cancelled, a dead one inside its
--- age: a NULL age keeps that status forever, so any), each the first entry of an index range,
--- never a walk of the graph; a job in no graph skips them. (Written out in each status' scan: as
--- a SQL function the check was not inlined, and planned anew per row, 1.6 ms each.)
--- The deleted jobs' edges go with them.
+-- status (NULL: that status is kept), at most %(limit)s rows (NULL: all) so that one statement
+-- stays short. SKIP LOCKED: two pruners at once split the rows instead of queueing behind each
+-- other; a row's status and age are checked again once it is locked. A job's attempt history goes
+-- with it (the CTE "history"). As delete does (and after fold_lock, likewise), the deleted jobs'
+-- attempts no scrape has folded yet are added to attempt_totals first, so pruning inside the fold
+-- margin never lowers the counters. The deleted jobs' edges go with them.
+-- Jobs in no graph: each status is one range of jobs_finished_free_idx (status, finished_at; only
+-- jobs in no graph, migration 030) read from its oldest row, so a pass reads the rows it deletes
+-- and stops, however many younger finished rows there are, and however many old jobs of graphs
+-- still held there are (they lay at the front of every pass: 2.7-5.6 s a pass beside 1M of them).
+-- A finished job is also kept while any child of it has not ended (a probe of the edges' primary
+-- key, the child's status by its primary key): an enqueuer older than migration 028 writes a
+-- workflow without graph labels, and its child reads its parents' results when it is released.
+-- Workflows: the graphs %(graphs)s (labels, prune_graphs_next) go as a whole: a graph's jobs only
+-- once every job of it has finished and is past its status' age (no job is pruned while a
+-- descendant, a sibling or any other job of its graph waits, runs or is young). The check is at
+-- most four probes of jobs_graph_idx per graph, each the first entry of an index range, stopping
+-- at the first that finds a job (one still waiting, pending or running; a done, a cancelled, a
+-- dead one inside its age: a NULL age keeps that status forever, so any). A graph's jobs come
+-- first in the batch, graph by graph in the order given; a graph larger than what is left of the
+-- batch goes over the next passes. The same per-job edge check applies (a child an older
+-- enqueuer added carries no label).
 WITH gone AS (
 DELETE FROM {schema}.jobs
 WHERE id IN (
   SELECT id FROM {schema}.jobs
   WHERE id = ANY(ARRAY(
     SELECT due.id FROM (
-      (SELECT id, finished_at FROM {schema}.jobs
-       WHERE status = 'done' AND finished_at < now() - make_interval(secs => %(done)s::float8)
-         AND (graph_id IS NULL OR NOT EXISTS (
-               (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id
+      (SELECT r.id, 0 AS part, g.o, r.finished_at
+       FROM unnest(%(graphs)s::bigint[]) WITH ORDINALITY AS g(id, o)
+       CROSS JOIN LATERAL (
+         SELECT m.id, m.finished_at FROM {schema}.jobs m
+         WHERE m.graph_id = g.id AND m.status IN ('done', 'cancelled', 'dead')
+           AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = m.id
+                           AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                               IN ('waiting', 'pending', 'running'))
+         LIMIT %(limit)s) AS r
+       WHERE NOT EXISTS (
+               (SELECT FROM {schema}.jobs m WHERE m.graph_id = g.id
                   AND m.status IN ('waiting', 'pending', 'running') LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'done'
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = g.id AND m.status = 'done'
                   AND m.finished_at >= COALESCE(now() - make_interval(secs => %(done)s::float8), '-infinity') LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'cancelled'
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = g.id AND m.status = 'cancelled'
                   AND m.finished_at >= COALESCE(now() - make_interval(secs => %(cancelled)s::float8), '-infinity')
                   LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'dead'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1)))
-       ORDER BY status, finished_at LIMIT %(limit)s)
+               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = g.id AND m.status = 'dead'
+                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1))
+       LIMIT %(limit)s)
       UNION ALL
-      (SELECT id, finished_at FROM {schema}.jobs
-       WHERE status = 'cancelled' AND finished_at < now() - make_interval(secs => %(cancelled)s::float8)
-         AND (graph_id IS NULL OR NOT EXISTS (
-               (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id
-                  AND m.status IN ('waiting', 'pending', 'running') LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'done'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(done)s::float8), '-infinity') LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'cancelled'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(cancelled)s::float8), '-infinity')
-                  LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'dead'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1)))
-       ORDER BY status, finished_at LIMIT %(limit)s)
-      UNION ALL
-      (SELECT id, finished_at FROM {schema}.jobs
-       WHERE status = 'dead' AND finished_at < now() - make_interval(secs => %(dead)s::float8)
-         AND (graph_id IS NULL OR NOT EXISTS (
-               (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id
-                  AND m.status IN ('waiting', 'pending', 'running') LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'done'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(done)s::float8), '-infinity') LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'cancelled'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(cancelled)s::float8), '-infinity')
-                  LIMIT 1)
-               UNION ALL (SELECT FROM {schema}.jobs m WHERE m.graph_id = jobs.graph_id AND m.status = 'dead'
-                  AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1)))
-       ORDER BY status, finished_at LIMIT %(limit)s)
+      (SELECT free.id, 1, 0, free.finished_at FROM (
+        (SELECT id, finished_at FROM {schema}.jobs
+         WHERE status = 'done' AND graph_id IS NULL AND finished_at < now() - make_interval(secs => %(done)s::float8)
+           AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
+                           AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                               IN ('waiting', 'pending', 'running'))
+         ORDER BY status, finished_at LIMIT %(limit)s)
+        UNION ALL
+        (SELECT id, finished_at FROM {schema}.jobs
+         WHERE status = 'cancelled' AND graph_id IS NULL
+           AND finished_at < now() - make_interval(secs => %(cancelled)s::float8)
+           AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
+                           AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                               IN ('waiting', 'pending', 'running'))
+         ORDER BY status, finished_at LIMIT %(limit)s)
+        UNION ALL
+        (SELECT id, finished_at FROM {schema}.jobs
+         WHERE status = 'dead' AND graph_id IS NULL AND finished_at < now() - make_interval(secs => %(dead)s::float8)
+           AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
+                           AND (SELECT c.status FROM {schema}.jobs c WHERE c.id = d.child_id)
+                               IN ('waiting', 'pending', 'running'))
+         ORDER BY status, finished_at LIMIT %(limit)s)
+       ) AS free
+       ORDER BY free.finished_at LIMIT %(limit)s)
     ) AS due
-    ORDER BY due.finished_at LIMIT %(limit)s))
+    ORDER BY due.part, due.o, due.finished_at LIMIT %(limit)s))
     AND status IN ('done', 'cancelled', 'dead')
     AND finished_at < now() - make_interval(secs => CASE status
           WHEN 'done' THEN %(done)s::float8
@@ -1026,7 +1054,7 @@ WHERE id IN (
           ELSE %(dead)s::float8 END)
   FOR UPDATE SKIP LOCKED
 )
-RETURNING id, kind
+RETURNING id, kind, graph_id
 ), folded AS (
   SELECT g.kind, CASE a.outcome WHEN 'retry' THEN 'failed' ELSE a.outcome END AS outcome,
          CASE WHEN a.duration_seconds IS NULL THEN -1
@@ -1050,7 +1078,7 @@ RETURNING id, kind
 ), edges_down AS (
   DELETE FROM {schema}.job_dependencies d USING gone g WHERE d.parent_id = g.id
 )
-SELECT id FROM gone;
+SELECT id, graph_id FROM gone;
 
 -- name: finish_many
 -- The completer's one statement per flush: many outcomes (done, failed, released) in one UPDATE
