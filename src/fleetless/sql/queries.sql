@@ -993,14 +993,13 @@ ON CONFLICT (name) DO UPDATE SET last_at = now(), position = EXCLUDED.position;
 -- dead one inside its age: a NULL age keeps that status forever, so any). A graph's jobs come
 -- first in the batch, graph by graph in the order given; a graph larger than what is left of the
 -- batch goes over the next passes. The same per-job edge check applies (a child an older
--- enqueuer added carries no label).
-WITH gone AS (
-DELETE FROM {schema}.jobs
-WHERE id IN (
-  SELECT id FROM {schema}.jobs
-  WHERE id = ANY(ARRAY(
-    SELECT due.id FROM (
-      (SELECT r.id, 0 AS part, g.o, r.finished_at
+-- enqueuer added carries no label). A graph's jobs of this batch go together or not at all
+-- (kept): none if one of them is locked (an open enqueue adding a child holds its parent: the
+-- rest of the graph went, before) or was labelled since the check; a job in no graph labelled
+-- since it was found (an enqueue made it a parent) is kept too.
+WITH due AS (
+    SELECT due.id, due.gid FROM (
+      (SELECT r.id, g.id AS gid, 0 AS part, g.o, r.finished_at
        FROM unnest(%(graphs)s::bigint[]) WITH ORDINALITY AS g(id, o)
        CROSS JOIN LATERAL (
          SELECT m.id, m.finished_at FROM {schema}.jobs m
@@ -1021,7 +1020,7 @@ WHERE id IN (
                   AND m.finished_at >= COALESCE(now() - make_interval(secs => %(dead)s::float8), '-infinity') LIMIT 1))
        LIMIT %(limit)s)
       UNION ALL
-      (SELECT free.id, 1, 0, free.finished_at FROM (
+      (SELECT free.id, NULL::bigint, 1, 0, free.finished_at FROM (
         (SELECT id, finished_at FROM {schema}.jobs
          WHERE status = 'done' AND graph_id IS NULL AND finished_at < now() - make_interval(secs => %(done)s::float8)
            AND NOT EXISTS (SELECT FROM {schema}.job_dependencies d WHERE d.parent_id = jobs.id
@@ -1046,14 +1045,26 @@ WHERE id IN (
        ) AS free
        ORDER BY free.finished_at LIMIT %(limit)s)
     ) AS due
-    ORDER BY due.part, due.o, due.finished_at LIMIT %(limit)s))
+    ORDER BY due.part, due.o, due.finished_at LIMIT %(limit)s
+), locked AS (
+  SELECT id, graph_id FROM {schema}.jobs
+  WHERE id = ANY(ARRAY(SELECT id FROM due))
     AND status IN ('done', 'cancelled', 'dead')
     AND finished_at < now() - make_interval(secs => CASE status
           WHEN 'done' THEN %(done)s::float8
           WHEN 'cancelled' THEN %(cancelled)s::float8
           ELSE %(dead)s::float8 END)
   FOR UPDATE SKIP LOCKED
-)
+), kept AS (
+  -- due, but not locked here (skipped), or labelled since it was found due
+  SELECT d.id, d.gid FROM due d LEFT JOIN locked l ON l.id = d.id
+  WHERE l.id IS NULL OR l.graph_id IS DISTINCT FROM d.gid
+), gone AS (
+DELETE FROM {schema}.jobs
+WHERE id = ANY(ARRAY(
+  SELECT l.id FROM locked l JOIN due d ON d.id = l.id
+  WHERE l.graph_id IS NOT DISTINCT FROM d.gid
+    AND (d.gid IS NULL OR d.gid NOT IN (SELECT k.gid FROM kept k WHERE k.gid IS NOT NULL))))
 RETURNING id, kind, graph_id
 ), folded AS (
   SELECT g.kind, CASE a.outcome WHEN 'retry' THEN 'failed' ELSE a.outcome END AS outcome,
