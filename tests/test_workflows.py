@@ -801,6 +801,11 @@ def test_retention_probes_a_graph_and_never_walks_it(queue: Queue, dsn: str, sql
     graph_scans = [n for n in _plan_nodes(plan) if n.get("Index Name") == "jobs_graph_idx"]
     assert graph_scans and max(n["Actual Loops"] for n in graph_scans) <= 2  # per graph, not per job
     assert sum(_read(n) for n in graph_scans) <= 500 + 8  # the free chain's 500 rows and the probes
+    with psycopg.connect(dsn) as c:  # the graphs are found one probe each (a loose index scan)
+        (found,) = c.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + queue._q["prune_graphs_next"],
+                             {"after": 0, "graphs": 500}).fetchone()
+    scans = [n for n in _plan_nodes(found[0]["Plan"]) if n.get("Relation Name") == "jobs"]
+    assert scans and all(n.get("Index Name") == "jobs_graph_idx" and _read(n) <= 3 for n in scans), scans
     assert queue.prune_pass({"done": 86400.0}, limit=500) == (500, True)
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", held) == [(2000,)]
     assert sql("SELECT count(*) FROM fleetless.jobs WHERE id = ANY(%s)", free) == [(1500,)]
