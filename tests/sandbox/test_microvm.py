@@ -237,3 +237,46 @@ def test_the_old_module_names_are_the_subpackages_modules() -> None:
 
     assert (old_image, old_snapshot) == (image, snapshot)
     assert old_image is image and old_snapshot is snapshot  # one module: patching either patches both
+
+
+def test_a_kill_while_popen_has_not_yet_returned_the_vm_waits_for_the_vm(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QEMU runs from its exec on, but the sandbox learns of it only once ``Popen`` returns: a
+    kill in that window returned at once while the machine ran on (the contract's kill test failed
+    so under load, one run in many). It now waits for the machine: held here by a Popen that
+    returns QEMU's process only when the test says so."""
+    import subprocess
+
+    h = _handlers(tmp_path, idle_py="import time; time.sleep(120)")
+    real_popen = subprocess.Popen
+    spawned = threading.Event()
+    release = threading.Event()
+    machine: list[subprocess.Popen[bytes]] = []
+
+    def slow_popen(argv: list[str], *args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+        proc: subprocess.Popen[bytes] = real_popen(argv, *args, **kwargs)  # type: ignore[call-overload]
+        if "qemu-system" in os.path.basename(str(argv[0])) and not machine:
+            machine.append(proc)
+            spawned.set()
+            release.wait(120)  # Popen has not returned: the sandbox holds no process yet
+        return proc
+
+    sbx = MicroVMSandbox.create(Template(h, Limits(memory_bytes=128 * MiB), {}), ttl_seconds=300)
+    monkeypatch.setattr(subprocess, "Popen", slow_popen)
+    done: list[ExecResult] = []
+    job = threading.Thread(target=lambda: done.append(sbx.exec([sbx.python, f"{sbx.handlers_path}/idle.py"], 200)))
+    job.start()
+    killer = threading.Thread(target=sbx.kill)
+    try:
+        assert spawned.wait(120), "QEMU was never started"
+        killer.start()
+        killer.join(3)  # before: kill() returned at once, its machine still running
+        assert killer.is_alive() or machine[0].poll() is not None, "kill() returned while its VM ran"
+    finally:
+        release.set()
+        if killer.ident is None:
+            killer.start()
+        killer.join(60)
+        job.join(60)
+    assert not killer.is_alive() and machine[0].poll() is not None  # kill() returned: the VM is gone
+    assert done and done[0].killed == "killed: sandbox destroyed", done

@@ -578,6 +578,10 @@ class MicroVMSandbox(Sandbox):
         self.last_boot: BootOutcome | None = None
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        #: an exec is under way: its QEMU may exist before on_spawn registers it (Popen returns
+        #: after the exec), so a kill in that window waits for the registration (_destroy)
+        self._running = False
+        self._spawned = threading.Condition(self._lock)
         self._cancel = threading.Event()
         self._killed = False
         self._control = Control()  # the running VM's channel input (a batch runner's stop)
@@ -665,28 +669,35 @@ class MicroVMSandbox(Sandbox):
     def exec(self, argv: Sequence[str], timeout_seconds: float) -> ExecResult:
         ttl_deadline = self.created + self.ttl_seconds
         ttl_msg = f"killed: ttl of {_fmt_seconds(self.ttl_seconds)} s expired"
-        if self._killed:
-            return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
-        if time.monotonic() >= ttl_deadline:
-            return ExecResult(-signal.SIGKILL, "", "", 0.0, ttl_msg)
-        job = self._guest_job(argv, timeout_seconds)
-        limits = self.template.limits
-        mem = self.memory_mib()
+        with self._lock:  # _destroy sets _killed under the lock: it sees this exec, or it sees none
+            if self._killed:
+                return ExecResult(-signal.SIGKILL, "", "", 0.0, "killed: sandbox destroyed")
+            self._running = True
+        try:
+            if time.monotonic() >= ttl_deadline:
+                return ExecResult(-signal.SIGKILL, "", "", 0.0, ttl_msg)
+            job = self._guest_job(argv, timeout_seconds)
+            limits = self.template.limits
+            mem = self.memory_mib()
 
-        def on_spawn(proc: subprocess.Popen[bytes]) -> None:
+            def on_spawn(proc: subprocess.Popen[bytes]) -> None:
+                with self._lock:
+                    self._proc = proc
+                    self._spawned.notify_all()
+                if self._cancel.is_set():
+                    proc.kill()
+
+            out = self._restore(job, mem, ttl_deadline, on_spawn)
+            if out is None:
+                out = boot(self.image, [job], self.template.handlers_dir, accel=accel(self.image),
+                           memory_mib=mem, cpus=self.cpus(), tmp_bytes=limits.tmp_bytes,
+                           network=limits.network, hard_deadline=ttl_deadline, on_spawn=on_spawn,
+                           cancelled=self._cancel, control=self._control, on_stdout=self.stdout_seen)
+        finally:
             with self._lock:
-                self._proc = proc
-            if self._cancel.is_set():
-                proc.kill()
-
-        out = self._restore(job, mem, ttl_deadline, on_spawn)
-        if out is None:
-            out = boot(self.image, [job], self.template.handlers_dir, accel=accel(self.image),
-                       memory_mib=mem, cpus=self.cpus(), tmp_bytes=limits.tmp_bytes,
-                       network=limits.network, hard_deadline=ttl_deadline, on_spawn=on_spawn,
-                       cancelled=self._cancel, control=self._control, on_stdout=self.stdout_seen)
-        with self._lock:
-            self._proc = None
+                self._proc = None
+                self._running = False
+                self._spawned.notify_all()
         self.last_boot = out
         res = out.results[0]
         wall = out.wall
@@ -756,9 +767,13 @@ class MicroVMSandbox(Sandbox):
         return True
 
     def _destroy(self) -> None:
-        self._killed = True
         self._cancel.set()
         with self._lock:
+            self._killed = True
+            # A QEMU exists from its exec on, but is registered (on_spawn) only once Popen has
+            # returned: wait for that, or for the exec to end (the cancel stops a boot not yet
+            # spawned), so that kill() never returns while a machine of this sandbox runs.
+            self._spawned.wait_for(lambda: self._proc is not None or not self._running, timeout=30)
             proc = self._proc
         if proc is not None:
             try:
